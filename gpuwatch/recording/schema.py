@@ -1,0 +1,120 @@
+"""The versioned recording schema: every column, its polars type and its unit.
+
+Units are in the names (`_bytes`, `_w`, `_c`, `_mhz`, `_pct`, `_us`, `_s`). Missing is null, never a
+sentinel. docs/SCHEMA.md documents the same columns; tests check that the two agree.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+SCHEMA_VERSION = 1
+
+TS = pl.Datetime("us", "UTC")
+PROC = pl.List(pl.Struct({"pid": pl.UInt32, "used_bytes": pl.UInt64}))
+
+# One row per (tick, GPU); a machine with no GPU writes one row per tick with gpu = null.
+SAMPLES: dict[str, pl.DataType] = {
+    "ts": TS,
+    "tick": pl.UInt32,
+    "gpu": pl.UInt8,
+    "gpu_util_pct": pl.UInt8,
+    "gpu_mem_util_pct": pl.UInt8,
+    "gpu_mem_used_bytes": pl.UInt64,
+    "gpu_mem_total_bytes": pl.UInt64,
+    "gpu_temp_c": pl.Int16,
+    "gpu_temp_slowdown_c": pl.Int16,
+    "gpu_power_w": pl.Float32,
+    "gpu_power_limit_w": pl.Float32,
+    "gpu_sm_clock_mhz": pl.UInt16,
+    "gpu_mem_clock_mhz": pl.UInt16,
+    "gpu_clocks_event_reasons": pl.UInt64,
+    "gpu_ecc_corrected": pl.UInt64,
+    "gpu_ecc_uncorrected": pl.UInt64,
+    "gpu_energy_mj": pl.UInt64,
+    "gpu_pcie_tx_bytes_per_s": pl.UInt64,
+    "gpu_pcie_rx_bytes_per_s": pl.UInt64,
+    "gpu_procs": PROC,
+    "host_cpu_pct": pl.Float32,
+    "host_cpu_per_core_pct": pl.List(pl.Float32),
+    "host_load1": pl.Float32,
+    "host_mem_used_bytes": pl.UInt64,
+    "host_mem_total_bytes": pl.UInt64,
+    "host_swap_used_bytes": pl.UInt64,
+    "proc_rss_bytes": pl.UInt64,
+    "proc_cpu_pct": pl.Float32,
+    "sampler_interval_us": pl.Int32,
+    "sampler_cost_us": pl.Int32,
+    "sampler_cpu_us": pl.Int32,
+}
+
+# One row per workload step.
+STEPS: dict[str, pl.DataType] = {
+    "ts": TS,
+    "step": pl.UInt32,
+    "gpu": pl.UInt8,
+    "mode": pl.String,
+    "phase": pl.String,
+    "precision": pl.String,
+    "batch": pl.UInt32,
+    "seq_len": pl.UInt32,
+    "step_time_s": pl.Float64,
+    "tokens_per_s": pl.Float64,
+    "tflops": pl.Float64,
+    "mfu": pl.Float64,
+    "loss": pl.Float32,
+    "max_abs_logit": pl.Float32,
+    "torch_allocated_bytes": pl.UInt64,
+    "torch_reserved_bytes": pl.UInt64,
+    "torch_peak_bytes": pl.UInt64,
+    "expert_impl": pl.String,
+}
+
+# Events: the labels for training and the markers in replay. `detail` is a JSON object as text.
+EVENTS: dict[str, pl.DataType] = {
+    "ts": TS,
+    "kind": pl.String,
+    "severity": pl.String,
+    "gpu": pl.UInt8,
+    "message": pl.String,
+    "detail": pl.String,
+}
+
+TABLES: dict[str, dict[str, pl.DataType]] = {"samples": SAMPLES, "steps": STEPS, "events": EVENTS}
+
+EVENT_KINDS = (
+    "session_start", "session_end", "no_gpu", "gpu_lost", "xid", "oom", "oom_recovered", "nonfinite",
+    "integrity_mismatch", "throttle_onset", "throttle_end", "guard_action", "control", "mark",
+    "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
+)
+
+
+def empty(table: str) -> pl.DataFrame:
+    return pl.DataFrame(schema=TABLES[table])
+
+
+def conform(df: pl.DataFrame, table: str) -> pl.DataFrame:
+    """Cast `df` to the table's schema; missing columns become null (a newer writer adding columns)."""
+    schema = TABLES[table]
+    cols = []
+    for name, dtype in schema.items():
+        if name in df.columns:
+            cols.append(pl.col(name).cast(dtype, strict=False))
+        else:
+            cols.append(pl.lit(None, dtype=dtype).alias(name))
+    return df.select(cols)
+
+
+def check_schema(schema: pl.Schema | dict, table: str) -> list[str]:
+    """Problems with a file's schema against `table`: missing columns or incompatible types."""
+    want = TABLES[table]
+    problems = []
+    for name in ("ts",) + (("tick",) if table == "samples" else ()):
+        if name not in schema:
+            problems.append(f"missing column {name!r}")
+    for name, dtype in schema.items():
+        if name in want and want[name] != dtype and not (dtype.is_numeric() and want[name].is_numeric()):
+            if name == "ts" and isinstance(dtype, pl.Datetime):
+                continue
+            problems.append(f"column {name!r} is {dtype}, expected {want[name]}")
+    return problems

@@ -1,0 +1,187 @@
+"""The crash-safe session recorder.
+
+A session is a folder `<root>/<UTC start>-<host>/`:
+  meta.json                       host, GPUs, driver, versions, command line, config, schema version
+  samples-000001.parquet ...      one segment per table per flush (~1 s), written to a temp name and
+  steps-000001.parquet            renamed, so a reader never sees half a file and `kill -9` loses at most
+  events-000001.parquet           the last flush interval
+  samples-c000001-000300.parquet  every `roll_every` segments are merged into one chunk (bounded file count)
+  samples.parquet ...             after a clean stop: one compacted file per table, segments removed
+
+Writing runs on its own thread; the sampler never waits for the disk. Any OSError (a full disk, a
+removed folder) stops recording with a `recorder_error` event; the process carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from gpuwatch.recording import schema
+from gpuwatch.telemetry.bus import Bus
+
+SEGMENT_RE = re.compile(r"^(samples|steps|events)-(\d{6})\.parquet$")
+CHUNK_RE = re.compile(r"^(samples|steps|events)-c(\d{6})-(\d{6})\.parquet$")
+COMPACT_RE = re.compile(r"^(samples|steps|events)\.parquet$")
+FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
+
+
+def write_atomic(df: pl.DataFrame, path: Path, level: int = 3) -> int:
+    """Write `df` to `path` via a temp file + fsync + rename. Returns the bytes written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.write_parquet(tmp, compression="zstd", compression_level=level, statistics=True,
+                     metadata=FILE_META)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def write_json_atomic(obj: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def session_name(start: datetime, host: str | None = None) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())[:40]
+    return f"{start:%Y%m%dT%H%M%SZ}-{host}"
+
+
+class Recorder:
+    """Drains the bus into a session folder every `flush_interval` seconds."""
+
+    def __init__(self, bus: Bus, root: Path | str, meta: dict[str, Any], flush_interval: float = 1.0,
+                 roll_every: int = 300, name: str | None = None) -> None:
+        self.bus, self.flush_interval, self.roll_every = bus, flush_interval, roll_every
+        start = datetime.now(timezone.utc)
+        self.dir = Path(root) / (name or session_name(start))
+        self.meta = {"schema_version": schema.SCHEMA_VERSION, "start": start.isoformat(),
+                     "complete": False, **meta}
+        self._cursor = {"samples": bus.ticks.next_seq, "steps": bus.steps.next_seq,
+                        "events": bus.events.next_seq}
+        self._seg = {t: 0 for t in schema.TABLES}
+        self._unrolled: dict[str, list[Path]] = {t: [] for t in schema.TABLES}
+        self.rows = 0  # sample rows on disk
+        self.bytes = 0
+        self.dropped = 0  # ticks overwritten in the ring before the recorder read them
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> "Recorder":
+        try:
+            self.dir.mkdir(parents=True, exist_ok=False)
+            write_json_atomic(self.meta, self.dir / "meta.json")
+        except OSError as e:
+            self._fail(e)
+            return self
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-recorder", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval) and self.error is None:
+            self.flush()
+
+    def stop(self, compact: bool = True) -> None:
+        """Final flush; then merge every segment into one file per table and mark the session complete."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+        if self.error is not None:
+            return
+        self.flush()
+        if compact and self.error is None:
+            try:
+                self._compact()
+                self.meta.update(complete=True, end=datetime.now(timezone.utc).isoformat(),
+                                 rows=self.rows, bytes=self.bytes, dropped=self.dropped)
+                write_json_atomic(self.meta, self.dir / "meta.json")
+            except OSError as e:
+                self._fail(e)
+
+    # -- writing ------------------------------------------------------------------------------------
+    def _drain(self) -> dict[str, pl.DataFrame]:
+        ticks, self._cursor["samples"], lost = self.bus.ticks.since(self._cursor["samples"])
+        self.dropped += lost
+        steps, self._cursor["steps"], _ = self.bus.steps.since(self._cursor["steps"])
+        events, self._cursor["events"], _ = self.bus.events.since(self._cursor["events"])
+        rows = [r for t in ticks for r in t.rows]
+        frames = {"samples": rows, "steps": steps, "events": [e.row() for e in events]}
+        return {t: to_frame(r, t) for t, r in frames.items() if r}
+
+    def flush(self) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            try:
+                for table, df in self._drain().items():
+                    self._seg[table] += 1
+                    path = self.dir / f"{table}-{self._seg[table]:06d}.parquet"
+                    self.bytes += write_atomic(df, path, level=1)
+                    self._unrolled[table].append(path)
+                    if table == "samples":
+                        self.rows += df.height
+                    if len(self._unrolled[table]) >= self.roll_every:
+                        self._roll(table)
+            except OSError as e:
+                self._fail(e)
+
+    def _roll(self, table: str) -> None:
+        """Merge the open segments of `table` into one chunk file, then delete them."""
+        paths = self._unrolled[table]
+        first, last = _seq(paths[0]), _seq(paths[-1])
+        df = pl.concat([pl.read_parquet(p) for p in paths], how="vertical_relaxed")
+        out = self.dir / f"{table}-c{first:06d}-{last:06d}.parquet"
+        new = write_atomic(df, out)
+        for p in paths:
+            self.bytes -= p.stat().st_size
+            p.unlink()
+        self.bytes += new
+        self._unrolled[table] = []
+
+    def _compact(self) -> None:
+        for table in schema.TABLES:
+            parts = sorted(p for p in self.dir.glob(f"{table}-*.parquet"))
+            frames = [pl.read_parquet(p) for p in parts]
+            df = pl.concat(frames, how="vertical_relaxed") if frames else schema.empty(table)
+            self.bytes += write_atomic(df.sort("ts"), self.dir / f"{table}.parquet", level=9)
+            for p in parts:
+                self.bytes -= p.stat().st_size
+                p.unlink()
+
+    def _fail(self, e: OSError) -> None:
+        self.error = f"recording stopped: {e.strerror or e} ({getattr(e, 'filename', None) or self.dir})"
+        self.bus.emit("recorder_error", self.error, "error", errno=e.errno)
+
+    @property
+    def state(self) -> str:
+        if self.error:
+            return "error"
+        return "stopped" if self._stop.is_set() else "recording"
+
+
+def _seq(p: Path) -> int:
+    return int(SEGMENT_RE.match(p.name).group(2))
+
+
+def to_frame(rows: list[dict[str, Any]], table: str) -> pl.DataFrame:
+    """Rows (dicts, `ts` as UTC microseconds) -> a DataFrame with exactly the table's schema."""
+    want = schema.TABLES[table]
+    cols = {name: [r.get(name) for r in rows] for name in want}
+    ts = cols.pop("ts")
+    df = pl.DataFrame({"ts": pl.Series(ts, dtype=pl.Int64), **cols}, strict=False,
+                      schema_overrides={k: v for k, v in want.items() if k != "ts"})
+    return df.with_columns(pl.col("ts").cast(schema.TS)).select(list(want))
+

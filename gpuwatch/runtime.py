@@ -1,0 +1,101 @@
+"""Wires one gpuwatch session together (bus, sampler, recorder, workload) with no Textual import, so
+the same session runs headless (`gpuwatch record`, `gpuwatch stress`) or under the TUI."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import sys
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gpuwatch import __version__
+from gpuwatch.telemetry.bus import Bus
+from gpuwatch.telemetry.host import HostSampler
+from gpuwatch.telemetry.nvml import NvmlBackend, NvmlUnavailable
+from gpuwatch.telemetry.sampler import GpuBackend, Sampler
+
+
+def make_gpu_backend(source: str | None = None) -> tuple[GpuBackend | None, str]:
+    """NVML (the default), or a recording replayed as live (`source` = a session path).
+    Returns (backend or None for CPU-only, a one-line note saying what was found)."""
+    if source:
+        from gpuwatch.recording.replay_backend import ReplayGpuBackend
+
+        b = ReplayGpuBackend(source)
+        return b, f"{len(b.gpus)} GPU(s) from {b.label}"
+    try:
+        b = NvmlBackend()
+    except NvmlUnavailable as e:
+        return None, str(e)
+    if not b.gpus:
+        b.close()
+        return None, "NVML found no GPU; running CPU-only"
+    names = ", ".join(sorted({g.name for g in b.gpus}))
+    return b, f"{len(b.gpus)} GPU(s): {names}; driver {b.driver_version}"
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version(), "gpuwatch": __version__}
+    for pkg in ("polars", "nvidia-ml-py", "psutil", "textual", "torch", "transformers", "scikit-learn"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+class Session:
+    """One monitored run: sampler + optional recorder + optional workload, all on background threads."""
+
+    def __init__(self, interval: float = 0.1, record_dir: Path | str | None = None,
+                 source: str | None = None, config: dict[str, Any] | None = None,
+                 bus: Bus | None = None, name: str | None = None) -> None:
+        self.bus = bus or Bus()
+        self.gpu, self.gpu_note = make_gpu_backend(source)
+        self.host = HostSampler()
+        self.sampler = Sampler(self.bus, self.gpu, self.host, interval=interval)
+        self.config = dict(config or {}, interval_s=interval)
+        self.workload = None
+        self.recorder = None
+        if record_dir is not None:
+            from gpuwatch.recording.writer import Recorder
+
+            self.recorder = Recorder(self.bus, record_dir, self.meta(), name=name)
+        if self.gpu is None:
+            self.bus.emit("no_gpu", self.gpu_note, "warning")
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "host": socket.gethostname(), "platform": platform.platform(),
+            "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
+            "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
+            "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
+            "versions": versions(), "argv": sys.argv, "config": self.config,
+        }
+
+    def attach_workload(self, workload) -> None:
+        self.workload = workload
+        self.config["workload"] = workload.describe()
+        if self.recorder:
+            self.recorder.meta["config"] = self.config
+
+    def start(self) -> None:
+        if self.recorder:
+            self.recorder.start()
+        self.bus.emit("session_start", f"session started: {self.gpu_note}")
+        self.sampler.start()
+        if self.workload is not None:
+            self.workload.start()
+
+    def stop(self) -> None:
+        if self.workload is not None:
+            self.workload.stop()
+        self.sampler.stop()
+        self.bus.emit("session_end", "session stopped")
+        if self.recorder:
+            self.recorder.stop()
+        if self.gpu is not None:
+            self.gpu.close()

@@ -1,0 +1,131 @@
+"""The 10 Hz sampler: a deadline-scheduled thread (never on the UI loop) that reads every GPU and the
+host, and appends one `Tick` to the bus. Its own cost and interval are columns of every row.
+
+Blocking reads (PCIe, energy, swap, load) run on a second, slower thread; the fast tick copies their
+latest values. XID errors arrive on a third thread (NVML events) and become events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+from gpuwatch.telemetry.bus import Bus, Tick
+from gpuwatch.telemetry.nvml import GpuInfo, GpuLost
+
+
+class GpuBackend(Protocol):
+    """What the sampler needs from a GPU source: NVML live, or a recording replayed as live."""
+
+    kind: str
+    label: str
+    gpus: list[GpuInfo]
+    driver_version: str | None
+
+    def read_fast(self, i: int) -> dict[str, Any]: ...
+    def read_slow(self, i: int) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class Sampler:
+    """Samples at `interval` seconds. `clock`/`wait` are injectable for tests (fake time)."""
+
+    def __init__(self, bus: Bus, gpu: GpuBackend | None, host, interval: float = 0.1,
+                 slow_interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
+                 wait: Callable[[float], bool] | None = None) -> None:
+        self.bus, self.gpu, self.host = bus, gpu, host
+        self.interval, self.slow_interval = interval, slow_interval
+        self.clock, self.wall_us = clock, wall_us
+        self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
+        self._slow: dict[Any, dict[str, Any]] = {}
+        self._tick = 0
+        self._last_t: float | None = None
+        self.late_ticks = 0  # ticks that started more than one interval late (skipped deadlines)
+        self._threads: list[threading.Thread] = []
+        self.active_gpus = [g.index for g in gpu.gpus] if gpu else []
+
+    # -- one tick ---------------------------------------------------------------------------------
+    def tick(self) -> Tick:
+        t0, c0 = self.clock(), time.thread_time_ns()
+        ts = self.wall_us()
+        host = self.host.read_fast() if self.host else {}
+        host.update(self._slow.get("host", {}))
+        rows = []
+        for i in list(self.active_gpus):
+            try:
+                row = self.gpu.read_fast(i)
+            except GpuLost as e:
+                self.active_gpus.remove(i)
+                self.bus.emit("gpu_lost", str(e), "error", gpu=i)
+                continue
+            row.update(self._slow.get(i, {}))
+            row["gpu"] = i
+            rows.append(row)
+        if not rows:
+            rows.append({"gpu": None})
+        interval_us = int((t0 - self._last_t) * 1e6) if self._last_t is not None else None
+        self._last_t = t0
+        cost_us = int((self.clock() - t0) * 1e6)
+        cpu_us = (time.thread_time_ns() - c0) // 1000
+        for row in rows:
+            row.update(host)
+            row.update(ts=ts, tick=self._tick, sampler_interval_us=interval_us,
+                       sampler_cost_us=cost_us, sampler_cpu_us=cpu_us)
+        t = Tick(self._tick, ts, rows)
+        self._tick += 1
+        self.bus.ticks.append(t)
+        return t
+
+    def slow_tick(self) -> None:
+        if self.host:
+            self._slow["host"] = self.host.read_slow()
+        for i in list(self.active_gpus):
+            try:
+                self._slow[i] = self.gpu.read_slow(i)
+            except GpuLost:
+                pass  # the fast tick reports it
+
+    # -- loops --------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Deadline loop: next = start + k*interval, so jitter never accumulates. A tick that is more
+        than one interval late skips the missed deadlines (counted in `late_ticks`)."""
+        deadline = self.clock()
+        while not self._stop.is_set():
+            self.tick()
+            deadline += self.interval
+            now = self.clock()
+            if now > deadline + self.interval:
+                self.late_ticks += 1
+                deadline = now
+            if self._wait(max(0.0, deadline - now)):
+                break
+
+    def _run_slow(self) -> None:
+        while not self._stop.is_set():
+            self.slow_tick()
+            if self._stop.wait(self.slow_interval):
+                break
+
+    def _run_xid(self) -> None:
+        why = self.gpu.watch_xid(self._stop, lambda g, x: self.bus.emit(
+            "xid", f"XID {x} on GPU {g}", "error", gpu=g if g >= 0 else None, xid=x))
+        if why:
+            self.bus.emit("xid", why, "info", watching=False)
+
+    def start(self) -> None:
+        self.slow_tick()
+        targets = [(self.run, "gpuwatch-sampler"), (self._run_slow, "gpuwatch-sampler-slow")]
+        if self.gpu is not None and hasattr(self.gpu, "watch_xid"):
+            targets.append((self._run_xid, "gpuwatch-xid"))
+        for fn, name in targets:
+            th = threading.Thread(target=fn, name=name, daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join(timeout=2.0)

@@ -1,0 +1,110 @@
+"""Model presets (DeepseekV3Config fields) and the choices the CLI offers. No torch import here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODES = ("prefill", "decode", "train")
+SCHEDULES = ("steady", "soak", "sweep", "ramp", "long")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+_COMMON: dict[str, Any] = {
+    "hidden_act": "silu", "rope_theta": 10000.0, "attention_bias": False, "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_cache": False, "initializer_range": 0.02,
+    "rope_interleave": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # a few M params: CPU and CI
+    "tiny": dict(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        max_position_embeddings=4096, routed_scaling_factor=1.0, norm_topk_prob=False,
+        _batch=4, _seq_len=64,
+    ),
+    # ~0.5 B params
+    "small": dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=2, n_group=1, topk_group=1,
+        kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        max_position_embeddings=16384, routed_scaling_factor=1.0, norm_topk_prob=False,
+        _batch=8, _seq_len=512,
+    ),
+    # DeepSeek-V2-Lite's shape: ~15.7 B params, ~29 GiB in bf16
+    "v2-lite": dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        max_position_embeddings=32768, routed_scaling_factor=1.0, norm_topk_prob=False,
+        _batch=32, _seq_len=512,
+    ),
+    # DeepSeek-V3 widths (MLA with q LoRA, 256 experts top-8, group routing), 1 dense + 2 MoE layers
+    "v3-slice": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        max_position_embeddings=32768, routed_scaling_factor=2.5, norm_topk_prob=True,
+        _batch=16, _seq_len=512,
+    ),
+}
+
+# Fraction of device memory the weights may take for a preset to count as fitting (leaves room for
+# activations, KV cache, gradients of a train step with plain SGD).
+FIT_FRACTION = 0.30
+
+
+def config_fields(preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DeepseekV3Config keyword arguments for `preset` with `overrides` applied."""
+    fields = {**_COMMON, **{k: v for k, v in PRESETS[preset].items() if not k.startswith("_")}}
+    fields.update(overrides or {})
+    return fields
+
+
+def defaults(preset: str) -> tuple[int, int]:
+    """(batch, seq_len) a preset starts with."""
+    p = PRESETS[preset]
+    return p["_batch"], p["_seq_len"]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["num_hidden_layers=4", "q_lora_rank=None"]` -> typed dict (int, float, bool, None, str)."""
+    from gpuwatch.errors import UsageError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"bad --set {item!r}: use KEY=VALUE, e.g. num_hidden_layers=4")
+        low = raw.strip().lower()
+        if low in ("none", "null"):
+            out[key] = None
+        elif low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                try:
+                    out[key] = float(raw)
+                except ValueError:
+                    out[key] = raw
+    return out
+
+
+def choose_preset(device_mem_bytes: int | None, overrides: dict[str, Any] | None = None) -> str:
+    """The largest preset whose bf16 weights fit in FIT_FRACTION of the device (tiny on a CPU)."""
+    from gpuwatch.workload.flops import param_count
+
+    if not device_mem_bytes:
+        return "tiny"
+    best = "tiny"
+    for name in PRESETS:
+        if param_count(config_fields(name, overrides)) * 2 <= FIT_FRACTION * device_mem_bytes:
+            if param_count(config_fields(name, overrides)) > param_count(config_fields(best, overrides)):
+                best = name
+    return best

@@ -1,0 +1,285 @@
+"""The workload thread: builds the model, runs steps by schedule, applies controls between steps,
+publishes step metrics and events on the bus, and survives its own failures (OOM, non-finite loss).
+
+Controls (`set_batch_size`, `set_seq_len`, `set_precision`, `pause`, `resume`, `stop`) are thread-safe
+and take effect before the next step: this is the interface the guard (gpuwatch.control) calls.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpuwatch.telemetry.bus import Bus
+from gpuwatch.workload import flops as F
+from gpuwatch.workload import model as M
+from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
+from gpuwatch.workload.schedule import Schedule
+
+
+@dataclass
+class Faults:
+    leak_mib: float = 0.0  # keep this much device memory per step
+    fragment: bool = False  # random sequence lengths (1/4..1 of the set length)
+    fp16_overflow: bool = False  # scale embeddings so fp16 overflows
+    memory_limit_bytes: int | None = None  # behave like a smaller card
+
+
+@dataclass
+class WorkloadConfig:
+    preset: str = "tiny"
+    mode: str = "prefill"
+    schedule: str = "steady"
+    precision: str = "fp32"
+    batch: int | None = None
+    seq_len: int | None = None
+    max_batch: int | None = None
+    device: str = "cpu"
+    gpu_index: int | None = None  # the NVML index this workload runs on (for step rows)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    faults: Faults = field(default_factory=Faults)
+    integrity_every: int = 50
+    decode_tokens: int = 16
+    seed: int = 0
+    max_steps: int | None = None
+
+
+class Workload:
+    def __init__(self, bus: Bus, cfg: WorkloadConfig) -> None:
+        self.bus, self.cfg = bus, cfg
+        self.fields = config_fields(cfg.preset, cfg.overrides)
+        b, s = defaults(cfg.preset)
+        self.schedule = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch)
+        self.precision = cfg.precision
+        self.device = torch.device(cfg.device)
+        self.state = "idle"  # idle | building | running | paused | stopped | failed | finished
+        self.last: dict[str, Any] = {}
+        self.step_times: deque[float] = deque(maxlen=200)
+        self.ooms = self.recovered = self.nonfinite = self.integrity_failures = 0
+        self.unrecovered: str | None = None
+        self.params = F.param_count(self.fields)
+        self.expert_impl: str | None = None
+        self._pending: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._leak: list[torch.Tensor] = []
+        self._step = 0
+        self._gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.device_name = name or "CPU"
+
+    # -- controls (any thread) -----------------------------------------------------------------------
+    def set_batch_size(self, n: int) -> None:
+        with self._lock:
+            self._pending["batch"] = max(1, int(n))
+
+    def set_seq_len(self, n: int) -> None:
+        with self._lock:
+            self._pending["seq_len"] = max(1, int(n))
+
+    def set_precision(self, p: str) -> None:
+        if p not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}")
+        with self._lock:
+            self._pending["precision"] = p
+
+    def pause(self) -> None:
+        self._resume.clear()
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def stop(self, join: bool = True) -> None:
+        self._stop.set()
+        self._resume.set()
+        if join and self._thread and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    @property
+    def batch(self) -> int:
+        return self.schedule.plan()[0] if not self.schedule.finished else self.schedule.batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.schedule.seq_len
+
+    def describe(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"preset": c.preset, "mode": c.mode, "schedule": c.schedule, "precision": self.precision,
+                "batch": self.schedule.batch, "seq_len": self.schedule.seq_len, "device": str(self.device),
+                "params": self.params, "overrides": c.overrides, "faults": vars(c.faults),
+                "integrity_every": c.integrity_every, "seed": c.seed}
+
+    # -- thread ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="gpuwatch-workload", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread:
+            self._thread.join(timeout)
+
+    def run(self) -> None:
+        try:
+            self._build()
+            while not self._stop.is_set():
+                if not self._resume.is_set():
+                    self.state = "paused"
+                    self._resume.wait()
+                    continue
+                self._apply_controls()
+                plan = self.schedule.plan()
+                if plan is None or (self.cfg.max_steps and self._step >= self.cfg.max_steps):
+                    self.state = "finished"
+                    break
+                self.state = "running"
+                self._one_step(*plan)
+        except Exception as e:  # a failure we could not recover: visible, never a crash of the app
+            self.state = "failed"
+            self.unrecovered = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.bus.emit("workload_error", f"workload stopped: {self.unrecovered}", "error", gpu=self.cfg.gpu_index)
+        finally:
+            if self.state not in ("failed", "finished"):
+                self.state = "stopped"
+            self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps", gpu=self.cfg.gpu_index)
+
+    def _build(self) -> None:
+        self.state = "building"
+        lim = self.cfg.faults.memory_limit_bytes
+        if lim and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, lim / total), self.device)
+        self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
+        self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
+        if self.cfg.faults.fp16_overflow:
+            self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 6e4)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5) if self.cfg.mode == "train" else None
+        self.scaler = M.LossScaler() if self.cfg.mode == "train" and self.precision == "fp16" else None
+        self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "
+                      f"{self.device_name} in {secs:.2f} s", gpu=self.cfg.gpu_index,
+                      build_s=secs, **self.describe(), **M.memory(self.device))
+
+    def _apply_controls(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for key, value in pending.items():
+            if key == "batch":
+                self.schedule.set_batch(value)
+            elif key == "seq_len":
+                self.schedule.set_seq_len(value)
+            elif key == "precision" and value != self.precision:
+                M.apply_precision(self.model, value)
+                self.precision = value
+                if self.cfg.mode == "train":
+                    self.scaler = M.LossScaler() if value == "fp16" else None
+            self.bus.emit("control", f"{key} -> {value}", gpu=self.cfg.gpu_index, control=key, value=value)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def _one_step(self, batch: int, seq: int, phase: str) -> None:
+        if self.cfg.faults.fragment:
+            seq = int(torch.randint(max(1, seq // 4), seq + 1, (1,), generator=self._gen, device=self.device).item())
+        before = M.memory(self.device)["torch_allocated_bytes"]
+        failure = None
+        try:
+            row = self._timed_step(batch, seq, phase)
+        except Exception as e:  # noqa: BLE001 - classified below, outside the handler
+            if not M.is_oom(e):
+                raise
+            failure = str(e).splitlines()[0][:300]
+        if failure is not None:  # recover OUTSIDE the except block: its traceback pins the step's tensors
+            self._recover_oom(failure, batch, seq, before)
+            return
+        self.schedule.done()
+        self._step += 1
+        self.step_times.append(row["step_time_s"])
+        self.last = row
+        self.bus.steps.append(row)
+        if row["loss"] is not None and not _finite(row["loss"]) or not _finite(row["max_abs_logit"]):
+            self.nonfinite += 1
+            self.bus.emit("nonfinite", f"non-finite output at step {self._step} ({self.precision})", "warning",
+                          gpu=self.cfg.gpu_index, loss=row["loss"], max_abs_logit=row["max_abs_logit"])
+        if self.cfg.integrity_every and self._step % self.cfg.integrity_every == 0:
+            self._integrity()
+
+    def _timed_step(self, batch: int, seq: int, phase: str) -> dict[str, Any]:
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        ids = M.random_ids(self.fields["vocab_size"], batch, seq, dev, self._gen)
+        M.synchronize(dev)
+        t0 = time.perf_counter()
+        mode = self.cfg.mode
+        if mode == "train":
+            loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler)
+        elif mode == "decode":
+            loss, max_logit = M.step_decode(self.model, ids, self.cfg.decode_tokens)
+        else:
+            loss, max_logit = M.step_prefill(self.model, ids)
+        M.synchronize(dev)
+        dt = time.perf_counter() - t0
+        del ids
+        if self.cfg.faults.leak_mib and dev.type == "cuda":
+            self._leak.append(torch.ones(int(self.cfg.faults.leak_mib * 2**20), dtype=torch.uint8, device=dev))
+        tokens = batch * (self.cfg.decode_tokens if mode == "decode" else seq)
+        fl = F.step_flops(self.fields, mode, batch, seq, self.cfg.decode_tokens)
+        peak = F.peak_tflops(self.device_name, self.precision)
+        tflops = fl / dt / 1e12
+        return {"ts": time.time_ns() // 1000, "step": self._step, "gpu": self.cfg.gpu_index, "mode": mode,
+                "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
+                "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
+                "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
+                **M.memory(dev), "expert_impl": self.expert_impl}
+
+    def _recover_oom(self, message: str, batch: int, seq: int, before: int | None) -> None:
+        self.ooms += 1
+        gpu = self.cfg.gpu_index
+        self.bus.emit("oom", f"CUDA OOM at batch {batch} x {seq} ({self.precision})", "error", gpu=gpu,
+                      batch=batch, seq_len=seq, precision=self.precision, error=message,
+                      allocated_before=before, phase=self.schedule.plan()[2] if not self.schedule.finished else None)
+        self._leak.clear()  # the leak fault's memory is what a real leak fix would release
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        after = M.memory(self.device)["torch_allocated_bytes"]
+        decision = self.schedule.oom()
+        self.recovered += 1
+        self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
+                      allocated_after=after, allocated_before=before, decision=decision,
+                      back_to_pre_step=(after is not None and before is not None and after <= before))
+
+    def _integrity(self) -> None:
+        """The same input twice must give the same logits (within the precision's tolerance)."""
+        gen = torch.Generator(device=self.device).manual_seed(1234)
+        ids = M.random_ids(self.fields["vocab_size"], 1, min(128, self.schedule.seq_len), self.device, gen)
+        with torch.inference_mode():
+            a = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
+            b = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
+        diff = (a - b).abs().max().item()
+        tol = 1e-3 * max(1.0, a.abs().max().item()) if self.precision in ("bf16", "fp16") else 1e-5 * max(1.0, a.abs().max().item())
+        if not diff <= tol:
+            self.integrity_failures += 1
+            self.bus.emit("integrity_mismatch", f"same input, outputs differ by {diff:.3g} (tol {tol:.3g})",
+                          "error", gpu=self.cfg.gpu_index, max_abs_diff=diff, tolerance=tol)
+
+    # -- figures for the UI ----------------------------------------------------------------------------
+    def step_time_pct(self) -> tuple[float | None, float | None]:
+        t = sorted(self.step_times)
+        if not t:
+            return None, None
+        return statistics.median(t), t[min(len(t) - 1, int(0.99 * len(t)))]
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or x == x and abs(x) != float("inf")

@@ -1,0 +1,108 @@
+"""Load schedules: what batch and sequence length each step runs, and what happens after an OOM.
+Pure Python (no torch) so it is tested on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SWEEP_LEVELS = (1, 8, 32, 64, 128)
+
+
+@dataclass
+class Schedule:
+    kind: str  # steady | soak | sweep | ramp | long
+    batch: int
+    seq_len: int
+    max_batch: int | None = None
+    per_level: int = 6  # steps per sweep/ramp level (the first 2 are warm-up)
+    warmup_steps: int = 30  # soak: steps at 50 % before the 110 % overload
+    long_seq: int = 8192
+    step: int = 0
+    finished: bool = False
+    edges: list[int] = field(default_factory=list)  # ramp: last batch that ran before each OOM
+    oom_levels: list[int] = field(default_factory=list)  # sweep: batches that ran out of memory
+    _level: int = 0
+    _in_level: int = 0
+    _base: int = 0
+    _last_ok: int = 0
+
+    def __post_init__(self) -> None:
+        self._base = self.batch
+        if self.kind == "sweep":
+            top = self.max_batch or SWEEP_LEVELS[-1]
+            self.levels = [b for b in SWEEP_LEVELS if b <= top] if not self.max_batch else _pow2(top)
+        if self.kind == "ramp":
+            self._ramp_start = max(1, self.batch // 4)
+            self.batch = self._ramp_start
+
+    def plan(self) -> tuple[int, int, str] | None:
+        """(batch, seq_len, phase) of the next step, or None when the schedule has finished."""
+        if self.finished:
+            return None
+        k = self.kind
+        if k == "soak":
+            if self.step < self.warmup_steps:
+                return max(1, round(0.5 * self._base)), self.seq_len, "warmup"
+            return max(1, round(1.1 * self._base)), self.seq_len, "overload"
+        if k == "sweep":
+            b = self.levels[self._level]
+            return b, self.seq_len, f"sweep b={b}" + (" warmup" if self._in_level < 2 else "")
+        if k == "ramp":
+            return self.batch, self.seq_len, f"ramp b={self.batch}"
+        if k == "long":
+            return self.batch, max(self.seq_len, self.long_seq), "long"
+        return self.batch, self.seq_len, "steady"
+
+    def done(self) -> None:
+        """A step finished without failure."""
+        self.step += 1
+        self._last_ok = self.batch
+        if self.kind in ("sweep", "ramp"):
+            self._in_level += 1
+            if self._in_level >= self.per_level:
+                self._next_level()
+
+    def _next_level(self) -> None:
+        self._in_level = 0
+        if self.kind == "sweep":
+            self._level += 1
+            self.finished = self._level >= len(self.levels)
+        else:
+            nxt = max(self.batch + 1, int(self.batch * 1.25))
+            self.batch = min(nxt, self.max_batch) if self.max_batch else nxt
+
+    def oom(self) -> str:
+        """The step ran out of memory: decide how to carry on; returns what was decided."""
+        b = self.plan()[0] if not self.finished else self.batch
+        self.step += 1
+        if self.kind == "sweep":
+            self.oom_levels.append(b)
+            self._in_level = 0
+            self._level += 1
+            self.finished = self._level >= len(self.levels)
+            return f"sweep: batch {b} does not fit; next level"
+        if self.kind == "ramp":
+            self.edges.append(self._last_ok)
+            self.batch, self._in_level = self._ramp_start, 0
+            return f"ramp: OOM at batch {b}; restarting the ramp at {self._ramp_start}"
+        if self.kind == "soak":
+            self._base = max(1, int(self._base * 0.9))
+            return f"soak: base batch lowered to {self._base}"
+        self.batch = max(1, b // 2)
+        self._base = self.batch
+        return f"batch halved to {self.batch}"
+
+    def set_batch(self, b: int) -> None:
+        """A control (user or guard) sets the batch; sweep levels are fixed and ignore it."""
+        self.batch = self._base = max(1, b)
+
+    def set_seq_len(self, s: int) -> None:
+        self.seq_len = max(1, s)
+
+
+def _pow2(top: int) -> list[int]:
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top]
