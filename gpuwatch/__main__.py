@@ -1,3 +1,4 @@
 from gpuwatch.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # guarded: the sampler's spawned child re-imports this module
+    raise SystemExit(main())

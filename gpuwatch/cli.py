@@ -64,6 +64,8 @@ def _common(p: argparse.ArgumentParser, record_default: bool) -> None:
                    help="where session folders are written (default recordings/)")
     p.add_argument("--no-record", dest="record", action="store_false", default=record_default,
                    help="do not write a recording")
+    p.add_argument("--sampler", choices=["process", "thread"], default="process",
+                   help="sample in a child process (default; keeps 100 ms under a busy GIL) or a thread")
     p.add_argument("--source", metavar="SESSION",
                    help="replay a recorded session as if it were live (demo/tests; labelled REPLAY)")
 
@@ -146,7 +148,8 @@ def _wait_until(deadline: float | None, done=lambda: False) -> None:
 def cmd_record(args) -> int:
     from gpuwatch.runtime import Session
 
-    s = Session(interval=args.interval, record_dir=args.output if args.record else None, source=args.source)
+    s = Session(interval=args.interval, record_dir=args.output if args.record else None, source=args.source,
+                sampler=args.sampler)
     print(f"gpuwatch: {s.gpu_note}", file=sys.stderr)
     s.start()
     if s.recorder:

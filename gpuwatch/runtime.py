@@ -52,13 +52,20 @@ class Session:
 
     def __init__(self, interval: float = 0.1, record_dir: Path | str | None = None,
                  source: str | None = None, config: dict[str, Any] | None = None,
-                 bus: Bus | None = None, name: str | None = None) -> None:
+                 bus: Bus | None = None, name: str | None = None, sampler: str = "process") -> None:
+        """`sampler`: "process" (default; immune to GIL contention here) or "thread"."""
         self.bus = bus or Bus()
-        self.gpu, self.gpu_note = make_gpu_backend(source)
         self.host = HostSampler()
-        self.sampler = Sampler(self.bus, self.gpu, self.host, interval=interval)
+        if sampler == "process":
+            from gpuwatch.telemetry.sampler_process import SamplerProcess
+
+            self.sampler = SamplerProcess(self.bus, source, interval)
+            self.gpu, self.gpu_note = self.sampler.launch()
+        else:
+            self.gpu, self.gpu_note = make_gpu_backend(source)
+            self.sampler = Sampler(self.bus, self.gpu, self.host, interval=interval)
         self.config = dict(config or {}, interval_s=interval)
-        self.workload = None
+        self.workloads: list = []
         self.recorder = None
         if record_dir is not None:
             from gpuwatch.recording.writer import Recorder
@@ -71,14 +78,20 @@ class Session:
         return {
             "host": socket.gethostname(), "platform": platform.platform(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
+            "sampler": type(self.sampler).__name__,
             "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": self.config,
         }
 
+    @property
+    def workload(self):
+        """The first workload (the one the dashboard shows and the keys control), or None."""
+        return self.workloads[0] if self.workloads else None
+
     def attach_workload(self, workload) -> None:
-        self.workload = workload
-        self.config["workload"] = workload.describe()
+        self.workloads.append(workload)
+        self.config["workloads"] = [w.describe() for w in self.workloads]
         if self.recorder:
             self.recorder.meta["config"] = self.config
 
@@ -87,12 +100,14 @@ class Session:
             self.recorder.start()
         self.bus.emit("session_start", f"session started: {self.gpu_note}")
         self.sampler.start()
-        if self.workload is not None:
-            self.workload.start()
+        for w in self.workloads:
+            w.start()
 
     def stop(self) -> None:
-        if self.workload is not None:
-            self.workload.stop()
+        for w in self.workloads:
+            w.stop(join=False)
+        for w in self.workloads:
+            w.stop()
         self.sampler.stop()
         self.bus.emit("session_end", "session stopped")
         if self.recorder:

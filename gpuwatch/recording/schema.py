@@ -36,7 +36,7 @@ SAMPLES: dict[str, pl.DataType] = {
     "gpu_pcie_rx_bytes_per_s": pl.UInt64,
     "gpu_procs": PROC,
     "host_cpu_pct": pl.Float32,
-    "host_cpu_per_core_pct": pl.List(pl.Float32),
+    "host_cpu_per_core_pct": pl.List(pl.UInt8),
     "host_load1": pl.Float32,
     "host_mem_used_bytes": pl.UInt64,
     "host_mem_total_bytes": pl.UInt64,

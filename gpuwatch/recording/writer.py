@@ -34,13 +34,16 @@ COMPACT_RE = re.compile(r"^(samples|steps|events)\.parquet$")
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
 
 
-def write_atomic(df: pl.DataFrame, path: Path, level: int = 3) -> int:
-    """Write `df` to `path` via a temp file + fsync + rename. Returns the bytes written."""
+def write_atomic(df: pl.DataFrame, path: Path, level: int = 3, fsync: bool = True) -> int:
+    """Write `df` to `path` via a temp file and a rename, so no reader sees half a file.
+    `fsync` also survives a power loss; without it a killed process still loses nothing written
+    (the page cache belongs to the kernel), which is what the 1 s segments need."""
     tmp = path.with_name(f".{path.name}.tmp")
     df.write_parquet(tmp, compression="zstd", compression_level=level, statistics=True,
                      metadata=FILE_META)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
+    if fsync:
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path.stat().st_size
 
@@ -129,7 +132,7 @@ class Recorder:
                 for table, df in self._drain().items():
                     self._seg[table] += 1
                     path = self.dir / f"{table}-{self._seg[table]:06d}.parquet"
-                    self.bytes += write_atomic(df, path, level=1)
+                    self.bytes += write_atomic(df, path, level=1, fsync=False)
                     self._unrolled[table].append(path)
                     if table == "samples":
                         self.rows += df.height
@@ -178,10 +181,4 @@ def _seq(p: Path) -> int:
 
 def to_frame(rows: list[dict[str, Any]], table: str) -> pl.DataFrame:
     """Rows (dicts, `ts` as UTC microseconds) -> a DataFrame with exactly the table's schema."""
-    want = schema.TABLES[table]
-    cols = {name: [r.get(name) for r in rows] for name in want}
-    ts = cols.pop("ts")
-    df = pl.DataFrame({"ts": pl.Series(ts, dtype=pl.Int64), **cols}, strict=False,
-                      schema_overrides={k: v for k, v in want.items() if k != "ts"})
-    return df.with_columns(pl.col("ts").cast(schema.TS)).select(list(want))
-
+    return pl.from_dicts(rows, schema=schema.TABLES[table], strict=False)

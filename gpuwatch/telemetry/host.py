@@ -1,7 +1,8 @@
-"""Host telemetry through psutil: CPU (total and per core), memory, swap, load, and this process.
+"""Host telemetry through psutil: CPU (total and per core), memory, swap, load, and the monitored process.
 
-Fast fields (every tick) read /proc/stat, /proc/meminfo and /proc/self; swap and load average change
-slowly and are read on the slow thread.
+Only total CPU is read every tick (one /proc/stat read, ~40 us). Per-core CPU, memory, swap, load and
+the process's RSS and CPU are read on the slow thread (1 Hz; each psutil call costs 30-150 us, and
+together they would cost more than the whole GPU sample); rows in between repeat the last reading.
 """
 
 from __future__ import annotations
@@ -16,27 +17,35 @@ import psutil
 class HostSampler:
     label = "live (psutil)"
 
-    def __init__(self) -> None:
-        self._proc = psutil.Process(os.getpid())
-        psutil.cpu_percent(percpu=True)  # prime: the first call has no interval to compare with
+    def __init__(self, pid: int | None = None) -> None:
+        """`pid`: the process whose RSS and CPU are reported (default: this one)."""
+        self._proc = psutil.Process(pid or os.getpid())
+        psutil.cpu_percent()  # prime: the first call has no interval to compare with
+        psutil.cpu_percent(percpu=True)
         self._last_cpu = (time.monotonic(), sum(self._proc.cpu_times()[:2]))
         self.cores = psutil.cpu_count() or 1
 
     def read_fast(self) -> dict[str, Any]:
-        per_core = psutil.cpu_percent(percpu=True)
-        vm = psutil.virtual_memory()
-        now, cpu = time.monotonic(), sum(self._proc.cpu_times()[:2])
-        last_t, last_cpu = self._last_cpu
-        self._last_cpu = (now, cpu)
-        return {
-            "host_cpu_pct": sum(per_core) / len(per_core) if per_core else None,
-            "host_cpu_per_core_pct": per_core,
-            "host_mem_used_bytes": vm.total - vm.available,
-            "host_mem_total_bytes": vm.total,
-            "proc_rss_bytes": self._proc.memory_info().rss,
-            # % of one core, like top: 100 = one core busy
-            "proc_cpu_pct": 100.0 * (cpu - last_cpu) / (now - last_t) if now > last_t else None,
-        }
+        return {"host_cpu_pct": psutil.cpu_percent()}  # % of all cores since the last tick
 
     def read_slow(self) -> dict[str, Any]:
-        return {"host_swap_used_bytes": psutil.swap_memory().used, "host_load1": os.getloadavg()[0]}
+        vm = psutil.virtual_memory()
+        now = time.monotonic()
+        try:
+            cpu = sum(self._proc.cpu_times()[:2])
+            rss = self._proc.memory_info().rss
+        except psutil.Error:  # the monitored process is gone
+            cpu, rss = None, None
+        last_t, last_cpu = self._last_cpu
+        if cpu is not None:
+            self._last_cpu = (now, cpu)
+        return {
+            "host_cpu_per_core_pct": [round(x) for x in psutil.cpu_percent(percpu=True)],
+            "host_mem_used_bytes": vm.total - vm.available,
+            "host_mem_total_bytes": vm.total,
+            "host_swap_used_bytes": psutil.swap_memory().used,
+            "host_load1": os.getloadavg()[0],
+            "proc_rss_bytes": rss,
+            # % of one core, like top: 100 = one core busy
+            "proc_cpu_pct": 100.0 * (cpu - last_cpu) / (now - last_t) if cpu is not None and now > last_t else None,
+        }

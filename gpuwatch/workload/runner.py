@@ -253,7 +253,7 @@ class Workload:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         after = M.memory(self.device)["torch_allocated_bytes"]
-        decision = self.schedule.oom()
+        decision = self.schedule.oom(batch)
         self.recovered += 1
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
                       allocated_after=after, allocated_before=before, decision=decision,

@@ -71,9 +71,8 @@ class Schedule:
             nxt = max(self.batch + 1, int(self.batch * 1.25))
             self.batch = min(nxt, self.max_batch) if self.max_batch else nxt
 
-    def oom(self) -> str:
-        """The step ran out of memory: decide how to carry on; returns what was decided."""
-        b = self.plan()[0] if not self.finished else self.batch
+    def oom(self, b: int) -> str:
+        """A step at batch `b` ran out of memory: decide how to carry on; returns what was decided."""
         self.step += 1
         if self.kind == "sweep":
             self.oom_levels.append(b)

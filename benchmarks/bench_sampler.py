@@ -1,0 +1,170 @@
+"""Sampler + recorder cost, interval jitter and bytes on disk (issue 2's benchmarks).
+
+  python benchmarks/bench_sampler.py cost   [--seconds 60]   CPU %% of one core: gpuwatch record vs the tools
+                                                             people use (nvidia-smi -lms 100, a bare pynvml
+                                                             loop, a bash loop), all run side by side
+  python benchmarks/bench_sampler.py jitter [--seconds 20]   sample-interval p50/p99/max, idle and beside a
+                                                             busy Python thread + a GPU matmul loop in-process
+Prints one JSON object per measurement (and writes it to --out if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = "utilization.gpu,utilization.memory,memory.used,memory.total,temperature.gpu,power.draw,clocks.sm,clocks.mem"
+PYNVML_LOOP = r"""
+import time, pynvml
+pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); nxt = time.monotonic()
+while True:
+    pynvml.nvmlDeviceGetUtilizationRates(h); pynvml.nvmlDeviceGetMemoryInfo(h)
+    pynvml.nvmlDeviceGetTemperature(h, 0); pynvml.nvmlDeviceGetPowerUsage(h)
+    pynvml.nvmlDeviceGetClockInfo(h, 1); pynvml.nvmlDeviceGetClockInfo(h, 0)
+    nxt += 0.1; time.sleep(max(0, nxt - time.monotonic()))
+"""
+BASH_LOOP = "while true; do nvidia-smi --query-gpu=%s --format=csv,noheader >/dev/null; free -b >/dev/null; sleep 0.1; done" % FIELDS
+
+
+def cpu_seconds(p: psutil.Process) -> float:
+    total = 0.0
+    for q in [p, *p.children(recursive=True)]:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def cost(seconds: float, warmup: float = 5.0) -> dict:
+    rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
+    procs = {"gpuwatch record (sampler+recorder, all fields)": [
+        sys.executable, "-m", "gpuwatch", "record", "--duration", f"{seconds + warmup + 3}s", "-o", str(rec_dir)]}
+    if shutil.which("nvidia-smi"):
+        procs["nvidia-smi --query-gpu (8 fields) -lms 100"] = ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv", "-lms", "100"]
+        procs["bare pynvml loop, 6 fields"] = [sys.executable, "-c", PYNVML_LOOP]
+        procs["bash loop: nvidia-smi + free every 0.1 s"] = ["bash", "-c", BASH_LOOP]
+    running = {k: subprocess.Popen(v, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                                   start_new_session=True) for k, v in procs.items()}
+    time.sleep(warmup)
+    ps = {k: psutil.Process(p.pid) for k, p in running.items()}
+    c0 = {k: cpu_seconds(p) for k, p in ps.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    out = {k: round(100 * (cpu_seconds(p) - c0[k]) / dt, 3) for k, p in ps.items()}
+    for k, p in running.items():
+        if not k.startswith("gpuwatch"):
+            os.killpg(p.pid, 9)
+    running[next(iter(procs))].wait(timeout=60)
+    result = {"measure": "cpu_pct_of_one_core", "seconds": round(dt, 1), "cpu_pct": out}
+    result.update(disk_usage(rec_dir))
+    shutil.rmtree(rec_dir, ignore_errors=True)
+    return result
+
+
+def disk_usage(rec_dir: Path) -> dict:
+    from gpuwatch.recording.reader import open_recording
+
+    sessions = [p for p in rec_dir.iterdir() if p.is_dir()]
+    if not sessions:
+        return {}
+    rec = open_recording(sessions[0])
+    f = sessions[0] / "samples.parquet"
+    size = f.stat().st_size
+    n = rec.samples.height
+    cols = len(rec.samples.columns)
+    return {"samples_file_bytes": size, "gpu_samples": n, "bytes_per_gpu_sample": round(size / max(n, 1), 2),
+            "mb_per_gpu_day_at_10hz": round(size / max(n, 1) * 864_000 / 1e6, 2), "columns": cols,
+            "interval_ms": _interval_stats(rec.samples)}
+
+
+def _interval_stats(df) -> dict:
+    import polars as pl
+
+    iv = df.filter(pl.col("gpu").is_null() | (pl.col("gpu") == 0))["sampler_interval_us"].drop_nulls() / 1000
+    cost = df["sampler_cost_us"].drop_nulls()
+    if iv.is_empty():
+        return {}
+    return {"n": iv.len(), "p50": round(iv.quantile(0.5), 2), "p99": round(iv.quantile(0.99), 2),
+            "max": round(iv.max(), 2), "tick_cost_us_p50": int(cost.quantile(0.5)), "tick_cost_us_p99": int(cost.quantile(0.99))}
+
+
+def jitter(seconds: float) -> dict:
+    """In-process: the real Session (sampler + recorder), idle, then beside busy work."""
+    from gpuwatch.recording.reader import open_recording
+    from gpuwatch.runtime import Session
+
+    out = {}
+    for phase in ("idle", "busy"):
+        rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-jitter-"))
+        s = Session(interval=0.1, record_dir=rec_dir)
+        stop = threading.Event()
+        workers = []
+        if phase == "busy":
+            workers = [threading.Thread(target=_py_busy, args=(stop,), daemon=True),
+                       threading.Thread(target=_gpu_busy, args=(stop,), daemon=True)]
+            for w in workers:
+                w.start()
+        s.start()
+        time.sleep(seconds)
+        s.stop()
+        stop.set()
+        for w in workers:
+            w.join()
+        rec = open_recording(s.recorder.dir)
+        out[phase] = _interval_stats(rec.samples) | {"late_ticks": s.sampler.late_ticks}
+        shutil.rmtree(rec_dir, ignore_errors=True)
+    return {"measure": "sample_interval_ms", "seconds_each": seconds, **out}
+
+
+def _py_busy(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for i in range(10_000):
+            x += i * i
+
+
+def _gpu_busy(stop: threading.Event) -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    while not stop.is_set():
+        for _ in range(10):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["cost", "jitter"])
+    ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    res = cost(a.seconds or 60) if a.what == "cost" else jitter(a.seconds or 20)
+    res["host"] = os.uname().nodename
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
