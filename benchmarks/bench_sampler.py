@@ -41,8 +41,8 @@ def cpu_seconds(p: psutil.Process) -> float:
     total = 0.0
     for q in [p, *p.children(recursive=True)]:
         try:
-            t = q.cpu_times()
-            total += t.user + t.system
+            t = q.cpu_times()  # children_*: reaped short-lived children (the bash loop's nvidia-smi calls)
+            total += t.user + t.system + t.children_user + t.children_system
         except psutil.NoSuchProcess:
             pass
     return total

@@ -10,6 +10,7 @@ Costs measured on an H200 (see docs/BENCHMARKS.md): most reads take 2-8 us; PCIe
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,12 +88,34 @@ FAST: dict[str, Callable[[Any], Any]] = {
     "gpu_procs": _procs,  # compute-apps (pid, used memory)
 }
 
-# Slow fields: they block (PCIe samples over 20 ms; energy ~3 ms on an H200).
-SLOW: dict[str, Callable[[Any], Any]] = {
+# Slow fields. The legacy calls block: nvmlDeviceGetPcieThroughput samples for ~20 ms, and
+# nvmlDeviceGetTotalEnergyConsumption takes ~3 ms on an H200. Where the driver has them (Hopper and
+# newer), the cumulative PCIe byte counters and the energy counter are read instead, in one
+# nvmlDeviceGetFieldValues call, and the rate is the counter's difference over time.
+LEGACY_SLOW: dict[str, Callable[[Any], Any]] = {
     "gpu_pcie_tx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES) * 1024,
     "gpu_pcie_rx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES) * 1024,
     "gpu_energy_mj": lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h),  # mJ since driver load
 }
+SLOW = LEGACY_SLOW
+COUNTER_FIELDS = {
+    "tx": getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
+    "rx": getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None),
+    "energy": getattr(pynvml, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", None),
+}
+
+
+def read_counters(h) -> dict[str, int] | None:
+    """The cumulative PCIe TX/RX byte counters and energy (mJ) in one call, or None if unsupported."""
+    if None in COUNTER_FIELDS.values():
+        return None
+    vals = pynvml.nvmlDeviceGetFieldValues(h, list(COUNTER_FIELDS.values()))
+    out = {}
+    for key, v in zip(COUNTER_FIELDS, vals):
+        if v.nvmlReturn != pynvml.NVML_SUCCESS:
+            return None
+        out[key] = int(v.value.ullVal)
+    return out
 
 
 class NvmlBackend:
@@ -116,6 +139,8 @@ class NvmlBackend:
         self._unsupported: list[set[str]] = [set() for _ in self._handles]
         self.lost: set[int] = set()
         self.gpus = [self._info(i) for i in range(count)]
+        self._last_counters: list[tuple[float, dict[str, int]] | None] = [None] * count
+        self.counters = [self._try(lambda h=h: read_counters(h)) is not None for h in self._handles]
 
     @staticmethod
     def _try(fn):
@@ -171,13 +196,26 @@ class NvmlBackend:
         return raw
 
     def read_slow(self, i: int) -> dict[str, Any]:
-        """The blocking fields (PCIe throughput, energy counter) for GPU i."""
-        return self._read(i, SLOW)
+        """PCIe TX/RX rates and the energy counter for GPU i (counters where supported, else the
+        blocking legacy calls)."""
+        if not self.counters[i]:
+            return self._read(i, LEGACY_SLOW)
+        got = self._read(i, {"c": read_counters})
+        c, now = got.get("c"), time.monotonic()
+        if c is None:
+            return {}
+        out = {"gpu_energy_mj": c["energy"]}
+        last, self._last_counters[i] = self._last_counters[i], (now, c)
+        if last is not None and now > last[0]:
+            dt = now - last[0]
+            out["gpu_pcie_tx_bytes_per_s"] = max(0, c["tx"] - last[1]["tx"]) / dt
+            out["gpu_pcie_rx_bytes_per_s"] = max(0, c["rx"] - last[1]["rx"]) / dt
+        return out
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""
         out = {}
-        for name, fn in {**FAST, **SLOW}.items():
+        for name, fn in {**FAST, **LEGACY_SLOW, "pcie+energy counters": read_counters}.items():
             try:
                 out[name] = f"ok: {fn(self._handles[i])!r}"[:60]
             except _NOT_AVAILABLE as e:

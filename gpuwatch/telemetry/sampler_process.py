@@ -20,22 +20,24 @@ from gpuwatch.telemetry.nvml import GpuInfo
 
 
 class _PipeChannel:
-    def __init__(self, conn) -> None:
-        self.conn = conn
+    def __init__(self, conn, stop) -> None:
+        self.conn, self.stop = conn, stop
 
     def append(self, item) -> None:
-        self.conn.send(item)
+        try:
+            self.conn.send(item)
+        except (BrokenPipeError, EOFError, OSError):  # the parent is gone: stop sampling
+            self.stop.set()
 
 
 class _PipeBus:
     """What the Sampler needs of a Bus, forwarding to the parent."""
 
-    def __init__(self, conn) -> None:
-        self.ticks = _PipeChannel(conn)
-        self._conn = conn
+    def __init__(self, conn, stop) -> None:
+        self.ticks = _PipeChannel(conn, stop)
 
     def emit(self, kind, message, severity="info", gpu=None, **detail) -> None:
-        self._conn.send(Event(kind, message, severity, gpu, detail))
+        self.ticks.append(Event(kind, message, severity, gpu, detail))
 
 
 def _child(conn, stop, source: str | None, interval: float, slow_interval: float, pid: int) -> None:
@@ -51,11 +53,14 @@ def _child(conn, stop, source: str | None, interval: float, slow_interval: float
     conn.send(("hello", {"note": note, "kind": getattr(gpu, "kind", None), "label": getattr(gpu, "label", None),
                          "driver_version": getattr(gpu, "driver_version", None),
                          "gpus": [asdict(g) for g in gpu.gpus] if gpu else []}))
-    s = Sampler(_PipeBus(conn), gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
+    bus = _PipeBus(conn, stop)
+    s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
     s.start()
-    stop.wait()
+    while not stop.wait(1.0):
+        if os.getppid() != pid:  # the parent was killed (kill -9): do not outlive it
+            break
     s.stop()
-    conn.send(("bye", {"late_ticks": s.late_ticks}))
+    bus.ticks.append(("bye", {"late_ticks": s.late_ticks}))
     if gpu is not None:
         gpu.close()
 

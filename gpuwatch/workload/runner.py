@@ -47,6 +47,7 @@ class WorkloadConfig:
     faults: Faults = field(default_factory=Faults)
     integrity_every: int = 50
     decode_tokens: int = 16
+    long_seq: int = 8192  # the sequence length of the `long` schedule
     seed: int = 0
     max_steps: int | None = None
 
@@ -56,7 +57,8 @@ class Workload:
         self.bus, self.cfg = bus, cfg
         self.fields = config_fields(cfg.preset, cfg.overrides)
         b, s = defaults(cfg.preset)
-        self.schedule = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch)
+        self.schedule = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch,
+                                 long_seq=cfg.long_seq)
         self.precision = cfg.precision
         self.device = torch.device(cfg.device)
         self.state = "idle"  # idle | building | running | paused | stopped | failed | finished
@@ -162,7 +164,7 @@ class Workload:
         self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
-            self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 6e4)
+            self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5) if self.cfg.mode == "train" else None
         self.scaler = M.LossScaler() if self.cfg.mode == "train" and self.precision == "fp16" else None
         self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "

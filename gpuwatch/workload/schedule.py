@@ -34,6 +34,8 @@ class Schedule:
         if self.kind == "ramp":
             self._ramp_start = max(1, self.batch // 4)
             self.batch = self._ramp_start
+        if self.kind == "long":  # one long sequence; a control can raise the batch
+            self.batch = 1
 
     def plan(self) -> tuple[int, int, str] | None:
         """(batch, seq_len, phase) of the next step, or None when the schedule has finished."""

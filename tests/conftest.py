@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDINGS = ROOT / "recordings"
+RAMP = RECORDINGS / "sample-h200-ramp-train"  # real: v2-lite train ramp to OOM on an H200
+SWEEP = RECORDINGS / "sample-h200-sweep-prefill"
+BENCH = RECORDINGS / "sample-h200-benchmark-run"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CI has none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def env():
+    """Environment for subprocesses: the repo importable, no colour codes."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+@pytest.fixture
+def py():
+    return sys.executable

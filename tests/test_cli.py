@@ -1,0 +1,70 @@
+"""The command line as a user meets it: one-line errors, exit codes, headless recording."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from gpuwatch.recording.reader import open_recording
+
+from conftest import RAMP, ROOT
+
+
+def run(py, env, *args, timeout=120):
+    return subprocess.run([py, "-m", "gpuwatch", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["record", "--interval", "fast"], "bad duration 'fast'"),
+    (["record", "--interval", "1ms"], "out of range"),
+    (["record", "--duration", "0s"], "must be > 0"),
+    (["record", "--bogus"], "unrecognized arguments: --bogus"),
+    (["stress", "--mode", "nope"], "invalid choice: 'nope'"),
+    (["stress", "--batch", "0"], "must be > 0"),
+    (["stress", "--gpu-memory-limit", "lots"], "bad size 'lots'"),
+    (["stress", "--set", "oops"], "bad --set 'oops'"),
+    (["stress", "--device", "cuda:7", "--steps", "1", "--no-record"], "--device cuda:7"),
+    (["stress", "--gpus", "all", "--no-record"], "--gpus"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+])
+def test_bad_flags_one_line_exit_2(py, env, args, needle):
+    r = run(py, env, *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("gpuwatch: error:"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_info_without_a_gpu_says_so_once(py, env):
+    r = run(py, env, "info")
+    assert r.returncode == 0
+    assert r.stdout.count("CPU-only") == 1 or "GPU(s)" in r.stdout
+
+
+def test_record_headless_from_a_replayed_source(py, env, tmp_path):
+    r = run(py, env, "record", "--duration", "2s", "--source", str(RAMP), "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "REPLAY" in r.stderr  # a replayed source is labelled as such
+    session = next(tmp_path.iterdir())
+    rec = open_recording(session)
+    assert rec.complete and 15 <= rec.samples.height <= 25
+    assert rec.meta["gpu_note"].endswith("(not live)")
+    assert rec.samples["sampler_interval_us"].drop_nulls().median() == pytest.approx(100_000, rel=0.05)
+
+
+def test_record_into_an_unwritable_place_fails_cleanly(py, env, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run(py, env, "record", "--duration", "1s", "-o", str(blocker / "sub"))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "ERROR recording stopped" in r.stdout
+
+
+def test_replay_of_a_bad_file_is_one_line(py, env, tmp_path):
+    bad = tmp_path / "x.parquet"
+    bad.write_text("nope")
+    r = run(py, env, "replay", str(bad))
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"gpuwatch: error: {bad}: not a Parquet file"

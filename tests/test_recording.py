@@ -1,0 +1,189 @@
+"""Recorder round trip, crash safety (kill -9), corrupt input and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import polars as pl
+import psutil
+import pytest
+
+from gpuwatch.errors import RecordingError
+from gpuwatch.recording import schema, writer
+from gpuwatch.recording.reader import SessionReader, open_recording, read_table_file
+from gpuwatch.recording.replay_backend import ReplayGpuBackend
+from gpuwatch.recording.writer import Recorder
+from gpuwatch.telemetry.bus import Bus
+from gpuwatch.telemetry.sampler import Sampler
+
+from conftest import RAMP, ROOT
+
+
+def _recorder(tmp_path, flushes=5, ticks_per_flush=10, roll_every=300, compact=True):
+    bus = Bus()
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    s.slow_tick()
+    r = Recorder(bus, tmp_path, {"test": True}, roll_every=roll_every, name="s")
+    r.dir.mkdir(parents=True)
+    writer.write_json_atomic(r.meta, r.dir / "meta.json")
+    for i in range(flushes):
+        for _ in range(ticks_per_flush):
+            s.tick()
+        bus.steps.append({"ts": time.time_ns() // 1000, "step": i, "gpu": 0, "mode": "train", "batch": 8,
+                          "tokens_per_s": 1000.0 + i, "loss": 11.5})
+        bus.emit("mark", f"mark {i}", detail_n=i)
+        r.flush()
+    r._stop.set()
+    if compact:
+        r.stop()
+    return bus, r
+
+
+def test_round_trip_keeps_every_row_and_type(tmp_path):
+    bus, r = _recorder(tmp_path)
+    rec = open_recording(r.dir)
+    assert rec.complete and not rec.warnings
+    assert rec.samples.height == 50 and rec.samples["tick"].to_list() == list(range(50))
+    assert dict(rec.samples.schema) == schema.SAMPLES
+    assert rec.steps["tokens_per_s"].to_list() == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
+    assert [json.loads(d)["detail_n"] for d in rec.events["detail"]] == [0, 1, 2, 3, 4]
+    src = [row for t in bus.ticks.latest(50) for row in t.rows]
+    assert rec.samples["gpu_mem_used_bytes"].to_list() == [x["gpu_mem_used_bytes"] for x in src]
+    assert sorted(p.name for p in r.dir.iterdir()) == ["events.parquet", "meta.json", "samples.parquet", "steps.parquet"]
+
+
+def test_rolled_chunks_and_a_crash_mid_roll_do_not_duplicate(tmp_path):
+    bus, r = _recorder(tmp_path, flushes=7, roll_every=3, compact=False)
+    names = sorted(p.name for p in r.dir.glob("samples-*"))
+    assert names == ["samples-000007.parquet", "samples-c000001-000003.parquet", "samples-c000004-000006.parquet"]
+    # a crash between writing a chunk and deleting its segments leaves both: read once only
+    df = pl.read_parquet(r.dir / "samples-c000001-000003.parquet").head(10)
+    writer.write_atomic(df, r.dir / "samples-000002.parquet")
+    rec = open_recording(r.dir)
+    assert rec.samples["tick"].to_list() == list(range(70))
+    assert not rec.complete
+
+
+def test_truncated_and_garbage_segments_are_named_and_skipped(tmp_path):
+    _, r = _recorder(tmp_path, flushes=4, compact=False)
+    seg = r.dir / "samples-000002.parquet"
+    seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
+    (r.dir / "samples-000009.parquet").write_text("this is not parquet")
+    rec = open_recording(r.dir)
+    assert rec.samples.height == 30  # segments 1, 3 and 4 survive
+    assert any("samples-000002.parquet: truncated Parquet file" in w for w in rec.warnings)
+    assert any("samples-000009.parquet: not a Parquet file" in w for w in rec.warnings)
+
+
+def test_corrupt_pages_with_valid_footer_magic(tmp_path):
+    _, r = _recorder(tmp_path, flushes=2, compact=False)
+    seg = r.dir / "samples-000001.parquet"
+    data = bytearray(seg.read_bytes())
+    for i in range(8, len(data) - 200):
+        data[i] = 0xFF if i % 3 else data[i]
+    seg.write_bytes(bytes(data))
+    rec = open_recording(r.dir)
+    assert rec.samples.height == 10
+    assert any("samples-000001.parquet" in w for w in rec.warnings)
+
+
+def test_wrong_schema_version_is_one_line_naming_the_file(tmp_path):
+    _, r = _recorder(tmp_path, flushes=1)
+    meta = json.loads((r.dir / "meta.json").read_text())
+    meta["schema_version"] = 99
+    (r.dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(RecordingError, match=r"meta.json: schema version 99, this gpuwatch reads 1") as e:
+        open_recording(r.dir)
+    assert "\n" not in str(e.value)
+
+
+def test_single_files(tmp_path):
+    _, r = _recorder(tmp_path, flushes=2)
+    rec = open_recording(r.dir / "samples.parquet")
+    assert rec.samples.height == 20 and rec.events.is_empty()
+    bad = tmp_path / "notes.parquet"
+    bad.write_text("hello")
+    with pytest.raises(RecordingError, match="notes.parquet: not a Parquet file"):
+        open_recording(bad)
+    other = tmp_path / "other.parquet"
+    pl.DataFrame({"a": [1, 2]}).write_parquet(other)
+    with pytest.raises(RecordingError, match="other.parquet: not a gpuwatch table"):
+        open_recording(other)
+    wrong = tmp_path / "wrong.parquet"
+    pl.DataFrame({"ts": ["x"], "tick": ["y"]}).write_parquet(wrong)
+    with pytest.raises(RecordingError, match="wrong schema"):
+        read_table_file(wrong)
+    with pytest.raises(RecordingError, match="no such file"):
+        open_recording(tmp_path / "missing")
+
+
+def test_full_disk_stops_recording_with_an_event_and_keeps_what_was_written(tmp_path, monkeypatch):
+    bus, r = _recorder(tmp_path, flushes=3, compact=False)
+    real = writer.write_atomic
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(r.dir / "samples-000004.parquet"))
+    monkeypatch.setattr(writer, "write_atomic", full)
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    s.tick()
+    r.flush()
+    assert r.state == "error" and "No space left on device" in r.error
+    ev = [e for e in bus.events.latest(20) if e.kind == "recorder_error"]
+    assert len(ev) == 1 and ev[0].severity == "error"
+    r.flush()  # nothing more is attempted, nothing raises
+    r.stop()
+    monkeypatch.setattr(writer, "write_atomic", real)
+    assert open_recording(r.dir).samples.height == 30
+
+
+def test_follow_reads_only_new_files(tmp_path):
+    bus = Bus()
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    r = Recorder(bus, tmp_path, {}, name="live").start()
+    r._stop.set()  # drive flushes by hand
+    reader = SessionReader(r.dir)
+    assert reader.load_new()["samples"].height == 0
+    for _ in range(3):
+        s.tick()
+    r.flush()
+    assert reader.load_new()["samples"].height == 3
+    for _ in range(2):
+        s.tick()
+    r.flush()
+    assert reader.load_new()["samples"]["tick"].to_list() == [3, 4]
+
+
+def test_kill_9_loses_at_most_about_one_second(tmp_path, env, py):
+    out = tmp_path / "rec"
+    p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(out)],
+                         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(out.glob("*/samples-*.parquet"))) < 2:
+            time.sleep(0.1)
+        assert list(out.glob("*/samples-*.parquet")), p.stderr.read1().decode() if p.poll() is not None else "no segments"
+        time.sleep(random.uniform(0.3, 2.0))
+        children = psutil.Process(p.pid).children(recursive=True)
+        assert children, "the sampler runs in a child process"
+        killed_at = time.time()
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    session = next(out.iterdir())
+    rec = open_recording(session)
+    assert not rec.complete
+    ticks = rec.samples["tick"].to_list()
+    assert ticks == list(range(len(ticks)))  # nothing missing in the middle
+    last = rec.samples["ts"].max().timestamp()
+    assert killed_at - last <= 1.5, f"lost {killed_at - last:.2f} s"
+    # the sampler child notices its parent is gone and exits within its 1 s check
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
