@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(live)
     w = sub.add_parser("watch", help="dashboard without a workload")
     _common(w, record_default=False)
+    for q in (live, w):
+        q.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="quit after DUR (benchmarks)")
     r = sub.add_parser("replay", help="replay a recorded session")
     r.add_argument("path", type=Path)
     r.add_argument("--follow", action="store_true", help="attach to a session still being recorded")

@@ -1,0 +1,253 @@
+"""One interface over live telemetry, a recorded session (replay, time travel) and a session still
+being written by another process (follow). The UI and the scorer read a `TelemetrySource` and never
+know which kind it is (the way Meta's `below` treats live, pause and replay as one cursor).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import polars as pl
+
+from gpuwatch.recording import schema
+from gpuwatch.recording.reader import SessionReader
+from gpuwatch.telemetry.bus import Bus
+
+SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+@dataclass(frozen=True)
+class GpuMeta:
+    index: int
+    name: str
+    mem_total_bytes: int | None = None
+    power_limit_w: float | None = None
+    temp_slowdown_c: int | None = None
+
+
+class TelemetrySource(Protocol):
+    kind: str  # live | replay | follow
+    label: str
+    gpus: list[GpuMeta]
+
+    def poll(self) -> bool: ...  # advance (playback, follow); True if the cursor's data changed
+    def cursor_us(self) -> int | None: ...
+    def latest(self) -> dict[int | None, dict[str, Any]]: ...  # one row per GPU at the cursor
+    def series(self, column: str, gpu: int | None, n: int) -> list[Any]: ...  # last n values up to the cursor
+    def events(self, n: int) -> list[dict[str, Any]]: ...  # last n events up to the cursor
+    def steps(self, n: int) -> list[dict[str, Any]]: ...  # last n workload steps up to the cursor
+
+
+class LiveSource:
+    """Reads the in-process bus (ring buffers) that the sampler and the workload fill."""
+
+    kind = "live"
+
+    def __init__(self, bus: Bus, gpus: list[GpuMeta], label: str = "live") -> None:
+        self.bus, self.gpus, self.label = bus, gpus, label
+        self._seen = -1
+
+    def poll(self) -> bool:
+        seq = self.bus.ticks.next_seq + self.bus.events.next_seq + self.bus.steps.next_seq
+        changed, self._seen = seq != self._seen, seq
+        return changed
+
+    def cursor_us(self) -> int | None:
+        last = self.bus.ticks.latest(1)
+        return last[0].ts_us if last else None
+
+    def latest(self) -> dict[int | None, dict[str, Any]]:
+        last = self.bus.ticks.latest(1)
+        return {r["gpu"]: r for r in last[0].rows} if last else {}
+
+    def series(self, column: str, gpu: int | None, n: int) -> list[Any]:
+        out = []
+        for t in self.bus.ticks.latest(n):
+            out.append(next((r.get(column) for r in t.rows if r.get("gpu") == gpu), None))
+        return out
+
+    def events(self, n: int) -> list[dict[str, Any]]:
+        return [e.row() for e in self.bus.events.latest(n)]
+
+    def steps(self, n: int) -> list[dict[str, Any]]:
+        return self.bus.steps.latest(n)
+
+
+class ReplaySource:
+    """A recorded session with a cursor: play/pause, speed, seek, step, jump to events, loop.
+    With `follow=True` it keeps reading files the recording process adds and stays at the live edge
+    until the user moves away from it."""
+
+    def __init__(self, path: Path | str, follow: bool = False, speed: float = 1.0,
+                 clock=time.monotonic) -> None:
+        self.reader = SessionReader(path)
+        self.follow = follow
+        self.kind = "follow" if follow else "replay"
+        self.label = self.reader.path.name
+        self.clock = clock
+        self.samples, self.steps_df, self.events_df = (schema.empty(t) for t in ("samples", "steps", "events"))
+        self.ticks_ts = np.array([], dtype=np.int64)
+        self._events_ts = self._steps_ts = np.array([], dtype=np.int64)
+        self._by_gpu: dict[Any, pl.DataFrame] = {}
+        self._arrays: dict[tuple[str, Any], np.ndarray] = {}
+        self._load(self.reader.load_new())
+        if self.samples.is_empty() and not follow:
+            from gpuwatch.errors import RecordingError
+
+            raise RecordingError(self.reader.warnings[0] if self.reader.warnings else f"{self.reader.path}: no samples")
+        self.playing = follow
+        self.speed = speed
+        self.loop = False
+        self.at_edge = follow
+        self._t = self.ticks_ts[0] if self.ticks_ts.size and not follow else (self.ticks_ts[-1] if self.ticks_ts.size else 0)
+        self._last_clock = clock()
+        self._last_follow = 0.0
+        self._changed = True
+        gm = {g.get("index"): g for g in self.reader.meta.get("gpus", [])}
+        gpu_ids = sorted(g for g in self.samples["gpu"].unique().to_list() if g is not None) or list(gm)
+        self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
+                             gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"))
+                     for i in gpu_ids]
+
+    # -- data ----------------------------------------------------------------------------------------
+    def _load(self, frames: dict[str, pl.DataFrame]) -> bool:
+        new = any(not f.is_empty() for f in frames.values())
+        if not new:
+            return False
+        self.samples = pl.concat([self.samples, frames["samples"]]).sort("ts", "gpu", maintain_order=True)
+        self.steps_df = pl.concat([self.steps_df, frames["steps"]]).sort("ts")
+        self.events_df = pl.concat([self.events_df, frames["events"]]).sort("ts")
+        self.ticks_ts = self._tick_times()
+        self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
+        self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
+        self._arrays.clear()
+        self._by_gpu = {g: self.samples.filter(pl.col("gpu").is_null() if g is None else pl.col("gpu") == g)
+                        for g in self.samples["gpu"].unique().to_list()}
+        return True
+
+    def _tick_times(self) -> np.ndarray:
+        return self.samples.group_by("tick", maintain_order=True).agg(pl.col("ts").first())["ts"].dt.epoch("us").to_numpy()
+
+    def _col(self, column: str, gpu: int | None) -> tuple[np.ndarray, pl.Series]:
+        key = (column, gpu)
+        if key not in self._arrays:
+            df = self._by_gpu.get(gpu)
+            if df is None:
+                return np.array([], dtype=np.int64), pl.Series([])
+            self._arrays[key] = (df["ts"].dt.epoch("us").to_numpy(), df[column])
+        return self._arrays[key]
+
+    # -- cursor ----------------------------------------------------------------------------------------
+    @property
+    def start_us(self) -> int:
+        return int(self.ticks_ts[0]) if len(self.ticks_ts) else 0
+
+    @property
+    def end_us(self) -> int:
+        return int(self.ticks_ts[-1]) if len(self.ticks_ts) else 0
+
+    def cursor_us(self) -> int | None:
+        return int(self._t) if len(self.ticks_ts) else None
+
+    def seek_to(self, t_us: float) -> None:
+        self._t = float(min(max(t_us, self.start_us), self.end_us))
+        self.at_edge = self.follow and self._t >= self.end_us
+        self._changed = True
+
+    def seek(self, seconds: float) -> None:
+        self.seek_to(self._t + seconds * 1e6)
+
+    def step(self, n: int) -> None:
+        """Move by n samples (ticks)."""
+        i = int(np.searchsorted(self.ticks_ts, self._t, side="right")) - 1
+        j = min(max(i + n, 0), len(self.ticks_ts) - 1)
+        self.playing = False
+        self.seek_to(self.ticks_ts[j])
+
+    def jump_event(self, direction: int) -> dict[str, Any] | None:
+        ts = self._events_ts
+        if direction > 0:
+            i = int(np.searchsorted(ts, self._t + 1, side="left"))
+        else:
+            i = int(np.searchsorted(ts, self._t - 1, side="left")) - 1
+        if 0 <= i < len(ts):
+            self.seek_to(ts[i])
+            return self.events_df.row(i, named=True)
+        return None
+
+    def set_speed(self, faster: bool) -> float:
+        i = SPEEDS.index(self.speed) if self.speed in SPEEDS else 2
+        self.speed = SPEEDS[min(max(i + (1 if faster else -1), 0), len(SPEEDS) - 1)]
+        return self.speed
+
+    def toggle_play(self) -> bool:
+        self.playing = not self.playing
+        if self.playing and self._t >= self.end_us and not self.follow:
+            self._t = self.start_us
+        self._last_clock = self.clock()
+        return self.playing
+
+    def poll(self) -> bool:
+        now = self.clock()
+        if self.follow and now - self._last_follow >= 0.5:
+            self._last_follow = now
+            edge = self.at_edge
+            if self._load(self.reader.load_new()):
+                self._changed = True
+                if edge:
+                    self._t = self.end_us
+        if self.playing:
+            if self.follow and self.at_edge:
+                self._t = self.end_us
+            else:
+                self._t += (now - self._last_clock) * 1e6 * self.speed
+                if self._t >= self.end_us:
+                    if self.loop:
+                        self._t = self.start_us
+                    elif self.follow:
+                        self._t, self.at_edge = self.end_us, True
+                    else:
+                        self._t, self.playing = self.end_us, False
+            self._changed = True
+        self._last_clock = now
+        changed, self._changed = self._changed, False
+        return changed
+
+    # -- reads at the cursor ------------------------------------------------------------------------------
+    def latest(self) -> dict[int | None, dict[str, Any]]:
+        out = {}
+        for g, df in self._by_gpu.items():
+            ts, _ = self._col("ts", g)
+            i = int(np.searchsorted(ts, self._t, side="right")) - 1
+            if i >= 0:
+                out[g] = df.row(i, named=True)
+                out[g]["ts"] = int(ts[i])
+        return out
+
+    def series(self, column: str, gpu: int | None, n: int) -> list[Any]:
+        ts, col = self._col(column, gpu)
+        i = int(np.searchsorted(ts, self._t, side="right"))
+        return col.slice(max(0, i - n), min(n, i)).to_list()
+
+    def events(self, n: int) -> list[dict[str, Any]]:
+        i = int(np.searchsorted(self._events_ts, self._t, side="right"))
+        rows = self.events_df.slice(max(0, i - n), min(n, i)).to_dicts()
+        for r in rows:
+            r["ts"] = int(r["ts"].timestamp() * 1e6)
+        return rows
+
+    def steps(self, n: int) -> list[dict[str, Any]]:
+        i = int(np.searchsorted(self._steps_ts, self._t, side="right"))
+        return self.steps_df.slice(max(0, i - n), min(n, i)).to_dicts()
+
+
+def event_detail(row: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return json.loads(row.get("detail") or "{}")
+    except ValueError:
+        return {}

@@ -1,0 +1,1 @@
+"""Layer 5: the Textual TUI. The only package that imports textual."""

@@ -1,0 +1,354 @@
+"""The dashboard: one App for live, replay and follow, reading a TelemetrySource.
+
+Data collection never runs here: the sampler, recorder and workload live on their own threads (or
+process); this App pulls the latest samples at 4 Hz and re-renders only the panels whose text changed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Footer, Static
+
+from gpuwatch.recording.source import ReplaySource, TelemetrySource
+from gpuwatch.ui import render as R
+from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
+
+PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
+LIVE_ONLY = {"toggle_pause_view", "batch_up", "batch_down", "precision", "workload_pause"}
+REPLAY_ONLY = {"play", "seek", "step", "speed", "event", "goto", "home", "end", "loop", "live_edge"}
+
+
+class GpuwatchApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "gpuwatch"
+    BINDINGS = [
+        Binding("q", "request_quit", "quit"),
+        Binding("question_mark", "help", "help"),
+        Binding("space", "toggle_pause_view", "pause view"),
+        Binding("plus,equals_sign", "batch_up", "batch+"),
+        Binding("minus", "batch_down", "batch-"),
+        Binding("p", "precision", "precision"),
+        Binding("w", "workload_pause", "workload ‖", show=False),
+        Binding("m", "mark", "mark"),
+        Binding("s", "next_gpu", "next GPU", show=False),
+        Binding("space", "play", "play/pause"),
+        Binding("left", "seek(-1)", "-1s", show=False),
+        Binding("right", "seek(1)", "+1s", show=False),
+        Binding("left_square_bracket,shift+left", "seek(-10)", "-10s"),
+        Binding("right_square_bracket,shift+right", "seek(10)", "+10s"),
+        Binding("comma", "step(-1)", "step-", show=False),
+        Binding("full_stop", "step(1)", "step+", show=False),
+        Binding("minus", "speed(0)", "slower"),
+        Binding("plus,equals_sign", "speed(1)", "faster"),
+        Binding("n", "event(1)", "next event"),
+        Binding("N", "event(-1)", "prev event", show=False),
+        Binding("g", "goto", "go to"),
+        Binding("home", "home", "start", show=False),
+        Binding("end", "end", "end", show=False),
+        Binding("l", "loop", "loop", show=False),
+        Binding("f", "live_edge", "live edge", show=False),
+    ]
+
+    def __init__(self, source: TelemetrySource, session=None, refresh_hz: float = 4.0,
+                 interval_s: float = 0.1) -> None:
+        super().__init__()
+        self.source, self.session = source, session
+        self.refresh_hz, self.interval_s = refresh_hz, interval_s
+        self.view_paused = False
+        self.plot_gpu = source.gpus[0].index if source.gpus else None
+        self._texts: dict[str, str] = {}
+        self._renders = 0
+
+    @property
+    def mode(self) -> str:
+        return "live" if self.source.kind == "live" else "replay"
+
+    @property
+    def workload(self):
+        return self.session.workload if self.session is not None else None
+
+    # -- layout ------------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        for wid in ("header", "gpus", "plots", "work", "risk", "host", "events"):
+            yield Static(id=wid, markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._last_size = None
+        self.refresh_data(force=True)
+        self.set_interval(1 / self.refresh_hz, self.refresh_data)
+
+    @property
+    def wide(self) -> bool:
+        w, h = self.size
+        return w >= 120 and h >= 40
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in LIVE_ONLY and self.mode != "live":
+            return False
+        if action in REPLAY_ONLY and self.mode == "live":
+            return False
+        if action in ("batch_up", "batch_down", "precision", "workload_pause") and self.workload is None:
+            return False
+        return True
+
+    # -- refresh -------------------------------------------------------------------------------------------
+    def refresh_data(self, force: bool = False) -> None:
+        changed = self.source.poll()
+        if self.size != self._last_size:  # a resize re-lays out everything once
+            self._last_size, force = self.size, True
+            self.screen.set_class(self.wide, "wide")
+        if self.view_paused and not force:
+            self._set("header", self._header())
+            return
+        if not (changed or force):
+            return
+        self._renders += 1
+        width = self.size.width - (4 if self.wide else 0)
+        latest = self.source.latest()
+        rows = [latest.get(g.index) for g in self.source.gpus]
+        gpu_text = Text("\n").join(line for g, row in zip(self.source.gpus, rows)
+                                   for line in R.gpu_lines(row, g, width, self.wide)) if self.source.gpus \
+            else Text("no GPU: CPU-only mode (host and workload panels still work)", style="yellow")
+        self._set("header", self._header())
+        self._set("gpus", gpu_text)
+        self._set("plots", self._plots(width))
+        power = rows[0].get("gpu_power_w") if rows and rows[0] else None
+        self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
+        host_row = next(iter(latest.values()), None)
+        self._set("host", Text("\n").join(R.host_lines(host_row, width, self.wide)))
+        self._set("risk", self._risk()[0])
+        h = max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
+        self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+
+    def _set(self, wid: str, text: Text) -> None:
+        width = self.size.width - (4 if self.wide and wid not in ("header", "events") else 0)
+        lines = text.split("\n")
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+        text = Text("\n").join(lines)
+        key = text.plain + str(len(text.spans))
+        if self._texts.get(wid) != key:
+            self._texts[wid] = key
+            self.query_one(f"#{wid}", Static).update(text)
+
+    def _header(self) -> Text:
+        src = self.source
+        extra = ""
+        if isinstance(src, ReplaySource):
+            pos = (src.cursor_us() or 0) - src.start_us
+            total = src.end_us - src.start_us
+            state = "▶" if src.playing else "‖"
+            extra = f"{state} {src.speed:g}x  {pos / 1e6:,.1f}/{total / 1e6:,.1f} s" + ("  loop" if src.loop else "")
+            if src.follow:
+                extra += "  at live edge" if src.at_edge else "  (f: back to live edge)"
+        elif self.session is not None and self.session.recorder is not None:
+            r = self.session.recorder
+            extra = (f"rec {r.state}: {r.dir.name}  {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped}"
+                     if not r.error else f"REC ERROR: {r.error}")
+        elif self.mode == "live":
+            extra = "not recording"
+        return R.header(src.kind, src.label, src.cursor_us(), extra, self.view_paused)
+
+    def _plots(self, width: int) -> Text:
+        """History plots, one column per second (the max of its samples, so no peak is hidden)."""
+        g = self.plot_gpu
+        src = self.source
+        meta = next((m for m in src.gpus if m.index == g), None)
+        height = 3 if self.wide else 1
+        cols = 2 if self.wide and width >= 140 else 1
+        label_w = 9
+        plot_w = max(10, (width - label_w * cols - 2 * (cols - 1)) // cols - 8)
+        k = max(1, round(1.0 / self.interval_s))
+        n = plot_w * k
+
+        def hist(col: str, scale: float = 1.0) -> list:
+            return R.bucket_max(src.series(col, g, n), k, scale)
+        specs: list[tuple[str, list, float | None, str]] = []
+        if meta is not None:
+            total = meta.mem_total_bytes
+            mem = src.series("gpu_mem_used_bytes", g, n)
+            free = [None if v is None or not total else 1 - v / total for v in mem]
+            specs += [("util %", hist("gpu_util_pct"), 100, "green"),
+                      ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
+                      ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
+                      ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"),
+                      ("headroom", R.bucket_min(free, k), 1.0, "cyan")]
+        else:
+            specs += [("CPU %", R.bucket_max(src.series("host_cpu_pct", None, n), k), 100, "green")]
+        specs.append(("tok/s", [r.get("tokens_per_s") for r in src.steps(plot_w)], None, "bright_green"))
+        blocks = []
+        for label, vals, hi, style in specs:
+            nums = [v for v in vals if v is not None]
+            last = R.compact(nums[-1]).rjust(7) if nums else "      -"
+            lines = R.plot(vals, plot_w, height, 0.0, hi, style)
+            blocks.append([Text(f"{label:<{label_w}}" if i == 0 else " " * label_w) + ln + Text(last if i == height - 1 else " " * 7)
+                           for i, ln in enumerate(lines)])
+        out = []
+        for i in range(0, len(blocks), cols):
+            group = blocks[i:i + cols]
+            for r in range(height):
+                out.append(Text("  ").join(b[r] for b in group))
+        if not self.wide:
+            return Text("\n").join(out)
+        title = Text(f"history GPU{g}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
+        return Text("\n").join([title, *out])
+
+    def _risk(self, mem: list | None = None) -> tuple[Text, list]:
+        g = self.plot_gpu
+        meta = next((m for m in self.source.gpus if m.index == g), None)
+        if meta is None:
+            return Text("risk: no GPU", style="dim"), []
+        mem = mem if mem is not None else self.source.series("gpu_mem_used_bytes", g, 300)
+        return R.risk_line(mem, meta.mem_total_bytes, self.interval_s, model_loaded=False)
+
+    def _workload_status(self) -> dict[str, Any] | None:
+        w = self.workload
+        if w is None:
+            return None
+        return {"state": w.state, "preset": w.cfg.preset,
+                "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
+
+    # -- live actions ----------------------------------------------------------------------------------------
+    def action_toggle_pause_view(self) -> None:
+        self.view_paused = not self.view_paused
+        self.refresh_data(force=True)
+
+    def action_batch_up(self) -> None:
+        b = self.workload.batch
+        self.workload.set_batch_size(max(b + 1, int(b * 1.25)))
+        self.notify(f"batch → {max(b + 1, int(b * 1.25))} (next step)")
+
+    def action_batch_down(self) -> None:
+        b = self.workload.batch
+        self.workload.set_batch_size(max(1, int(b * 0.8)))
+        self.notify(f"batch → {max(1, int(b * 0.8))} (next step)")
+
+    def action_precision(self) -> None:
+        cur = self.workload.precision
+        nxt = PRECISION_CYCLE[(PRECISION_CYCLE.index(cur) + 1) % len(PRECISION_CYCLE)] if cur in PRECISION_CYCLE else "bf16"
+        self.workload.set_precision(nxt)
+        self.notify(f"precision → {nxt} (next step)")
+
+    def action_workload_pause(self) -> None:
+        w = self.workload
+        if w.state == "paused" or not w._resume.is_set():
+            w.resume()
+            self.notify("workload resumed")
+        else:
+            w.pause()
+            self.notify("workload paused (after this step)")
+
+    def action_mark(self) -> None:
+        if self.mode == "live" and self.session is not None:
+            self.session.bus.emit("mark", "operator mark")
+            self.notify("marked")
+        else:
+            self.notify("marks are recorded in live sessions", severity="warning")
+
+    def action_next_gpu(self) -> None:
+        ids = [g.index for g in self.source.gpus]
+        if ids:
+            self.plot_gpu = ids[(ids.index(self.plot_gpu) + 1) % len(ids)]
+            self.refresh_data(force=True)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.mode))
+
+    def action_request_quit(self) -> None:
+        w = self.workload
+        if w is not None and w.state in ("building", "running", "paused"):
+            self.push_screen(ConfirmQuit(), lambda yes: self.exit() if yes else None)
+        else:
+            self.exit()
+
+    # -- replay actions ------------------------------------------------------------------------------------
+    def _moved(self, note: str | None = None) -> None:
+        if note:
+            self.notify(note, timeout=2)
+        self.refresh_data(force=True)
+
+    def action_play(self) -> None:
+        self.source.toggle_play()
+        self._moved()
+
+    def action_seek(self, seconds: float) -> None:
+        self.source.seek(seconds)
+        self._moved()
+
+    def action_step(self, n: int) -> None:
+        self.source.step(n)
+        self._moved()
+
+    def action_speed(self, faster: int) -> None:
+        self._moved(f"speed {self.source.set_speed(bool(faster)):g}x")
+
+    def action_event(self, direction: int) -> None:
+        ev = self.source.jump_event(direction)
+        self._moved(f"{ev['kind']}: {ev['message']}" if ev else "no more events")
+
+    def action_home(self) -> None:
+        self.source.seek_to(self.source.start_us)
+        self._moved()
+
+    def action_end(self) -> None:
+        self.source.seek_to(self.source.end_us)
+        self._moved()
+
+    def action_loop(self) -> None:
+        self.source.loop = not self.source.loop
+        self._moved(f"loop {'on' if self.source.loop else 'off'}")
+
+    def action_live_edge(self) -> None:
+        if self.source.follow:
+            self.source.seek_to(self.source.end_us)
+            self.source.playing = True
+            self._moved("following the live edge")
+
+    def action_goto(self) -> None:
+        def done(value: str | None) -> None:
+            if value:
+                t = parse_goto(value, self.source)
+                if t is None:
+                    self.notify(f"cannot go to {value!r}", severity="error")
+                else:
+                    self.source.seek_to(t)
+                    self._moved()
+        self.push_screen(GotoScreen(), done)
+
+
+def parse_goto(value: str, src: ReplaySource) -> float | None:
+    """'12:03:04' (UTC, the recording's day), '+90s' / '-5m' (from the cursor), '50%' (of the session)."""
+    from datetime import datetime, timezone
+
+    from gpuwatch.errors import UsageError
+    from gpuwatch.units import parse_duration
+
+    v = value.strip()
+    if m := re.fullmatch(r"(\d{1,3}(?:\.\d+)?)%", v):
+        return src.start_us + float(m.group(1)) / 100 * (src.end_us - src.start_us)
+    if v[:1] in "+-":
+        try:
+            return (src.cursor_us() or 0) + (1 if v[0] == "+" else -1) * parse_duration(v[1:]) * 1e6
+        except UsageError:
+            return None
+    if m := re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2})(\.\d+)?)?", v):
+        day = datetime.fromtimestamp(src.start_us / 1e6, timezone.utc)
+        t = day.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=int(m.group(3) or 0),
+                        microsecond=int(float(m.group(4) or 0) * 1e6))
+        return t.timestamp() * 1e6
+    return None
+
+
+def make_app(source: TelemetrySource, session=None, **kw) -> GpuwatchApp:
+    """The App with its collaborators injected: tests pass a replay or a hand-fed live source."""
+    return GpuwatchApp(source, session=session, **kw)
+
+
+__all__ = ["GpuwatchApp", "make_app", "parse_goto", "Path"]

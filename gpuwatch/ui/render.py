@@ -1,0 +1,223 @@
+"""Pure functions from telemetry to Rich Text: bars, multi-row plots and each panel's lines.
+No widget state here, so every panel renders the same in live, replay and follow."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.text import Text
+
+from gpuwatch.predict.headroom import headroom
+from gpuwatch.recording.source import GpuMeta, event_detail
+from gpuwatch.telemetry.reasons import LIMITING, decode
+from gpuwatch.units import fmt_bytes
+
+BLOCKS = " ▁▂▃▄▅▆▇█"
+GiB = 2**30
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def bar(frac: float | None, width: int, style: str = "green") -> Text:
+    if frac is None:
+        return Text("·" * width, style="dim")
+    frac = min(max(frac, 0.0), 1.0)
+    full = int(frac * width)
+    part = int((frac * width - full) * 8)
+    body = "█" * full + (BLOCKS[part] if part and full < width else "")
+    style = "red" if frac >= 0.95 else "yellow" if frac >= 0.85 else style
+    return Text(body.ljust(width, "·"), style=style)
+
+
+def plot(values: list, width: int, height: int, lo: float = 0.0, hi: float | None = None,
+         style: str = "cyan") -> list[Text]:
+    """A `height`-row block plot of the last `width` values (None = gap), scaled lo..hi."""
+    vals = list(values)[-width:]
+    nums = [v for v in vals if v is not None]
+    top = hi if hi is not None else (max(nums) if nums else 1.0)
+    span = (top - lo) or 1.0
+    levels = [None if v is None else min(max((v - lo) / span, 0.0), 1.0) * height * 8 for v in vals]
+    rows = []
+    for r in range(height - 1, -1, -1):
+        chars = []
+        for lv in levels:
+            if lv is None:
+                chars.append(" ")
+                continue
+            fill = lv - r * 8
+            chars.append("█" if fill >= 8 else BLOCKS[int(fill)] if fill > 0 else " ")
+        rows.append(Text("".join(chars).rjust(width), style=style))
+    return rows
+
+
+def bucket_max(values: list, k: int, scale: float = 1.0) -> list:
+    """Collapse every k values into their max (None when all are None), right-aligned to the newest."""
+    return _bucket(values, k, max, scale)
+
+
+def bucket_min(values: list, k: int, scale: float = 1.0) -> list:
+    return _bucket(values, k, min, scale)
+
+
+def _bucket(values: list, k: int, fn, scale: float) -> list:
+    vals = list(values)
+    start = len(vals) % k
+    out = [fn(v) if (v := [x for x in vals[:start] if x is not None]) else None] if start else []
+    for i in range(start, len(vals), k):
+        chunk = [x for x in vals[i:i + k] if x is not None]
+        out.append(fn(chunk) * scale if chunk else None)
+    if start and out[0] is not None:
+        out[0] *= scale
+    return out
+
+
+def clock(ts_us: int | None) -> str:
+    if ts_us is None:
+        return "--:--:--"
+    return datetime.fromtimestamp(ts_us / 1e6, timezone.utc).strftime("%H:%M:%S.%f")[:-5]
+
+
+def _f(v: Any, fmt: str = "{:.0f}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool) -> list[Text]:
+    if row is None:
+        return [Text(f"GPU{meta.index} {meta.name}: no data (lost?)", style="bold red")]
+    bw = max(6, (width - 56) // 2)
+    util = row.get("gpu_util_pct")
+    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
+    mfrac = used / total if used is not None and total else None
+    line1 = Text.assemble(
+        (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
+        f" {_f(util):>3}%  mem ", bar(mfrac, bw, "magenta"),
+        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB")
+    temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
+    pw, lim = row.get("gpu_power_w"), row.get("gpu_power_limit_w") or meta.power_limit_w
+    tstyle = "red" if temp is not None and slow and temp >= slow - 5 else ""
+    pstyle = "yellow" if pw is not None and lim and pw >= 0.95 * lim else ""
+    line2 = Text.assemble(
+        "temp ", (f"{_f(temp)}°C", tstyle), f"/{_f(slow)}  power ", (f"{_f(pw)}", pstyle), f"/{_f(lim)} W  ",
+        f"SM {_f(row.get('gpu_sm_clock_mhz'))} mem {_f(row.get('gpu_mem_clock_mhz'))} MHz  ",
+        f"PCIe ↑{_f(_gb(row.get('gpu_pcie_tx_bytes_per_s')), '{:.2f}')} ↓{_f(_gb(row.get('gpu_pcie_rx_bytes_per_s')), '{:.2f}')} GB/s")
+    mask = row.get("gpu_clocks_event_reasons")
+    reasons = decode(mask)
+    rstyle = "bold yellow" if mask and mask & LIMITING else "dim"
+    procs = row.get("gpu_procs") or []
+    pmem = sum(p.get("used_bytes") or 0 for p in procs)
+    line3 = Text.assemble(
+        "throttle: ", (", ".join(reasons) or "none", rstyle),
+        f"  ECC {_f(row.get('gpu_ecc_corrected'))}/{_f(row.get('gpu_ecc_uncorrected'))}",
+        f"  procs {len(procs)} ({fmt_bytes(pmem) if procs else '-'})")
+    return [line1, line2, line3]
+
+
+def compact(v: float) -> str:
+    """3 significant figures with k/M/G suffixes: 15079 -> 15.1k."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def _gb(v: float | None) -> float | None:
+    return None if v is None else v / 1e9
+
+
+def host_lines(row: dict[str, Any] | None, width: int, wide: bool) -> list[Text]:
+    if not row:
+        return [Text("host: no data", style="dim")]
+    cores = row.get("host_cpu_per_core_pct") or []
+    cpu = row.get("host_cpu_pct")
+    core_str = "".join(BLOCKS[min(8, int((c or 0) / 12.5 + 0.99))] if c else "·" for c in cores)
+    mu, mt = row.get("host_mem_used_bytes"), row.get("host_mem_total_bytes")
+    line = Text.assemble(
+        ("host ", "bold"), f"CPU {_f(cpu, '{:.0f}'):>3}% ", (core_str[: max(0, width - 70)], "green"),
+        f" mem {fmt_bytes(mu)}/{fmt_bytes(mt)} swap {fmt_bytes(row.get('host_swap_used_bytes'))}",
+        f" load {_f(row.get('host_load1'), '{:.1f}')}")
+    proc = Text.assemble(
+        ("process ", "bold"), f"CPU {_f(row.get('proc_cpu_pct'), '{:.0f}')}% RSS {fmt_bytes(row.get('proc_rss_bytes'))}",
+        "  sampler ", f"{_f(_ms(row.get('sampler_cost_us')), '{:.2f}')} ms/tick, interval {_f(_ms(row.get('sampler_interval_us')), '{:.1f}')} ms")
+    return [line, proc] if wide else [line]
+
+
+def _ms(us: int | None) -> float | None:
+    return None if us is None else us / 1000
+
+
+def workload_lines(steps: list[dict[str, Any]], status: dict[str, Any] | None, power_w: float | None,
+                   wide: bool) -> list[Text]:
+    """The workload's own figures, from its step rows (live or recorded)."""
+    if not steps:
+        if status:
+            return [Text(f"workload: {status.get('state')}  {status.get('describe', '')}", style="yellow")]
+        return [Text("workload: none in this session", style="dim")]
+    last = steps[-1]
+    times = sorted(r["step_time_s"] for r in steps[-200:] if r.get("step_time_s"))
+    p50 = statistics.median(times) if times else None
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))] if times else None
+    tps = last.get("tokens_per_s")
+    tpj = tps / power_w if tps and power_w else None
+    state = (status or {}).get("state", "recorded")
+    l1 = Text.assemble(
+        ("work ", "bold"), f"{(status or {}).get('preset', '')} {last.get('mode')} {last.get('precision')}  ",
+        f"batch {last.get('batch')}×{last.get('seq_len')}  ", (f"{_f(tps, '{:,.0f}')} tok/s", "bold green"),
+        f"  step p50 {_f(p50, '{:.3f}')} p99 {_f(p99, '{:.3f}')} s  ",
+        (state, "bold yellow" if state in ("paused", "building") else "bold red" if state == "failed" else "green"))
+    mfu = last.get("mfu")
+    l2 = Text.assemble(
+        f"     {_f(last.get('tflops'), '{:.1f}')} TFLOP/s  MFU {_f(mfu * 100 if mfu is not None else None, '{:.1f}')}%  ",
+        f"{_f(tpj, '{:.1f}')} tok/J  loss {_f(last.get('loss'), '{:.3f}')}  |logit| {_f(last.get('max_abs_logit'), '{:.3g}')}  ",
+        f"torch {fmt_bytes(last.get('torch_allocated_bytes'))} alloc / {fmt_bytes(last.get('torch_peak_bytes'))} peak",
+        f"  experts {last.get('expert_impl') or '-'}")
+    return [l1, l2]
+
+
+def risk_line(mem_series: list, total: int | None, interval_s: float, model_loaded: bool) -> tuple[Text, list]:
+    """Until a risk model is loaded: say so, and show memory headroom and its trend instead."""
+    h = headroom(mem_series[-300:], total, interval_s)
+    free_frac_series = [None if v is None or not total else 1 - v / total for v in mem_series]
+    label = Text("risk ", style="bold")
+    if not model_loaded:
+        label.append("no risk model loaded; ", style="yellow")
+    if h is None:
+        return label + Text("memory headroom unknown"), free_frac_series
+    trend = "flat" if h.slope_bytes_per_s is None or abs(h.slope_bytes_per_s) < 1e6 else \
+        f"{h.slope_bytes_per_s * 60 / GiB:+.2f} GiB/min"
+    ttf = f", full in ~{_dur(h.seconds_to_full)}" if h.seconds_to_full is not None else ""
+    style = "bold red" if h.free_frac < 0.05 else "yellow" if h.free_frac < 0.15 else "green"
+    return label + Text.assemble("headroom ", (f"{h.free_frac * 100:.1f}% ({fmt_bytes(h.free_bytes)})", style),
+                                 f", trend {trend}{ttf}"), free_frac_series
+
+
+def _dur(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
+    out = []
+    for e in events[-n:]:
+        d = event_detail(e)
+        extra = f" (risk {d['risk']:.2f})" if "risk" in d else ""
+        gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
+        line = f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{e['message']}{extra}"
+        out.append(Text(line[:width], style=SEVERITY_STYLE.get(e.get("severity"), "")))
+    return out or [Text("no events yet", style="dim")]
+
+
+def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: bool) -> Text:
+    badge = {"live": ("● LIVE", "bold green"), "replay": ("◆ REPLAY", "bold cyan"),
+             "follow": ("◉ FOLLOW", "bold magenta")}[kind]
+    t = Text.assemble((" gpuwatch ", "bold reverse"), " ", badge, " ", (label, "bold"), "  ", clock(cursor_us))
+    t.no_wrap = True
+    if paused:
+        t.append("  ‖ PAUSED", style="bold yellow")
+    if extra:
+        t.append("  " + extra)
+    return t
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
