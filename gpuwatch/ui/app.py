@@ -147,10 +147,10 @@ class GpuwatchApp(App):
             state = "▶" if src.playing else "‖"
             extra = f"{state} {src.speed:g}x  {pos / 1e6:,.1f}/{total / 1e6:,.1f} s" + ("  loop" if src.loop else "")
             if src.follow:
-                extra += "  at live edge" if src.at_edge else "  (f: back to live edge)"
+                extra += "  at live edge" if src.at_edge else "  f: to live edge"
         elif self.session is not None and self.session.recorder is not None:
             r = self.session.recorder
-            extra = (f"rec {r.state}: {r.dir.name}  {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped}"
+            extra = (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
                      if not r.error else f"REC ERROR: {r.error}")
         elif self.mode == "live":
             extra = "not recording"

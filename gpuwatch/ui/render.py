@@ -210,12 +210,13 @@ def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
 def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: bool) -> Text:
     badge = {"live": ("● LIVE", "bold green"), "replay": ("◆ REPLAY", "bold cyan"),
              "follow": ("◉ FOLLOW", "bold magenta")}[kind]
-    t = Text.assemble((" gpuwatch ", "bold reverse"), " ", badge, " ", (label, "bold"), "  ", clock(cursor_us))
+    t = Text.assemble((" gpuwatch ", "bold reverse"), " ", badge, " ", clock(cursor_us))
     t.no_wrap = True
     if paused:
         t.append("  ‖ PAUSED", style="bold yellow")
     if extra:
         t.append("  " + extra)
+    t.append("  " + label, style="bold")  # last: the first thing a narrow terminal cuts
     return t
 
 

@@ -1,0 +1,36 @@
+"""Layout snapshots (SVG) at 80x24 and 160x50, live and replay, on recorded H200 data.
+Update after an intended change with: pytest tests/test_snapshots.py --snapshot-update"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatch.recording.source import ReplaySource
+from gpuwatch.ui.app import make_app
+
+from conftest import RAMP
+from uihelpers import live_source
+
+SIZES = [(80, 24), (160, 50)]
+
+
+def _replay_at_first_oom():
+    src = ReplaySource(RAMP)
+    for _ in range(3):
+        src.jump_event(1)
+    return make_app(src)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_replay_layout(snap_compare, size):
+    assert snap_compare(_replay_at_first_oom(), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_live_layout(snap_compare, size):
+    src, _ = live_source()
+    assert snap_compare(make_app(src), terminal_size=size)
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(_replay_at_first_oom(), terminal_size=(80, 24), press=["question_mark"])

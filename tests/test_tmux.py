@@ -1,0 +1,52 @@
+"""`gpuwatch replay` on a shipped recording inside a real terminal (tmux): send keys, read the screen."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from conftest import RAMP, ROOT
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10).stdout
+
+
+def wait_for(session: str, needle: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = tmux("capture-pane", "-t", session, "-p")
+        if needle in screen:
+            return screen
+        time.sleep(0.2)
+    raise AssertionError(f"{needle!r} not on screen:\n{screen}")
+
+
+def test_replay_in_a_real_terminal(py, env):
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    cmd = f"cd {ROOT} && PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; echo EXITED $?; sleep 5"
+    env_args = [a for k in ("TERM",) for a in ("-e", f"{k}=xterm-256color")]
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", *env_args, cmd], check=True, timeout=10)
+    try:
+        screen = wait_for(name, "REPLAY")
+        assert "0.0/81.0 s" in screen and "GPU0 H200" in screen
+        tmux("send-keys", "-t", name, "n", "n", "n")
+        screen = wait_for(name, "CUDA OOM at batch 18")
+        tmux("send-keys", "-t", name, "g")
+        wait_for(name, "Go to")
+        tmux("send-keys", "-t", name, "50%", "Enter")
+        screen = wait_for(name, "40.5/81.0 s")
+        tmux("send-keys", "-t", name, "]")
+        screen = wait_for(name, "50.5/81.0 s")
+        assert "throttle:" in screen and "headroom" in screen
+        tmux("send-keys", "-t", name, "q")
+        wait_for(name, "EXITED 0")
+    finally:
+        tmux("kill-session", "-t", name)

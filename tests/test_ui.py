@@ -1,0 +1,203 @@
+"""The dashboard as a user meets it: Pilot drives every key in live, replay and follow."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from gpuwatch.recording.source import ReplaySource
+from gpuwatch.ui.app import make_app, parse_goto
+from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
+
+from conftest import RAMP, ROOT
+from uihelpers import live_source
+
+
+def text(app, wid: str) -> str:
+    return str(app.query_one(f"#{wid}").render())
+
+
+async def test_replay_keys_move_the_cursor():
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        start = src.cursor_us()
+        assert start == src.start_us and not src.playing
+        assert "REPLAY" in text(app, "header") and "0.0/81.0 s" in text(app, "header")
+        await pilot.press("right")
+        assert src.cursor_us() - start == 1_000_000
+        await pilot.press("right_square_bracket")
+        assert src.cursor_us() - start == 11_000_000
+        await pilot.press("left_square_bracket", "left")
+        assert src.cursor_us() == start
+        await pilot.press("full_stop", "full_stop")
+        assert src.cursor_us() == src.ticks_ts[2]
+        await pilot.press("comma")
+        assert src.cursor_us() == src.ticks_ts[1]
+        await pilot.press("end")
+        assert src.cursor_us() == src.end_us
+        await pilot.press("home")
+        assert src.cursor_us() == src.start_us
+        await pilot.press("plus", "plus")
+        assert src.speed == 4.0
+        await pilot.press("minus")
+        assert src.speed == 2.0
+        await pilot.press("l")
+        assert src.loop
+        await pilot.press("space")
+        assert src.playing
+        await pilot.pause(0.6)
+        assert src.cursor_us() > start + 500_000  # playing at 2x
+        await pilot.press("space")
+        assert not src.playing
+
+
+async def test_replay_jumps_between_events_and_shows_them():
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(100, 30)) as pilot:
+        oom_ts = [int(t.timestamp() * 1e6) for t, k in zip(src.events_df["ts"], src.events_df["kind"]) if k == "oom"]
+        for _ in range(3):  # session_start, workload_start, the first OOM
+            await pilot.press("n")
+        assert src.cursor_us() == oom_ts[0]
+        assert "CUDA OOM at batch 18" in text(app, "events")
+        await pilot.press("n", "n")
+        assert src.cursor_us() == oom_ts[1]
+        await pilot.press("N", "N")
+        assert src.cursor_us() == oom_ts[0]
+
+
+async def test_goto_time_percent_and_relative():
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("g")
+        assert isinstance(app.screen, GotoScreen)
+        await pilot.press(*"50%", "enter")
+        mid = src.start_us + (src.end_us - src.start_us) / 2
+        assert abs(src.cursor_us() - mid) < 1
+        await pilot.press("g", *"-10s", "enter")
+        assert abs(src.cursor_us() - (mid - 10e6)) < 1
+        await pilot.press("g", *"10:20:00", "enter")
+        assert "10:20:00.0" in text(app, "header")
+        await pilot.press("g", *"soon", "enter")  # a bad time: a notification, the cursor stays
+        assert "10:20:00.0" in text(app, "header")
+
+
+def test_parse_goto():
+    src = ReplaySource(RAMP)
+    assert parse_goto("0%", src) == src.start_us
+    assert parse_goto("100%", src) == src.end_us
+    assert parse_goto("later", src) is None
+
+
+async def test_help_and_quit_in_replay():
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_live_keys_reach_the_workload_and_the_bus():
+    pytest.importorskip("torch")
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    src, bus = live_source()
+    w = Workload(bus, WorkloadConfig(batch=8, seq_len=8, overrides={"num_hidden_layers": 2}, integrity_every=0))
+
+    class S:  # the part of a Session the App uses
+        workload, recorder = w, None
+        bus = None
+    S.bus = bus
+    app = make_app(src, session=S())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("plus")
+        assert w._pending["batch"] == 10
+        await pilot.press("minus")
+        assert w._pending["batch"] == 6
+        await pilot.press("p")
+        assert w._pending["precision"] == "tf32"  # fp32 -> tf32 in the cycle
+        await pilot.press("m")
+        assert bus.events.latest(1)[0].kind == "mark"
+        await pilot.press("space")
+        assert "PAUSED" in text(app, "header")
+        await pilot.press("space")
+        assert "PAUSED" not in text(app, "header")
+        await pilot.press("right", "g")  # replay keys do nothing live
+        assert not isinstance(app.screen, GotoScreen)
+        w.state = "running"
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmQuit) and app.is_running
+        await pilot.press("q", "y")
+    assert app.return_code == 0
+
+
+async def test_live_panels_show_real_values():
+    src, bus = live_source()
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        gpus = text(app, "gpus")
+        assert "GPU0 H200" in gpus and "/140 GiB" in gpus and "/700 W" in gpus
+        assert "LIVE" in text(app, "header") and "not recording" in text(app, "header")
+        assert "no risk model loaded" in text(app, "risk") and "headroom" in text(app, "risk")
+        assert "tok/s" in text(app, "work")
+
+
+async def test_view_pause_freezes_panels_while_data_arrives():
+    src, bus = live_source(100)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("space")
+        before = text(app, "events")
+        bus.emit("mark", "arrived while paused")
+        await pilot.pause(0.5)
+        assert text(app, "events") == before
+        await pilot.press("space")
+        await pilot.pause(0.3)
+        assert "arrived while paused" in text(app, "events")
+
+
+async def test_errors_underneath_are_visible_not_fatal():
+    src, bus = live_source(50)
+    app = make_app(src)
+    async with app.run_test(size=(100, 30)) as pilot:
+        bus.emit("gpu_lost", "GPU 0 fell off the bus (NVML: GPU is lost)", "error", gpu=0)
+        bus.emit("recorder_error", "recording stopped: No space left on device", "error")
+        await pilot.pause(0.4)
+        ev = text(app, "events")
+        assert "fell off the bus" in ev and "No space left" in ev
+        assert app.is_running
+
+
+async def test_follow_a_session_another_process_is_writing(tmp_path, env, py):
+    p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(tmp_path)],
+                         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.parquet")):
+            time.sleep(0.1)
+        session = next(tmp_path.iterdir())
+        src = ReplaySource(session, follow=True)
+        app = make_app(src)
+        async with app.run_test(size=(80, 24)) as pilot:
+            assert "FOLLOW" in text(app, "header")
+            first = src.cursor_us()
+            await pilot.pause(2.5)
+            assert src.cursor_us() > first + 1_000_000  # new segments arrived and the view kept up
+            assert "at live edge" in text(app, "header")
+            await pilot.press("left_square_bracket")  # look back: leaves the live edge
+            assert not src.at_edge
+            await pilot.press("f")
+            assert src.at_edge
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
