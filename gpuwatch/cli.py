@@ -137,12 +137,22 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _wait_until(deadline: float | None, done=lambda: False) -> None:
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+def _wait_until(deadline: float | None, done=None, poll_s: float = 0.5) -> None:
+    """Sleep until the deadline, SIGTERM/Ctrl-C, or `done()` (checked every `poll_s`); one wake-up per
+    poll, so a headless recorder costs nothing while it waits."""
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop["now"] and not done() and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.05)
+        while not stop.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 or done is not None and done():
+                return
+            timeout = left
+            if done is not None:
+                timeout = poll_s if left is None else min(left, poll_s)
+            stop.wait(timeout)
     except KeyboardInterrupt:
         pass
 

@@ -88,34 +88,32 @@ FAST: dict[str, Callable[[Any], Any]] = {
     "gpu_procs": _procs,  # compute-apps (pid, used memory)
 }
 
-# Slow fields. The legacy calls block: nvmlDeviceGetPcieThroughput samples for ~20 ms, and
-# nvmlDeviceGetTotalEnergyConsumption takes ~3 ms on an H200. Where the driver has them (Hopper and
-# newer), the cumulative PCIe byte counters and the energy counter are read instead, in one
-# nvmlDeviceGetFieldValues call, and the rate is the counter's difference over time.
-LEGACY_SLOW: dict[str, Callable[[Any], Any]] = {
+# Slow fields, measured on an H200 (benchmarks/bench_nvml.py): nvmlDeviceGetPcieThroughput blocks
+# ~21 ms (~0.9 ms of CPU) per direction; the total-energy counter costs ~4 ms of CPU per read, by the
+# legacy call or as a field value. So PCIe is read from the cumulative byte counters where the driver
+# has them (Hopper and newer: one nvmlDeviceGetFieldValues call, rate = difference over time), else by
+# the legacy calls; and energy only every `ENERGY_EVERY` slow ticks (10 s).
+LEGACY_PCIE: dict[str, Callable[[Any], Any]] = {
     "gpu_pcie_tx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES) * 1024,
     "gpu_pcie_rx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES) * 1024,
+}
+ENERGY: dict[str, Callable[[Any], Any]] = {
     "gpu_energy_mj": lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h),  # mJ since driver load
 }
-SLOW = LEGACY_SLOW
-COUNTER_FIELDS = {
-    "tx": getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
-    "rx": getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None),
-    "energy": getattr(pynvml, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", None),
-}
+LEGACY_SLOW = {**LEGACY_PCIE, **ENERGY}
+ENERGY_EVERY = 10
+PCIE_COUNTERS = (getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
+                 getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None))
 
 
-def read_counters(h) -> dict[str, int] | None:
-    """The cumulative PCIe TX/RX byte counters and energy (mJ) in one call, or None if unsupported."""
-    if None in COUNTER_FIELDS.values():
+def read_pcie_counters(h) -> tuple[int, int] | None:
+    """The cumulative PCIe TX and RX byte counters in one call, or None if unsupported."""
+    if None in PCIE_COUNTERS:
         return None
-    vals = pynvml.nvmlDeviceGetFieldValues(h, list(COUNTER_FIELDS.values()))
-    out = {}
-    for key, v in zip(COUNTER_FIELDS, vals):
-        if v.nvmlReturn != pynvml.NVML_SUCCESS:
-            return None
-        out[key] = int(v.value.ullVal)
-    return out
+    vals = pynvml.nvmlDeviceGetFieldValues(h, list(PCIE_COUNTERS))
+    if any(v.nvmlReturn != pynvml.NVML_SUCCESS for v in vals):
+        return None
+    return int(vals[0].value.ullVal), int(vals[1].value.ullVal)
 
 
 class NvmlBackend:
@@ -139,8 +137,9 @@ class NvmlBackend:
         self._unsupported: list[set[str]] = [set() for _ in self._handles]
         self.lost: set[int] = set()
         self.gpus = [self._info(i) for i in range(count)]
-        self._last_counters: list[tuple[float, dict[str, int]] | None] = [None] * count
-        self.counters = [self._try(lambda h=h: read_counters(h)) is not None for h in self._handles]
+        self._last_counters: list[tuple[float, tuple[int, int]] | None] = [None] * count
+        self.counters = [self._try(lambda h=h: read_pcie_counters(h)) is not None for h in self._handles]
+        self._slow_n = [0] * count
 
     @staticmethod
     def _try(fn):
@@ -196,26 +195,24 @@ class NvmlBackend:
         return raw
 
     def read_slow(self, i: int) -> dict[str, Any]:
-        """PCIe TX/RX rates and the energy counter for GPU i (counters where supported, else the
-        blocking legacy calls)."""
+        """PCIe TX/RX rates (counters where supported, else the blocking legacy calls) and, every
+        ENERGY_EVERY calls, the energy counter. Absent keys keep their last value in the sampler."""
+        n, self._slow_n[i] = self._slow_n[i], self._slow_n[i] + 1
+        out = self._read(i, ENERGY) if n % ENERGY_EVERY == 0 else {}
         if not self.counters[i]:
-            return self._read(i, LEGACY_SLOW)
-        got = self._read(i, {"c": read_counters})
-        c, now = got.get("c"), time.monotonic()
-        if c is None:
-            return {}
-        out = {"gpu_energy_mj": c["energy"]}
-        last, self._last_counters[i] = self._last_counters[i], (now, c)
-        if last is not None and now > last[0]:
+            return {**out, **self._read(i, LEGACY_PCIE)}
+        c, now = self._read(i, {"c": read_pcie_counters}).get("c"), time.monotonic()
+        last, self._last_counters[i] = self._last_counters[i], (now, c) if c else None
+        if c and last is not None and now > last[0]:
             dt = now - last[0]
-            out["gpu_pcie_tx_bytes_per_s"] = max(0, c["tx"] - last[1]["tx"]) / dt
-            out["gpu_pcie_rx_bytes_per_s"] = max(0, c["rx"] - last[1]["rx"]) / dt
+            out["gpu_pcie_tx_bytes_per_s"] = max(0, c[0] - last[1][0]) / dt
+            out["gpu_pcie_rx_bytes_per_s"] = max(0, c[1] - last[1][1]) / dt
         return out
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""
         out = {}
-        for name, fn in {**FAST, **LEGACY_SLOW, "pcie+energy counters": read_counters}.items():
+        for name, fn in {**FAST, **LEGACY_SLOW, "pcie counters": read_pcie_counters}.items():
             try:
                 out[name] = f"ok: {fn(self._handles[i])!r}"[:60]
             except _NOT_AVAILABLE as e:

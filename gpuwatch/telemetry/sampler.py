@@ -84,7 +84,7 @@ class Sampler:
             self._slow["host"] = self.host.read_slow()
         for i in list(self.active_gpus):
             try:
-                self._slow[i] = self.gpu.read_slow(i)
+                self._slow.setdefault(i, {}).update(self.gpu.read_slow(i))
             except GpuLost:
                 pass  # the fast tick reports it
 
