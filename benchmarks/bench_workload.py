@@ -22,10 +22,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# Heavy imports (torch, transformers) stay inside the functions: the sampler's child process is
+# spawned, and spawn re-imports this script as __mp_main__; module-level torch imports made every
+# Session start take seconds (the overhead stage ran past its limit on the H200 because of it).
 from gpuwatch.runtime import Session  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
-from gpuwatch.workload.cli import summarize  # noqa: E402
-from gpuwatch.workload.runner import Workload, WorkloadConfig  # noqa: E402
+
+
+def _workload(bus, **kw):
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    return Workload(bus, WorkloadConfig(**kw))
+
+
+def summarize(w, bus):
+    from gpuwatch.workload.cli import summarize as s
+
+    return s(w, bus)
 
 
 def _session(record: Path | None, name: str) -> Session:
@@ -47,7 +60,7 @@ def _power(session: Session) -> dict:
 
 def sweep(a) -> dict:
     s = _session(a.record, f"sweep-{a.preset}-prefill")
-    w = Workload(s.bus, WorkloadConfig(preset=a.preset, mode="prefill", schedule="sweep", precision="bf16",
+    w = _workload(s.bus, **dict(preset=a.preset, mode="prefill", schedule="sweep", precision="bf16",
                                        seq_len=512, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
     s.attach_workload(w)
     s.start()
@@ -59,7 +72,7 @@ def sweep(a) -> dict:
 def overhead(a) -> dict:
     """ABBA-ordered windows of the same running workload: bare, then with a Session sampling+recording."""
     bus = Bus()
-    w = Workload(bus, WorkloadConfig(preset=a.preset, mode="prefill", precision="bf16", batch=a.batch,
+    w = _workload(bus, **dict(preset=a.preset, mode="prefill", precision="bf16", batch=a.batch,
                                      seq_len=512, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
     w.start()
     while len(bus.steps) < 10:
@@ -90,7 +103,7 @@ def oom(a) -> dict:
     import torch
 
     s = _session(a.record, f"oom-inject-{a.preset}-train")
-    w = Workload(s.bus, WorkloadConfig(preset=a.preset, mode="train", precision="bf16", batch=a.batch,
+    w = _workload(s.bus, **dict(preset=a.preset, mode="train", precision="bf16", batch=a.batch,
                                        seq_len=1024, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
     s.config["workloads"] = [w.describe()]  # driven step by step here, not by its own thread
     s.start()
@@ -115,7 +128,7 @@ def oom(a) -> dict:
 
 def ramp(a) -> dict:
     s = _session(a.record, f"ramp-{a.preset}-train")
-    w = Workload(s.bus, WorkloadConfig(preset=a.preset, mode="train", schedule="ramp", precision="bf16",
+    w = _workload(s.bus, **dict(preset=a.preset, mode="train", schedule="ramp", precision="bf16",
                                        batch=a.batch, seq_len=1024, device=a.device, gpu_index=0 if a.device != "cpu" else None,
                                        integrity_every=25))
     w.schedule.per_level = 3

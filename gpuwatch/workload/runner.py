@@ -268,12 +268,15 @@ class Workload:
         with torch.inference_mode():
             a = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
             b = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
-        diff = (a - b).abs().max().item()
-        tol = 1e-3 * max(1.0, a.abs().max().item()) if self.precision in ("bf16", "fp16") else 1e-5 * max(1.0, a.abs().max().item())
-        if not diff <= tol:
+        scale = max(1.0, a.nan_to_num(0, 0, 0).abs().max().item())
+        tol = (1e-3 if self.precision in ("bf16", "fp16") else 1e-5) * scale
+        same_nonfinite = bool((a.isfinite() == b.isfinite()).all())  # NaN twice is consistent (and a
+        diff = (a - b).nan_to_num(0, 0, 0).abs().max().item()  # `nonfinite` event already says so)
+        if not (same_nonfinite and diff <= tol):
             self.integrity_failures += 1
             self.bus.emit("integrity_mismatch", f"same input, outputs differ by {diff:.3g} (tol {tol:.3g})",
-                          "error", gpu=self.cfg.gpu_index, max_abs_diff=diff, tolerance=tol)
+                          "error", gpu=self.cfg.gpu_index, max_abs_diff=diff, tolerance=tol,
+                          nonfinite_pattern_differs=not same_nonfinite)
 
     # -- figures for the UI ----------------------------------------------------------------------------
     def step_time_pct(self) -> tuple[float | None, float | None]:
