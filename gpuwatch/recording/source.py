@@ -119,9 +119,9 @@ class ReplaySource:
         new = any(not f.is_empty() for f in frames.values())
         if not new:
             return False
-        self.samples = pl.concat([self.samples, frames["samples"]]).sort("ts", "gpu", maintain_order=True)
-        self.steps_df = pl.concat([self.steps_df, frames["steps"]]).sort("ts")
-        self.events_df = pl.concat([self.events_df, frames["events"]]).sort("ts")
+        self.samples = _sorted(pl.concat([self.samples, frames["samples"]]))
+        self.steps_df = _sorted(pl.concat([self.steps_df, frames["steps"]]))
+        self.events_df = _sorted(pl.concat([self.events_df, frames["events"]]))
         self.ticks_ts = self._tick_times()
         self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
         self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
@@ -131,7 +131,9 @@ class ReplaySource:
         return True
 
     def _tick_times(self) -> np.ndarray:
-        return self.samples.group_by("tick", maintain_order=True).agg(pl.col("ts").first())["ts"].dt.epoch("us").to_numpy()
+        """One timestamp per tick (all GPUs of a tick share it); rows are sorted by time."""
+        ts = self.samples["ts"].dt.epoch("us").to_numpy()
+        return ts[np.r_[True, ts[1:] != ts[:-1]]] if ts.size else ts
 
     def _col(self, column: str, gpu: int | None) -> tuple[np.ndarray, pl.Series]:
         key = (column, gpu)
@@ -244,6 +246,11 @@ class ReplaySource:
     def steps(self, n: int) -> list[dict[str, Any]]:
         i = int(np.searchsorted(self._steps_ts, self._t, side="right"))
         return self.steps_df.slice(max(0, i - n), min(n, i)).to_dicts()
+
+
+def _sorted(df: pl.DataFrame) -> pl.DataFrame:
+    """Sort by time unless it already is (a compacted or appended recording usually is: O(n) check)."""
+    return df if df["ts"].is_sorted() else df.sort("ts", maintain_order=True)
 
 
 def event_detail(row: dict[str, Any]) -> dict[str, Any]:
