@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -48,5 +49,24 @@ def test_replay_in_a_real_terminal(py, env):
         assert "throttle:" in screen and "headroom" in screen
         tmux("send-keys", "-t", name, "q")
         wait_for(name, "EXITED 0")
+    finally:
+        tmux("kill-session", "-t", name)
+
+
+def test_no_color_is_honoured(py, env):
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    cmd = f"cd {ROOT} && NO_COLOR=1 PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; sleep 5"
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", "-e", "TERM=xterm-256color", cmd],
+                   check=True, timeout=10)
+    try:
+        wait_for(name, "REPLAY")
+        time.sleep(0.5)
+        styled = tmux("capture-pane", "-t", name, "-p", "-e")
+        # Textual's NO_COLOR mode is monochrome: only greys (the 256-colour grey ramp, or r=g=b)
+        palette = [int(n) for n in re.findall(r"[34]8;5;(\d+)", styled)]
+        assert palette and all(n >= 232 or n in (0, 7, 8, 15, 16, 231) for n in palette), sorted(set(palette))
+        for r, g, b in re.findall(r"[34]8;2;(\d+);(\d+);(\d+)", styled):
+            assert r == g == b
+        tmux("send-keys", "-t", name, "q")
     finally:
         tmux("kill-session", "-t", name)

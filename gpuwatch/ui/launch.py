@@ -18,9 +18,11 @@ def run_tui(args) -> int:
 
     if args.command == "replay":
         source = ReplaySource(args.path, follow=args.follow, speed=args.speed)
-        for w in source.reader.warnings:
+        for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
             print(f"gpuwatch: warning: {w}", file=sys.stderr)
-        make_app(source).run()
+        app = make_app(source)
+        app.call_later(lambda: [app.notify(w, severity="warning", timeout=15) for w in source.reader.warnings])
+        app.run()
         return 0
     from gpuwatch.runtime import Session
 

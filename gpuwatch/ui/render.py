@@ -136,7 +136,8 @@ def host_lines(row: dict[str, Any] | None, width: int, wide: bool) -> list[Text]
     line = Text.assemble(
         ("host ", "bold"), f"CPU {_f(cpu, '{:.0f}'):>3}% ", (core_str[: max(0, width - 70)], "green"),
         f" mem {fmt_bytes(mu)}/{fmt_bytes(mt)} swap {fmt_bytes(row.get('host_swap_used_bytes'))}",
-        f" load {_f(row.get('host_load1'), '{:.1f}')}")
+        f" load {_f(row.get('host_load1'), '{:.1f}')}",
+        "" if wide else f"  tick {_f(_ms(row.get('sampler_cost_us')), '{:.2f}')} ms")
     proc = Text.assemble(
         ("process ", "bold"), f"CPU {_f(row.get('proc_cpu_pct'), '{:.0f}')}% RSS {fmt_bytes(row.get('proc_rss_bytes'))}",
         "  sampler ", f"{_f(_ms(row.get('sampler_cost_us')), '{:.2f}')} ms/tick, interval {_f(_ms(row.get('sampler_interval_us')), '{:.1f}')} ms")
