@@ -3,10 +3,9 @@
 # Run from the repo root there, with .whl carried:  bash benchmarks/device_run.sh
 # Writes $OUT/results.tgz (one JSON per stage + info.txt + log) and $OUT/sessions.tgz (recordings).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 R=/tmp/results; S=/tmp/sessions; mkdir -p $R $S
-stage() { local name=$1 secs=$2; shift 2; echo "== $name $(date +%T)"; timeout "$secs" "$@" > $R/$name.json 2> $R/$name.err; echo "rc=$? $(date +%T)"; tail -3 $R/$name.err; }
+EXT=json
+. benchmarks/device_env.sh
 { nvidia-smi; python3 -m gpuwatch info; } > $R/info.txt 2>&1
 # a background recording of the whole run: real data for the bytes-per-sample figure
 python3 -m gpuwatch record -o $S/bg > $R/bg.txt 2>&1 & BG=$!

@@ -3,10 +3,9 @@
 # the OOM-injection run, the watching-overhead pairs, and the TUI's cost and its effect on tokens/s.
 # Run from the repo root on the GPU machine with .whl carried:  bash benchmarks/device_run2.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 R=/tmp/results2; S=/tmp/sessions2; mkdir -p $R $S
-stage() { local name=$1 secs=$2; shift 2; echo "== $name $(date +%T)"; timeout "$secs" "$@" > $R/$name.json 2> $R/$name.err; echo "rc=$? $(date +%T)"; tail -n 3 $R/$name.err; }
+EXT=json
+. benchmarks/device_env.sh
 stage nvml 60 python3 benchmarks/bench_nvml.py
 stage cost 100 python3 benchmarks/bench_sampler.py cost --seconds 45
 stage tui_cost 80 python3 benchmarks/bench_tui.py cost --seconds 30

@@ -3,10 +3,9 @@
 # pairs; and `gpuwatch stress` end to end with the fault injections (recordings kept as samples).
 # Run from the repo root on the GPU machine with .whl carried:  bash benchmarks/device_run3.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 R=/tmp/results3; S=/tmp/sessions3; mkdir -p $R $S
-stage() { local name=$1 secs=$2; shift 2; echo "== $name $(date +%T)"; timeout "$secs" "$@" > $R/$name.txt 2> $R/$name.err; echo "rc=$? $(date +%T)"; tail -n 4 $R/$name.txt; }
+EXT=txt
+. benchmarks/device_env.sh
 stage nvml 60 python3 benchmarks/bench_nvml.py
 stage cost 100 python3 benchmarks/bench_sampler.py cost --seconds 45
 stage overhead 200 python3 benchmarks/bench_workload.py overhead --pairs 6 --window 8
