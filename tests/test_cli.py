@@ -68,3 +68,21 @@ def test_replay_of_a_bad_file_is_one_line(py, env, tmp_path):
     r = run(py, env, "replay", str(bad))
     assert r.returncode == 1
     assert r.stderr.strip() == f"gpuwatch: error: {bad}: not a Parquet file"
+
+
+def test_stress_headless_on_the_cpu(py, env, tmp_path):
+    r = run(py, env, "stress", "--preset", "tiny", "--schedule", "sweep", "--max-batch", "4", "--seq-len", "16",
+            "-o", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tiny prefill on CPU: finished, 18 steps" in r.stdout
+    assert "batch  seq  latency_s  tokens/s" in r.stdout
+    rec = open_recording(next(tmp_path.iterdir()))
+    assert rec.steps["batch"].to_list() == [1] * 6 + [2] * 6 + [4] * 6
+    assert rec.meta["config"]["workloads"][0]["preset"] == "tiny"
+
+
+def test_stress_exit_code_is_1_when_a_failure_was_not_recovered(py, env):
+    r = run(py, env, "stress", "--preset", "tiny", "--steps", "3", "--no-record", "--set", "hidden_size=-5",
+            timeout=300)
+    assert r.returncode == 1
+    assert "UNRECOVERED" in r.stdout and "Traceback" not in r.stderr

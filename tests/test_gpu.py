@@ -1,0 +1,42 @@
+"""On a real NVIDIA GPU only (skipped in CI): NVML for real, and the workload's OOM recovery on CUDA.
+The same paths produced docs/BENCHMARKS.md on the H200 (benchmarks/device_run*.sh)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_nvml_reads_every_fast_field_on_a_real_gpu():
+    from gpuwatch.telemetry.nvml import NvmlBackend
+
+    b = NvmlBackend()
+    row = b.read_fast(0)
+    for col in ("gpu_util_pct", "gpu_mem_used_bytes", "gpu_mem_total_bytes", "gpu_temp_c", "gpu_power_w",
+                "gpu_sm_clock_mhz", "gpu_clocks_event_reasons"):
+        assert row.get(col) is not None, col
+    b.read_slow(0)
+    slow = b.read_slow(0)
+    assert "gpu_pcie_tx_bytes_per_s" in slow
+    b.close()
+
+
+def test_a_real_cuda_oom_is_recovered_to_the_pre_step_allocation():
+    import torch
+
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload.runner import Faults, Workload, WorkloadConfig
+
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(preset="small", mode="train", precision="bf16", batch=2, seq_len=256,
+                                     device="cuda:0", gpu_index=0, integrity_every=0,
+                                     faults=Faults(memory_limit_bytes=8 * 2**30)))
+    w._build()
+    w._one_step(2, 256, "steady")
+    before = torch.cuda.memory_allocated()
+    w._one_step(512, 2048, "inject")
+    assert w.ooms == 1 and w.recovered == 1
+    assert torch.cuda.memory_allocated() <= before
+    w._one_step(2, 256, "steady")
+    assert bus.steps.latest(1)[0]["batch"] == 2
