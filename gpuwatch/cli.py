@@ -62,8 +62,8 @@ def _common(p: argparse.ArgumentParser, record_default: bool) -> None:
                    help="sampling interval (default 100ms)")
     p.add_argument("-o", "--output", type=Path, default=Path("recordings"), metavar="DIR",
                    help="where session folders are written (default recordings/)")
-    p.add_argument("--no-record", dest="record", action="store_false", default=record_default,
-                   help="do not write a recording")
+    p.add_argument("--record", action=argparse.BooleanOptionalAction, default=record_default,
+                   help=f"write a recording (default: {'on' if record_default else 'off'})")
     p.add_argument("--sampler", choices=["process", "thread"], default="process",
                    help="sample in a child process (default; keeps 100 ms under a busy GIL) or a thread")
     p.add_argument("--source", metavar="SESSION",

@@ -53,6 +53,22 @@ def test_replay_in_a_real_terminal(py, env):
         tmux("kill-session", "-t", name)
 
 
+def test_16_colour_terminal_gets_only_the_16_colours(py, env):
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    cmd = f"cd {ROOT} && TERM=xterm COLORTERM= PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; sleep 5"
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd], check=True, timeout=10)
+    try:
+        wait_for(name, "REPLAY")
+        tmux("send-keys", "-t", name, "n", "n", "n")
+        wait_for(name, "CUDA OOM")
+        styled = tmux("capture-pane", "-t", name, "-p", "-e")
+        assert not re.findall(r"[34]8;[25];", styled), "256/true colour sent to a 16-colour terminal"
+        assert re.findall(r"\x1b\[[0-9;]*(?:3[0-7]|9[0-7])[;m]", styled), "no colour at all"
+        tmux("send-keys", "-t", name, "q")
+    finally:
+        tmux("kill-session", "-t", name)
+
+
 def test_no_color_is_honoured(py, env):
     name = f"gw-{uuid.uuid4().hex[:8]}"
     cmd = f"cd {ROOT} && NO_COLOR=1 PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; sleep 5"

@@ -174,7 +174,7 @@ class GpuwatchApp(App):
         if meta is not None:
             total = meta.mem_total_bytes
             mem = src.series("gpu_mem_used_bytes", g, n)
-            free = [None if v is None or not total else 1 - v / total for v in mem]
+            free = self._risk(mem)[1]
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
                       ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
@@ -206,12 +206,27 @@ class GpuwatchApp(App):
         if meta is None:
             return Text("risk: no GPU", style="dim"), []
         mem = mem if mem is not None else self.source.series("gpu_mem_used_bytes", g, 300)
-        return R.risk_line(mem, meta.mem_total_bytes, self.interval_s, model_loaded=False)
+        cap = self._memory_cap()
+        total = min(meta.mem_total_bytes or cap, cap) if cap else meta.mem_total_bytes
+        line, free = R.risk_line(mem, total, self.interval_s, model_loaded=False)
+        if cap:
+            line.append(f" (of the {R.fmt_bytes(cap)} --gpu-memory-limit)", style="dim")
+        return line, free
+
+    def _memory_cap(self) -> int | None:
+        """A workload's --gpu-memory-limit: NVML does not know it, so headroom is measured against it."""
+        if self.workload is not None:
+            return self.workload.cfg.faults.memory_limit_bytes
+        meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
+        loads = (meta.get("config") or {}).get("workloads") or []
+        return ((loads[0].get("faults") or {}).get("memory_limit_bytes") if loads else None) or None
 
     def _workload_status(self) -> dict[str, Any] | None:
         w = self.workload
         if w is None:
-            return None
+            meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
+            loads = (meta.get("config") or {}).get("workloads") or []
+            return {"state": "recorded", "preset": loads[0].get("preset", ""), "describe": ""} if loads else None
         return {"state": w.state, "preset": w.cfg.preset,
                 "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
 

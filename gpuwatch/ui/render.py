@@ -179,7 +179,7 @@ def workload_lines(steps: list[dict[str, Any]], status: dict[str, Any] | None, p
 def risk_line(mem_series: list, total: int | None, interval_s: float, model_loaded: bool) -> tuple[Text, list]:
     """Until a risk model is loaded: say so, and show memory headroom and its trend instead."""
     h = headroom(mem_series[-300:], total, interval_s)
-    free_frac_series = [None if v is None or not total else 1 - v / total for v in mem_series]
+    free_frac_series = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem_series]
     label = Text("risk ", style="bold")
     if not model_loaded:
         label.append("no risk model loaded; ", style="yellow")
