@@ -187,3 +187,12 @@ def test_kill_9_loses_at_most_about_one_second(tmp_path, env, py):
     # the sampler child notices its parent is gone and exits within its 1 s check
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
+
+
+def test_two_sessions_in_the_same_second_do_not_collide(tmp_path):
+    a = Recorder(Bus(), tmp_path, {}, name="same").start()
+    b = Recorder(Bus(), tmp_path, {}, name="same").start()
+    assert a.error is None and b.error is None
+    assert (a.dir.name, b.dir.name) == ("same", "same-2")
+    a.stop()
+    b.stop()

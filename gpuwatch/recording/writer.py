@@ -84,7 +84,15 @@ class Recorder:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Recorder":
         try:
-            self.dir.mkdir(parents=True, exist_ok=False)
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            base, n = self.dir, 1
+            while True:  # two sessions started in the same second on one host get -2, -3, ...
+                try:
+                    self.dir.mkdir()
+                    break
+                except FileExistsError:
+                    n += 1
+                    self.dir = base.with_name(f"{base.name}-{n}")
             write_json_atomic(self.meta, self.dir / "meta.json")
         except OSError as e:
             self._fail(e)
