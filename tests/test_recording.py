@@ -159,6 +159,26 @@ def test_follow_reads_only_new_files(tmp_path):
     assert reader.load_new()["samples"]["tick"].to_list() == [3, 4]
 
 
+def test_follow_returns_each_row_once_through_rolls_and_compaction(tmp_path):
+    bus = Bus()
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    r = Recorder(bus, tmp_path, {}, name="long", roll_every=3).start()
+    r._stop.set()
+    reader = SessionReader(r.dir)
+    got = []
+    for i in range(8):  # segments 1-3 and 4-6 are rolled into chunks while the follower reads
+        for _ in range(4):
+            s.tick()
+        r.flush()
+        if i % 2:
+            got += reader.load_new()["samples"]["tick"].to_list()
+    bus.emit("mark", "before the end")
+    r.stop()  # compaction replaces every file by samples.parquet
+    got += reader.load_new()["samples"]["tick"].to_list()
+    assert got == list(range(32))
+    assert reader.load_new()["samples"].is_empty()
+
+
 def test_kill_9_loses_at_most_about_one_second(tmp_path, env, py):
     out = tmp_path / "rec"
     p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(out)],

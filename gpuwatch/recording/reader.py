@@ -90,6 +90,7 @@ class SessionReader:
         self.warnings: list[str] = []
         self._seen: set[str] = set()
         self._covered: dict[str, list[tuple[int, int]]] = {t: [] for t in schema.TABLES}
+        self._rows: dict[str, dict[str, int]] = {t: {} for t in schema.TABLES}  # rows returned per file
         self.read_meta()
 
     def read_meta(self) -> dict[str, Any]:
@@ -133,11 +134,24 @@ class SessionReader:
                 self._covered[table].append((int(m.group(2)), int(m.group(3))))
             out.append((table, self.path / n))
         # a chunk written just before a crash may duplicate segments that were not yet deleted
-        return [(t, p) for t, p in out if not (SEGMENT_RE.match(p.name) and any(
+        out = [(t, p) for t, p in out if not (SEGMENT_RE.match(p.name) and any(
             a <= int(SEGMENT_RE.match(p.name).group(2)) <= b for a, b in self._covered[t]))]
+        return sorted(out, key=lambda tp: _first_segment(tp[1].name))
+
+    def _already_read(self, table: str, name: str) -> int:
+        """Rows of a new chunk or compacted file that earlier reads returned from the segments it merged
+        (a follower read them before the writer rolled or compacted): they form its prefix."""
+        got = self._rows[table]
+        if m := CHUNK_RE.match(name):
+            a, b = int(m.group(2)), int(m.group(3))
+            return sum(n for f, n in got.items() if (s := SEGMENT_RE.match(f)) and a <= int(s.group(2)) <= b)
+        if COMPACT_RE.match(name):
+            return sum(got.values())
+        return 0
 
     def load_new(self) -> dict[str, pl.DataFrame]:
-        """Read files not read before; returns one frame per table (possibly empty)."""
+        """Read files not read before; returns one frame per table (possibly empty). Rows are returned
+        once, also when the writer later merges segments into a chunk or compacts the session."""
         frames: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
         for table, p in self._files():
             self._seen.add(p.name if p.parent == self.path else str(p))
@@ -146,8 +160,16 @@ class SessionReader:
             except RecordingError as e:
                 self.warnings.append(str(e))
                 continue
+            df = df.slice(self._already_read(t, p.name))
+            self._rows[t][p.name] = df.height
             frames[t].append(df)
         return {t: pl.concat(f, how="vertical_relaxed") if f else schema.empty(t) for t, f in frames.items()}
+
+
+def _first_segment(name: str) -> int:
+    """Read order: by the first segment a file holds (a compacted file holds them all)."""
+    m = SEGMENT_RE.match(name) or CHUNK_RE.match(name)
+    return int(m.group(2)) if m else 0
 
 
 def open_recording(path: Path | str) -> Recording:
