@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import polars as pl
 import psutil

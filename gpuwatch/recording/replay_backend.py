@@ -47,9 +47,7 @@ class ReplayGpuBackend:
         if i in self.lost:
             raise GpuLost(f"GPU {i}: end of replayed recording")
         row = self._next(i)
-        keep = {k: v for k, v in row.items() if k.startswith("gpu_") and k not in _SLOW}
-        self._last_slow = {k: row.get(k) for k in _SLOW}
-        return keep
+        return {k: v for k, v in row.items() if k.startswith("gpu_") and k not in _SLOW}
 
     def read_slow(self, i: int) -> dict[str, Any]:
         rows = self._rows[i]

@@ -7,7 +7,6 @@ process); this App pulls the latest samples at 4 Hz and re-renders only the pane
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -365,5 +364,3 @@ def make_app(source: TelemetrySource, session=None, **kw) -> GpuwatchApp:
     """The App with its collaborators injected: tests pass a replay or a hand-fed live source."""
     return GpuwatchApp(source, session=session, **kw)
 
-
-__all__ = ["GpuwatchApp", "make_app", "parse_goto", "Path"]

@@ -8,10 +8,8 @@ and take effect before the next step: this is the interface the guard (gpuwatch.
 from __future__ import annotations
 
 import gc
-import statistics
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +61,6 @@ class Workload:
         self.device = torch.device(cfg.device)
         self.state = "idle"  # idle | building | running | paused | stopped | failed | finished
         self.last: dict[str, Any] = {}
-        self.step_times: deque[float] = deque(maxlen=200)
         self.ooms = self.recovered = self.nonfinite = self.integrity_failures = 0
         self.unrecovered: str | None = None
         self.params = F.param_count(self.fields)
@@ -203,7 +200,6 @@ class Workload:
             return
         self.schedule.done()
         self._step += 1
-        self.step_times.append(row["step_time_s"])
         self.last = row
         self.bus.steps.append(row)
         if row["loss"] is not None and not _finite(row["loss"]) or not _finite(row["max_abs_logit"]):
@@ -277,13 +273,6 @@ class Workload:
             self.bus.emit("integrity_mismatch", f"same input, outputs differ by {diff:.3g} (tol {tol:.3g})",
                           "error", gpu=self.cfg.gpu_index, max_abs_diff=diff, tolerance=tol,
                           nonfinite_pattern_differs=not same_nonfinite)
-
-    # -- figures for the UI ----------------------------------------------------------------------------
-    def step_time_pct(self) -> tuple[float | None, float | None]:
-        t = sorted(self.step_times)
-        if not t:
-            return None, None
-        return statistics.median(t), t[min(len(t) - 1, int(0.99 * len(t)))]
 
 
 def _finite(x: float | None) -> bool:
