@@ -201,3 +201,29 @@ async def test_follow_a_session_another_process_is_writing(tmp_path, env, py):
     finally:
         p.terminate()
         p.wait(timeout=20)
+
+
+async def test_two_gpus_both_shown_and_s_cycles_the_plots(monkeypatch):
+    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.nvml import NvmlBackend
+    from gpuwatch.telemetry.sampler import Sampler
+
+    from test_nvml_boundary import FakeDriver
+
+    FakeDriver(monkeypatch)  # two GPUs behind the real pynvml error classes
+    bus = Bus()
+    s = Sampler(bus, NvmlBackend(), None)
+    for _ in range(20):
+        s.tick()
+    src = LiveSource(bus, [GpuMeta(0, "NVIDIA H200", 141 * 2**30, 700.0, 89),
+                           GpuMeta(1, "NVIDIA H200", 141 * 2**30, 700.0, 89)])
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        gpus = text(app, "gpus")
+        assert "GPU0 H200" in gpus and "GPU1 H200" in gpus
+        assert app.plot_gpu == 0
+        await pilot.press("s")
+        assert app.plot_gpu == 1
+        await pilot.press("s")
+        assert app.plot_gpu == 0
