@@ -29,6 +29,7 @@ def run_tui(args) -> int:
     session = Session(interval=args.interval, record_dir=args.output if args.record else None,
                       source=args.source, sampler=args.sampler)
     if args.command in (None, "live"):
+        print("gpuwatch: loading torch and building the workload...", file=sys.stderr)
         _attach_workloads(session, args)
     label = getattr(session.gpu, "label", None) or "CPU-only"
     source = LiveSource(session.bus, _gpu_meta(session), label)

@@ -169,7 +169,7 @@ def workload_lines(steps: list[dict[str, Any]], status: dict[str, Any] | None, p
         (state, "bold yellow" if state in ("paused", "building") else "bold red" if state == "failed" else "green"))
     mfu = last.get("mfu")
     l2 = Text.assemble(
-        f"     {_f(last.get('tflops'), '{:.1f}')} TFLOP/s  MFU {_f(mfu * 100 if mfu is not None else None, '{:.1f}')}%  ",
+        f"     {compact(last['tflops']) if last.get('tflops') is not None else '-'} TFLOP/s  MFU {_f(mfu * 100 if mfu is not None else None, '{:.1f}')}%  ",
         f"{_f(tpj, '{:.1f}')} tok/J  loss {_f(last.get('loss'), '{:.3f}')}  |logit| {_f(last.get('max_abs_logit'), '{:.3g}')}  ",
         f"torch {fmt_bytes(last.get('torch_allocated_bytes'))} alloc / {fmt_bytes(last.get('torch_peak_bytes'))} peak",
         f"  experts {last.get('expert_impl') or '-'}")
