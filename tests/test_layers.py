@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-CORE = ["gpuwatch.cli", "gpuwatch.runtime", "gpuwatch.telemetry.sampler", "gpuwatch.telemetry.sampler_process",
+CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.runtime", "gpuwatch.telemetry.sampler", "gpuwatch.telemetry.sampler_process",
         "gpuwatch.recording.reader", "gpuwatch.recording.writer", "gpuwatch.recording.replay_backend",
         "gpuwatch.workload.presets", "gpuwatch.workload.flops", "gpuwatch.workload.schedule"]
 

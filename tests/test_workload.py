@@ -197,3 +197,11 @@ def test_bad_device_is_a_usage_error():
 
     with pytest.raises(UsageError):
         M.resolve_device("tpu:9")
+
+
+def test_the_workload_offers_the_controls_a_guard_drives():
+    from gpuwatch.control import WorkloadControls
+
+    w = Workload(Bus(), WorkloadConfig(batch=2, seq_len=8, overrides=FAST))
+    assert isinstance(w, WorkloadControls)
+    assert w.batch == 2 and w.precision == "fp32" and w.state == "idle"
