@@ -62,7 +62,6 @@ class GpuwatchApp(App):
         self.view_paused = False
         self.plot_gpu = source.gpus[0].index if source.gpus else None
         self._texts: dict[str, str] = {}
-        self._renders = 0
 
     @property
     def mode(self) -> str:
@@ -108,7 +107,6 @@ class GpuwatchApp(App):
             return
         if not (changed or force):
             return
-        self._renders += 1
         width = self.size.width - (4 if self.wide else 0)
         latest = self.source.latest()
         rows = [latest.get(g.index) for g in self.source.gpus]
@@ -117,12 +115,13 @@ class GpuwatchApp(App):
             else Text("no GPU: CPU-only mode (host and workload panels still work)", style="yellow")
         self._set("header", self._header())
         self._set("gpus", gpu_text)
-        self._set("plots", self._plots(width))
+        plots, risk = self._plots(width)
+        self._set("plots", plots)
         power = rows[0].get("gpu_power_w") if rows and rows[0] else None
         self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
         host_row = next(iter(latest.values()), None)
         self._set("host", Text("\n").join(R.host_lines(host_row, width, self.wide)))
-        self._set("risk", self._risk()[0])
+        self._set("risk", risk)
         h = max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
         self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
 
@@ -155,8 +154,9 @@ class GpuwatchApp(App):
             extra = "not recording"
         return R.header(src.kind, src.label, src.cursor_us(), extra, self.view_paused)
 
-    def _plots(self, width: int) -> Text:
-        """History plots, one column per second (the max of its samples, so no peak is hidden)."""
+    def _plots(self, width: int) -> tuple[Text, Text]:
+        """History plots, one column per second (the max of its samples, so no peak is hidden), and
+        the risk line, which reads the same memory series."""
         g = self.plot_gpu
         src = self.source
         meta = next((m for m in src.gpus if m.index == g), None)
@@ -172,14 +172,15 @@ class GpuwatchApp(App):
         specs: list[tuple[str, list, float | None, str]] = []
         if meta is not None:
             total = meta.mem_total_bytes
-            mem = src.series("gpu_mem_used_bytes", g, n)
-            free = self._risk(mem)[1]
+            mem = src.series("gpu_mem_used_bytes", g, max(n, 300))  # the risk fit reads the last 300
+            risk, free = self._risk(mem)
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
                       ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
                       ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"),
                       ("headroom", R.bucket_min(free, k), 1.0, "cyan")]
         else:
+            risk = self._risk()[0]
             specs += [("CPU %", R.bucket_max(src.series("host_cpu_pct", None, n), k), 100, "green")]
         specs.append(("tok/s", [r.get("tokens_per_s") for r in src.steps(plot_w)], None, "bright_green"))
         blocks = []
@@ -195,16 +196,16 @@ class GpuwatchApp(App):
             for r in range(height):
                 out.append(Text("  ").join(b[r] for b in group))
         if not self.wide:
-            return Text("\n").join(out)
+            return Text("\n").join(out), risk
         title = Text(f"history GPU{g}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
-        return Text("\n").join([title, *out])
+        return Text("\n").join([title, *out]), risk
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
+        """The risk line for the plotted GPU and its free-memory fraction series (from `mem`)."""
         g = self.plot_gpu
         meta = next((m for m in self.source.gpus if m.index == g), None)
-        if meta is None:
+        if meta is None or mem is None:
             return Text("risk: no GPU", style="dim"), []
-        mem = mem if mem is not None else self.source.series("gpu_mem_used_bytes", g, 300)
         cap = self._memory_cap()
         total = min(meta.mem_total_bytes or cap, cap) if cap else meta.mem_total_bytes
         line, free = R.risk_line(mem, total, self.interval_s, model_loaded=False)
@@ -216,16 +217,19 @@ class GpuwatchApp(App):
         """A workload's --gpu-memory-limit: NVML does not know it, so headroom is measured against it."""
         if self.workload is not None:
             return self.workload.cfg.faults.memory_limit_bytes
+        return (self._recorded_workload().get("faults") or {}).get("memory_limit_bytes") or None
+
+    def _recorded_workload(self) -> dict[str, Any]:
+        """The first workload's config as the replayed recording's meta.json describes it ({} if none)."""
         meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
         loads = (meta.get("config") or {}).get("workloads") or []
-        return ((loads[0].get("faults") or {}).get("memory_limit_bytes") if loads else None) or None
+        return loads[0] if loads else {}
 
     def _workload_status(self) -> dict[str, Any] | None:
         w = self.workload
         if w is None:
-            meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
-            loads = (meta.get("config") or {}).get("workloads") or []
-            return {"state": "recorded", "preset": loads[0].get("preset", ""), "describe": ""} if loads else None
+            rec = self._recorded_workload()
+            return {"state": "recorded", "preset": rec.get("preset", ""), "describe": ""} if rec else None
         return {"state": w.state, "preset": w.cfg.preset,
                 "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
 

@@ -4,7 +4,6 @@ No widget state here, so every panel renders the same in live, replay and follow
 from __future__ import annotations
 
 import statistics
-import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -220,6 +219,3 @@ def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: boo
     t.append("  " + label, style="bold")  # last: the first thing a narrow terminal cuts
     return t
 
-
-def now_us() -> int:
-    return time.time_ns() // 1000
