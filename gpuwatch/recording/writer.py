@@ -153,24 +153,22 @@ class Recorder:
         """Merge the open segments of `table` into one chunk file, then delete them."""
         paths = self._unrolled[table]
         first, last = _seq(paths[0]), _seq(paths[-1])
-        df = pl.concat([pl.read_parquet(p) for p in paths], how="vertical_relaxed")
-        out = self.dir / f"{table}-c{first:06d}-{last:06d}.parquet"
-        new = write_atomic(df, out)
-        for p in paths:
-            self.bytes -= p.stat().st_size
-            p.unlink()
-        self.bytes += new
+        self._merge(table, paths, self.dir / f"{table}-c{first:06d}-{last:06d}.parquet", level=3, sort=False)
         self._unrolled[table] = []
 
     def _compact(self) -> None:
         for table in schema.TABLES:
-            parts = sorted(p for p in self.dir.glob(f"{table}-*.parquet"))
-            frames = [pl.read_parquet(p) for p in parts]
-            df = pl.concat(frames, how="vertical_relaxed") if frames else schema.empty(table)
-            self.bytes += write_atomic(df.sort("ts"), self.dir / f"{table}.parquet", level=9)
-            for p in parts:
-                self.bytes -= p.stat().st_size
-                p.unlink()
+            parts = sorted(self.dir.glob(f"{table}-*.parquet"))
+            self._merge(table, parts, self.dir / f"{table}.parquet", level=9, sort=True)
+
+    def _merge(self, table: str, parts: list[Path], out: Path, level: int, sort: bool) -> None:
+        """Write `parts` as one file `out` (fsynced), then delete them; keeps `bytes` true."""
+        df = pl.concat([pl.read_parquet(p) for p in parts], how="vertical_relaxed") if parts else schema.empty(table)
+        new = write_atomic(df.sort("ts") if sort else df, out, level=level)
+        for p in parts:
+            self.bytes -= p.stat().st_size
+            p.unlink()
+        self.bytes += new
 
     def _fail(self, e: OSError) -> None:
         self.error = f"recording stopped: {e.strerror or e} ({getattr(e, 'filename', None) or self.dir})"

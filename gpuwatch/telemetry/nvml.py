@@ -220,16 +220,15 @@ class NvmlBackend:
             except pynvml.NVMLError as e:
                 out[name] = f"error ({e})"
         try:
-            self._xid_set(i)
+            es = pynvml.nvmlEventSetCreate()
+            try:
+                pynvml.nvmlDeviceRegisterEvents(self._handles[i], pynvml.nvmlEventTypeXidCriticalError, es)
+            finally:
+                self._try(lambda: pynvml.nvmlEventSetFree(es))
             out["xid_events"] = "ok (NVML event set)"
         except pynvml.NVMLError as e:
             out["xid_events"] = f"null ({e})"
         return out
-
-    def _xid_set(self, i: int):
-        es = pynvml.nvmlEventSetCreate()
-        pynvml.nvmlDeviceRegisterEvents(self._handles[i], pynvml.nvmlEventTypeXidCriticalError, es)
-        return es
 
     def watch_xid(self, stop: threading.Event, on_xid: Callable[[int, int], None]) -> str | None:
         """Block until `stop`, calling on_xid(gpu, xid) for each XID error. Returns why it could not
