@@ -15,8 +15,27 @@ from conftest import RAMP, ROOT
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
-def tmux(*args: str) -> str:
-    return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10).stdout
+# Each test runs its own tmux server on its own socket (-L), with no user config (-f /dev/null), and
+# kills it at the end. With the shared default server, a test's kill-session could make the server
+# exit just as the next test's new-session connected to it ("server exited unexpectedly", seen in CI).
+_SOCKET = f"gw-test-{uuid.uuid4().hex[:8]}"
+
+
+def tmux(*args: str, check: bool = False) -> str:
+    return subprocess.run(["tmux", "-L", _SOCKET, "-f", "/dev/null", *args], capture_output=True, text=True,
+                          timeout=10, check=check).stdout
+
+
+@pytest.fixture(autouse=True)
+def _own_server():
+    global _SOCKET
+    _SOCKET = f"gw-test-{uuid.uuid4().hex[:8]}"
+    yield
+    tmux("kill-server")
+
+
+def new_session(name: str, cmd: str, *env_args: str) -> None:
+    tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", *env_args, cmd, check=True)
 
 
 def wait_for(session: str, needle: str, timeout: float = 20.0) -> str:
@@ -34,7 +53,7 @@ def test_replay_in_a_real_terminal(py, env):
     name = f"gw-{uuid.uuid4().hex[:8]}"
     cmd = f"cd {ROOT} && PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; echo EXITED $?; sleep 5"
     env_args = [a for k in ("TERM",) for a in ("-e", f"{k}=xterm-256color")]
-    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", *env_args, cmd], check=True, timeout=10)
+    new_session(name, cmd, *env_args)
     try:
         screen = wait_for(name, "REPLAY")
         assert "0.0/81.0 s" in screen and "GPU0 H200" in screen
@@ -56,7 +75,7 @@ def test_replay_in_a_real_terminal(py, env):
 def test_16_colour_terminal_gets_only_the_16_colours(py, env):
     name = f"gw-{uuid.uuid4().hex[:8]}"
     cmd = f"cd {ROOT} && TERM=xterm COLORTERM= PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; sleep 5"
-    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd], check=True, timeout=10)
+    new_session(name, cmd)
     try:
         wait_for(name, "REPLAY")
         tmux("send-keys", "-t", name, "n", "n", "n")
@@ -72,8 +91,7 @@ def test_16_colour_terminal_gets_only_the_16_colours(py, env):
 def test_no_color_is_honoured(py, env):
     name = f"gw-{uuid.uuid4().hex[:8]}"
     cmd = f"cd {ROOT} && NO_COLOR=1 PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP}; sleep 5"
-    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "80", "-y", "24", "-e", "TERM=xterm-256color", cmd],
-                   check=True, timeout=10)
+    new_session(name, cmd, "-e", "TERM=xterm-256color")
     try:
         wait_for(name, "REPLAY")
         time.sleep(0.5)
