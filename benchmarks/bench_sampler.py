@@ -5,6 +5,10 @@
                                                              loop, a bash loop), all run side by side
   python benchmarks/bench_sampler.py jitter [--seconds 20]   sample-interval p50/p99/max, idle and beside a
                                                              busy Python thread + a GPU matmul loop in-process
+  python benchmarks/bench_sampler.py threads [--seconds 30]  where `gpuwatch record`'s CPU goes, per OS thread
+                                                             (gw-sampler, gw-recorder, polars' pool, ...)
+  python benchmarks/bench_sampler.py parts                   CPU us of each piece on its own: a wake-up, a
+                                                             tick, a slow read, a pipe hand-over, a segment write
 Prints one JSON object per measurement (and writes it to --out if given).
 """
 
@@ -151,13 +155,114 @@ def _gpu_busy(stop: threading.Event) -> None:
         torch.cuda.synchronize()
 
 
+def threads(seconds: float, extra: list[str]) -> dict:
+    """CPU % of one core per OS thread of a running `gpuwatch record` (threads are named gw-*)."""
+    rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-threads-"))
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatch", "record", "--duration", f"{seconds + 8}s", "-o",
+                          str(rec_dir), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    time.sleep(5)
+
+    def snap() -> dict[str, float]:
+        out: dict[str, float] = {}
+        root = psutil.Process(p.pid)
+        for q in [root, *root.children(recursive=True)]:
+            who = "parent" if q.pid == p.pid else "child"
+            for t in q.threads():
+                try:
+                    name = Path(f"/proc/{q.pid}/task/{t.id}/comm").read_text().strip()
+                except OSError:
+                    name = "?"
+                key = f"{who}:{name}:{t.id}"
+                out[key] = t.user_time + t.system_time
+        return out
+
+    a = snap()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    b = snap()
+    dt = time.monotonic() - t0
+    per: dict[str, float] = {}
+    for k, v in b.items():
+        who, name, _ = k.split(":")
+        per[f"{who}:{name}"] = per.get(f"{who}:{name}", 0.0) + v - a.get(k, 0.0)
+    p.wait(timeout=60)
+    shutil.rmtree(rec_dir, ignore_errors=True)
+    pct = {k: round(100 * v / dt, 3) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {"measure": "cpu_pct_of_one_core_per_thread", "args": extra, "seconds": round(dt, 1),
+            "total": round(sum(pct.values()), 3), "threads": pct}
+
+
+def parts() -> dict:
+    """CPU microseconds (all threads of this process) of each piece of a tick, measured alone."""
+    import io
+    import pickle
+    import multiprocessing as mp
+
+    from gpuwatch.recording.writer import to_frame, write_atomic
+    from gpuwatch.runtime import make_gpu_backend
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.host import HostSampler
+    from gpuwatch.telemetry.sampler import Sampler
+
+    def cpu_us(fn, n: int) -> float:
+        fn()
+        c0 = time.process_time()
+        for _ in range(n):
+            fn()
+        return round(1e6 * (time.process_time() - c0) / n, 1)
+
+    out: dict[str, float] = {}
+    ev = threading.Event()
+    out["wake_event_wait_10ms"] = cpu_us(lambda: ev.wait(0.01), 200)
+    out["wake_sleep_10ms"] = cpu_us(lambda: time.sleep(0.01), 200)
+    gpu, note = make_gpu_backend(None)
+    host = HostSampler()
+    s = Sampler(Bus(), gpu, host)
+    s.slow_tick()
+    out["host_read_fast"] = cpu_us(host.read_fast, 2000)
+    out["host_read_slow"] = cpu_us(host.read_slow, 200)
+    if gpu is not None:
+        out["gpu0_read_fast"] = cpu_us(lambda: gpu.read_fast(0), 2000)
+        out["gpu0_read_slow"] = cpu_us(lambda: gpu.read_slow(0), 50)
+    out["tick_all"] = cpu_us(s.tick, 2000)
+    t = s.tick()
+    batch = [s.tick() for _ in range(10)]
+    out["pickle_tick"] = cpu_us(lambda: pickle.dumps(t), 2000)
+    r, w = mp.Pipe(duplex=False)
+    out["pipe_send_recv_tick"] = cpu_us(lambda: (w.send(t), r.recv()), 2000)
+    out["pipe_send_recv_batch10"] = cpu_us(lambda: (w.send(batch), r.recv()), 500)
+    rows = [row for tk in batch for row in tk.rows]
+    out["to_frame_10_ticks"] = cpu_us(lambda: to_frame(rows, "samples"), 200)
+    df = to_frame(rows, "samples")
+    d = Path(tempfile.mkdtemp(prefix="gpuwatch-parts-"))
+    out["segment_write_10_ticks_polars"] = cpu_us(lambda: write_atomic(df, d / "s.parquet", level=1, fsync=False), 200)
+    out["parquet_to_memory_polars"] = cpu_us(lambda: df.write_parquet(io.BytesIO(), compression="zstd", compression_level=1), 200)
+    try:
+        import pyarrow.parquet as pq
+
+        tbl = df.to_arrow()
+        out["parquet_to_memory_pyarrow"] = cpu_us(lambda: pq.write_table(tbl, io.BytesIO(), compression="zstd"), 200)
+    except ImportError:
+        pass
+    shutil.rmtree(d, ignore_errors=True)
+    return {"measure": "cpu_us_per_call", "columns": len(df.columns), "gpu": note, "parts": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["cost", "jitter"])
+    ap.add_argument("what", choices=["cost", "jitter", "threads", "parts"])
+    ap.add_argument("--sampler", default="process", choices=["process", "thread"], help="threads: which sampler")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    res = cost(a.seconds or 60) if a.what == "cost" else jitter(a.seconds or 20)
+    if a.what == "cost":
+        res = cost(a.seconds or 60)
+    elif a.what == "jitter":
+        res = jitter(a.seconds or 20)
+    elif a.what == "threads":
+        res = threads(a.seconds or 30, ["--sampler", a.sampler])
+    else:
+        res = parts()
     res["host"] = os.uname().nodename
     text = json.dumps(res, indent=1)
     print(text)

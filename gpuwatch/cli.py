@@ -160,8 +160,10 @@ def _wait_until(deadline: float | None, done=None, poll_s: float = 0.5) -> None:
 def cmd_record(args) -> int:
     from gpuwatch.runtime import Session
 
+    # Nothing reads the ticks here but the recorder, which writes once a second: take them a second at
+    # a time (one wake-up a second in this process instead of ten).
     s = Session(interval=args.interval, record_dir=args.output if args.record else None, source=args.source,
-                sampler=args.sampler)
+                sampler=args.sampler, deliver_s=1.0)
     print(f"gpuwatch: {s.gpu_note}", file=sys.stderr)
     s.start()
     if s.recorder:

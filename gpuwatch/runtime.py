@@ -52,25 +52,31 @@ class Session:
 
     def __init__(self, interval: float = 0.1, record_dir: Path | str | None = None,
                  source: str | None = None, config: dict[str, Any] | None = None,
-                 bus: Bus | None = None, name: str | None = None, sampler: str = "process") -> None:
-        """`sampler`: "process" (default; immune to GIL contention here) or "thread"."""
+                 bus: Bus | None = None, name: str | None = None, sampler: str = "process",
+                 deliver_s: float = 0.0) -> None:
+        """`sampler`: "process" (default; immune to GIL contention here) or "thread".
+        `deliver_s`: with the process sampler, hand ticks over this many seconds at a time (0: each
+        tick at once, for the dashboard and the guard; a headless recorder uses 1.0, its flush interval)."""
         self.bus = bus or Bus()
         self.host = HostSampler()
         if sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, source, interval)
+            self.sampler = SamplerProcess(self.bus, source, interval, deliver_s=deliver_s)
             self.gpu, self.gpu_note = self.sampler.launch()
         else:
             self.gpu, self.gpu_note = make_gpu_backend(source)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=interval)
-        self.config = dict(config or {}, interval_s=interval)
+        self.config = dict(config or {}, interval_s=interval, deliver_s=deliver_s)
         self.workloads: list = []
         self.recorder = None
         if record_dir is not None:
             from gpuwatch.recording.writer import Recorder
 
             self.recorder = Recorder(self.bus, record_dir, self.meta(), name=name)
+            if sampler == "process" and deliver_s > 0:
+                self.sampler.on_delivery = self.recorder.kick
+                self.recorder.wait_s = 2 * max(deliver_s, self.recorder.flush_interval)
         if self.gpu is None:
             self.bus.emit("no_gpu", self.gpu_note, "warning")
 

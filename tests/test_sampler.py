@@ -91,3 +91,31 @@ def test_replay_backend_feeds_real_rows_and_is_labelled():
     assert max(r["gpu_mem_used_bytes"] for r in rows) > 10 * 2**30  # real H200 data, a 29 GiB model loaded
     assert rows[0]["gpu_mem_total_bytes"] == 150754820096
     assert rows[0]["gpu_energy_mj"] is not None
+
+
+def test_pipe_hands_ticks_over_in_batches_and_events_at_once_in_order():
+    """The process sampler's hand-over: `deliver_n` ticks per message; an event flushes what is held
+    first, so the parent sees everything in the order it happened."""
+    import multiprocessing as mp
+    import threading
+
+    from gpuwatch.telemetry.bus import Event, Tick
+    from gpuwatch.telemetry.sampler_process import _PipeChannel
+
+    r, w = mp.Pipe(duplex=False)
+    stop = threading.Event()
+    ch = _PipeChannel(w, stop, deliver_n=10)
+    for i in range(23):
+        ch.append(Tick(i, i * 100_000, [{"gpu": 0}]))
+    ch.append(Event("xid", "XID 79 on GPU 0", "error", 0))
+    ch.append(Tick(23, 2_300_000, [{"gpu": 0}]))
+    ch.flush()
+    got = []
+    while r.poll(0.1):
+        got.append(r.recv())
+    assert [len(m) if isinstance(m, list) else m.kind for m in got] == [10, 10, 3, "xid", 1]
+    assert [t.tick for m in got if isinstance(m, list) for t in m] == list(range(24))
+    assert not stop.is_set()
+    r.close()  # the parent is gone: the next hand-over breaks the pipe and stops the sampler
+    ch.append(Event("xid", "after the parent went", "error", 0))
+    assert stop.is_set()

@@ -27,6 +27,7 @@ import polars as pl
 
 from gpuwatch.recording import schema
 from gpuwatch.telemetry.bus import Bus
+from gpuwatch.threads import start_thread
 
 SEGMENT_RE = re.compile(r"^(samples|steps|events)-(\d{6})\.parquet$")
 CHUNK_RE = re.compile(r"^(samples|steps|events)-c(\d{6})-(\d{6})\.parquet$")
@@ -79,6 +80,8 @@ class Recorder:
         self.error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._kick = threading.Event()
+        self.wait_s = flush_interval  # longest wait between flushes; see kick()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -97,17 +100,27 @@ class Recorder:
         except OSError as e:
             self._fail(e)
             return self
-        self._thread = threading.Thread(target=self._run, name="gpuwatch-recorder", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "gpuwatch-recorder")
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval) and self.error is None:
+        while self.error is None:
+            self._kick.wait(self.wait_s)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             self.flush()
+
+    def kick(self) -> None:
+        """Flush now. A sampler that delivers ticks a second at a time kicks the recorder as each batch
+        arrives (and `wait_s` is raised so the timer only covers a silent sampler): one wake-up a
+        second for both, and a batch is on disk as soon as it is here."""
+        self._kick.set()
 
     def stop(self, compact: bool = True) -> None:
         """Final flush; then merge every segment into one file per table and mark the session complete."""
         self._stop.set()
+        self._kick.set()
         if self._thread:
             self._thread.join(timeout=10)
         if self.error is not None:

@@ -28,13 +28,16 @@ class HostSampler:
     def read_fast(self) -> dict[str, Any]:
         return {"host_cpu_pct": self._cpu_total()}  # % of all cores since the last tick
 
+    _stat_fd: int | None = None
+
     def _cpu_total(self) -> float | None:
-        """Busy % of all cores since the last call, from /proc/stat's first line (~10 us on Linux;
-        psutil.cpu_percent() elsewhere)."""
+        """Busy % of all cores since the last call, from /proc/stat's first line: one pread on a file
+        kept open (~10 us on Linux; an open/read/close costs twice that); psutil.cpu_percent() elsewhere."""
         try:
-            with open("/proc/stat", "rb") as fh:
-                f = [int(x) for x in fh.readline().split()[1:9]]
-        except OSError:
+            if self._stat_fd is None:
+                self._stat_fd = os.open("/proc/stat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            f = [int(x) for x in os.pread(self._stat_fd, 256, 0).split(b"\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
             return psutil.cpu_percent()
         idle, total = f[3] + f[4], sum(f)  # idle + iowait; user..steal
         last, self._stat = getattr(self, "_stat", None), (idle, total)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gpuwatch.telemetry.bus import Bus
+from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
 from gpuwatch.workload import model as M
 from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
@@ -121,8 +122,7 @@ class Workload:
 
     # -- thread ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="gpuwatch-workload", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self.run, "gpuwatch-workload")
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread:
