@@ -235,7 +235,7 @@ def parts() -> dict:
     out["to_frame_10_ticks"] = cpu_us(lambda: to_frame(rows, "samples"), 200)
     df = to_frame(rows, "samples")
     d = Path(tempfile.mkdtemp(prefix="gpuwatch-parts-"))
-    out["segment_write_10_ticks_polars"] = cpu_us(lambda: write_atomic(df, d / "s.parquet", level=1, fsync=False), 200)
+    out["segment_write_10_ticks"] = cpu_us(lambda: write_atomic(df, d / "s.parquet", level=1, fsync=False), 200)
     out["parquet_to_memory_polars"] = cpu_us(lambda: df.write_parquet(io.BytesIO(), compression="zstd", compression_level=1), 200)
     try:
         import pyarrow.parquet as pq

@@ -84,7 +84,7 @@ def overhead(a) -> dict:
         if kind == "watched":
             s = Session(interval=0.1, record_dir=Path(tempfile.mkdtemp()))
             s.start()
-        time.sleep(1.0)
+        time.sleep(2.0)  # the sampler child has started and settled
         start = bus.steps.next_seq
         time.sleep(a.window)
         rows, _, _ = bus.steps.since(start)
