@@ -215,3 +215,25 @@ def test_two_sessions_in_the_same_second_do_not_collide(tmp_path):
     assert (a.dir.name, b.dir.name) == ("same", "same-2")
     a.stop()
     b.stop()
+
+
+def test_headless_recording_takes_ticks_a_second_at_a_time_and_loses_none(tmp_path):
+    """`gpuwatch record`'s path: the sampler child hands ten ticks over per message and the recorder
+    writes each batch as it lands (one segment per second of ten rows), with no tick missing."""
+    from gpuwatch.runtime import Session
+
+    s = Session(interval=0.1, record_dir=tmp_path, source=str(RAMP), deliver_s=1.0, name="batched")
+    assert s.recorder.wait_s == 2.0 and s.sampler.on_delivery == s.recorder.kick
+    s.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(s.recorder.dir.glob("samples-*.parquet"))) < 4:
+            time.sleep(0.05)
+        heights = [pl.read_parquet(p).height for p in sorted(s.recorder.dir.glob("samples-*.parquet"))]
+    finally:
+        s.stop()
+    assert len(heights) >= 4 and sorted(heights)[len(heights) // 2] == 10, heights
+    rec = open_recording(s.recorder.dir)
+    ticks = rec.samples["tick"].to_list()
+    assert ticks == list(range(ticks[0], ticks[0] + len(ticks)))
+    assert rec.complete and json.loads((s.recorder.dir / "meta.json").read_text())["config"]["deliver_s"] == 1.0
