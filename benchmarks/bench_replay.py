@@ -3,7 +3,8 @@ session (recordings/sample-h200-benchmark-run) with shifted timestamps, written 
 
   python benchmarks/bench_replay.py [--hours 24] [--keep DIR]
 Prints: open time, seek latency (p50/p99/max over random seeks, each followed by everything one
-dashboard refresh reads), the data cost of one refresh during 16x playback, and peak RSS.
+dashboard refresh reads), the data cost of one refresh during 16x playback, the cost of a follow poll
+that finds one new 1 s segment behind a day of data (read + index + one refresh's reads), and peak RSS.
 """
 
 from __future__ import annotations
@@ -57,6 +58,31 @@ def refresh(src: ReplaySource, width: int = 150) -> None:
     src.steps(200)
 
 
+def follow(day: Path, tmp: Path, polls: int = 120) -> dict:
+    """A session still being written: the day as a rolled chunk, then one 10-row segment per poll."""
+    live = tmp / "live"
+    live.mkdir()
+    shutil.copy(day / "meta.json", live / "meta.json")
+    big = pl.read_parquet(day / "samples.parquet")
+    (live / "samples-c000001-086400.parquet").symlink_to(day / "samples.parquet")
+    fake = {"t": 0.0}
+    src = ReplaySource(live, follow=True, clock=lambda: fake["t"])
+    last = big.tail(10)
+    step = pl.duration(seconds=1)
+    times = []
+    for i in range(polls):
+        last = last.with_columns(pl.col("ts") + step, pl.col("tick") + 10)
+        write_atomic(last, live / f"samples-{86401 + i:06d}.parquet", level=1, fsync=False)
+        fake["t"] += 1.0
+        t = time.perf_counter()
+        refresh(src)
+        times.append(time.perf_counter() - t)
+    assert src.end_us == int(last["ts"].dt.epoch("us")[-1]), "follow did not reach the new rows"
+    times.sort()
+    return {"p50": round(times[len(times) // 2] * 1e3, 2), "p99": round(times[int(len(times) * 0.99)] * 1e3, 2),
+            "max": round(times[-1] * 1e3, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hours", type=float, default=24)
@@ -82,6 +108,7 @@ def main() -> None:
         refresh(src)
         seeks.append(time.perf_counter() - t)
     seeks.sort()
+    rss_one = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # 16x playback: 4 refreshes a second, each moving 4 s of data
     fake = {"t": 0.0}
     play = ReplaySource(path, clock=lambda: fake["t"])
@@ -95,13 +122,16 @@ def main() -> None:
         frames.append(time.perf_counter() - t)
     frames.sort()
     moved = (play.cursor_us() - play.start_us) / 1e6
+    follow_ms = follow(path, tmp)
     res = {
-        "samples": rows or src.samples.height, "file_bytes": (path / "samples.parquet").stat().st_size,
+        "samples": rows or sum(df.height for df in src._by_gpu.values()), "file_bytes": (path / "samples.parquet").stat().st_size,
         "open_s": round(open_s, 3),
         "seek_ms": {"p50": round(seeks[100] * 1e3, 2), "p99": round(seeks[197] * 1e3, 2), "max": round(seeks[-1] * 1e3, 2)},
         "playback_16x": {"refresh_ms_p50": round(frames[100] * 1e3, 2), "refresh_ms_max": round(frames[-1] * 1e3, 2),
                          "data_seconds_advanced_in_50_s": round(moved, 1), "keeps_up": moved >= 16 * 50 * 0.99},
-        "peak_rss_mib": {"before_open": rss0 // 1024, "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},
+        "follow_poll_with_new_segment_ms": follow_ms,
+        "peak_rss_mib": {"before_open": rss0 // 1024, "after_open_and_seeks": rss_one // 1024,
+                         "after_three_sources": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},
     }
     print(json.dumps(res, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)

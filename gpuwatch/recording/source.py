@@ -83,6 +83,8 @@ class ReplaySource:
     With `follow=True` it keeps reading files the recording process adds and stays at the live edge
     until the user moves away from it."""
 
+    TAIL_MERGE_MIN = 36_000  # rows a GPU's tail may hold before it merges into the body (1 h at 10 Hz)
+
     def __init__(self, path: Path | str, follow: bool = False, speed: float = 1.0,
                  clock=time.monotonic) -> None:
         self.reader = SessionReader(path)
@@ -90,13 +92,15 @@ class ReplaySource:
         self.kind = "follow" if follow else "replay"
         self.label = self.reader.path.name
         self.clock = clock
-        self.samples, self.steps_df, self.events_df = (schema.empty(t) for t in ("samples", "steps", "events"))
+        self.steps_df, self.events_df = (schema.empty(t) for t in ("steps", "events"))
         self.ticks_ts = np.array([], dtype=np.int64)
         self._events_ts = self._steps_ts = np.array([], dtype=np.int64)
-        self._by_gpu: dict[Any, pl.DataFrame] = {}
-        self._arrays: dict[tuple[str, Any], np.ndarray] = {}
+        self._by_gpu: dict[Any, pl.DataFrame] = {}  # what reads use: body + tail, per GPU
+        self._body: dict[Any, pl.DataFrame] = {}
+        self._tail: dict[Any, pl.DataFrame | None] = {}
+        self._ts: dict[Any, np.ndarray] = {}  # per GPU: its rows' times in us, for searchsorted
         self._load(self.reader.load_new())
-        if self.samples.is_empty() and not follow:
+        if not self._by_gpu and not follow:
             from gpuwatch.errors import RecordingError
 
             raise RecordingError(self.reader.warnings[0] if self.reader.warnings else f"{self.reader.path}: no samples")
@@ -109,40 +113,61 @@ class ReplaySource:
         self._last_follow = 0.0
         self._changed = True
         gm = {g.get("index"): g for g in self.reader.meta.get("gpus", [])}
-        gpu_ids = sorted(g for g in self.samples["gpu"].unique().to_list() if g is not None) or list(gm)
+        gpu_ids = sorted(g for g in self._by_gpu if g is not None) or list(gm)
         self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
                              gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"))
                      for i in gpu_ids]
 
     # -- data ----------------------------------------------------------------------------------------
     def _load(self, frames: dict[str, pl.DataFrame]) -> bool:
+        """Add newly read rows. Samples are kept once, split by GPU (what every read wants); rows that
+        come after everything held (follow's usual case) are appended without re-sorting what is
+        there, so following a day-long session costs the new rows, not the whole day, each poll:
+        they go to a small tail per GPU, merged into the body only when the tail reaches an eighth
+        of it (so the copy is rare and its cost per row is constant)."""
         new = any(not f.is_empty() for f in frames.values())
         if not new:
             return False
-        self.samples = _sorted(pl.concat([self.samples, frames["samples"]]))
-        self.steps_df = _sorted(pl.concat([self.steps_df, frames["steps"]]))
-        self.events_df = _sorted(pl.concat([self.events_df, frames["events"]]))
-        self.ticks_ts = self._tick_times()
-        self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
-        self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
-        self._arrays.clear()
-        self._by_gpu = {g: self.samples.filter(pl.col("gpu").is_null() if g is None else pl.col("gpu") == g)
-                        for g in self.samples["gpu"].unique().to_list()}
+        s = frames["samples"]
+        if not s.is_empty():
+            s = _sorted(s)
+            ts = s["ts"].dt.epoch("us").to_numpy()
+            after = not self.ticks_ts.size or ts[0] > self.ticks_ts[-1]
+            for g in s["gpu"].unique(maintain_order=True).to_list():
+                part = s.filter(pl.col("gpu").is_null() if g is None else pl.col("gpu") == g)
+                body, tail = self._body.get(g), self._tail.get(g)
+                if body is None:
+                    body = part
+                elif after:
+                    tail = part if tail is None else pl.concat([tail, part])
+                    if tail.n_chunks() > 32:
+                        tail = tail.rechunk()
+                    if tail.height > max(body.height // 8, self.TAIL_MERGE_MIN):
+                        body, tail = pl.concat([body, tail]).rechunk(), None
+                else:  # rows from before what is held (rare): merge and sort everything once
+                    body, tail = _sorted(pl.concat([body, *([tail] if tail is not None else []), part])).rechunk(), None
+                self._body[g], self._tail[g] = body, tail
+                self._by_gpu[g] = body if tail is None else pl.concat([body, tail], rechunk=False)
+                old_ts = self._ts.get(g)
+                self._ts[g] = (np.concatenate([old_ts, part["ts"].dt.epoch("us").to_numpy()])
+                               if after and old_ts is not None else self._by_gpu[g]["ts"].dt.epoch("us").to_numpy())
+            ticks = ts[np.r_[True, ts[1:] != ts[:-1]]]  # all GPUs of a tick share its time
+            self.ticks_ts = np.concatenate([self.ticks_ts, ticks]) if after else np.unique(
+                np.concatenate([self.ticks_ts, ticks]))
+        if not frames["steps"].is_empty():
+            self.steps_df = _sorted(pl.concat([self.steps_df, frames["steps"]]))
+            self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
+        if not frames["events"].is_empty():
+            self.events_df = _sorted(pl.concat([self.events_df, frames["events"]]))
+            self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
         return True
 
-    def _tick_times(self) -> np.ndarray:
-        """One timestamp per tick (all GPUs of a tick share it); rows are sorted by time."""
-        ts = self.samples["ts"].dt.epoch("us").to_numpy()
-        return ts[np.r_[True, ts[1:] != ts[:-1]]] if ts.size else ts
-
     def _col(self, column: str, gpu: int | None) -> tuple[np.ndarray, pl.Series]:
-        key = (column, gpu)
-        if key not in self._arrays:
-            df = self._by_gpu.get(gpu)
-            if df is None:
-                return np.array([], dtype=np.int64), pl.Series([])
-            self._arrays[key] = (df["ts"].dt.epoch("us").to_numpy(), df[column])
-        return self._arrays[key]
+        """A GPU's row times (one array per GPU, extended as rows arrive) and one of its columns."""
+        df = self._by_gpu.get(gpu)
+        if df is None:
+            return np.array([], dtype=np.int64), pl.Series([])
+        return self._ts[gpu], df[column]
 
     # -- cursor ----------------------------------------------------------------------------------------
     @property
