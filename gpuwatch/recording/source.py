@@ -133,24 +133,25 @@ class ReplaySource:
             s = _sorted(s)
             ts = s["ts"].dt.epoch("us").to_numpy()
             after = not self.ticks_ts.size or ts[0] > self.ticks_ts[-1]
-            for g in s["gpu"].unique(maintain_order=True).to_list():
-                part = s.filter(pl.col("gpu").is_null() if g is None else pl.col("gpu") == g)
+            gpu = s["gpu"]
+            for g in gpu.unique(maintain_order=True).to_list():
+                mask = (gpu.is_null() if g is None else gpu == g).fill_null(False)
+                part, part_ts = s.filter(mask), ts[mask.to_numpy()]
                 body, tail = self._body.get(g), self._tail.get(g)
                 if body is None:
-                    body = part
+                    body, self._ts[g] = part, part_ts
                 elif after:
                     tail = part if tail is None else pl.concat([tail, part])
                     if tail.n_chunks() > 32:
                         tail = tail.rechunk()
                     if tail.height > max(body.height // 8, self.TAIL_MERGE_MIN):
                         body, tail = pl.concat([body, tail]).rechunk(), None
+                    self._ts[g] = np.concatenate([self._ts[g], part_ts])
                 else:  # rows from before what is held (rare): merge and sort everything once
                     body, tail = _sorted(pl.concat([body, *([tail] if tail is not None else []), part])).rechunk(), None
+                    self._ts[g] = body["ts"].dt.epoch("us").to_numpy()
                 self._body[g], self._tail[g] = body, tail
                 self._by_gpu[g] = body if tail is None else pl.concat([body, tail], rechunk=False)
-                old_ts = self._ts.get(g)
-                self._ts[g] = (np.concatenate([old_ts, part["ts"].dt.epoch("us").to_numpy()])
-                               if after and old_ts is not None else self._by_gpu[g]["ts"].dt.epoch("us").to_numpy())
             ticks = ts[np.r_[True, ts[1:] != ts[:-1]]]  # all GPUs of a tick share its time
             self.ticks_ts = np.concatenate([self.ticks_ts, ticks]) if after else np.unique(
                 np.concatenate([self.ticks_ts, ticks]))

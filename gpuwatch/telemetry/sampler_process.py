@@ -40,16 +40,18 @@ class _PipeChannel:
                 if len(self._held) < self.deliver_n:
                     return
                 item, self._held = self._held, []
-            elif self._held:
-                self._send(self._held)
-                self._held = []
+            else:
+                self._send_held()
             self._send(item)
 
     def flush(self) -> None:
         with self._lock:
-            if self._held:
-                self._send(self._held)
-                self._held = []
+            self._send_held()
+
+    def _send_held(self) -> None:
+        if self._held:
+            self._send(self._held)
+            self._held = []
 
     def _send(self, item) -> None:
         try:
