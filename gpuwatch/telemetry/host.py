@@ -1,6 +1,6 @@
 """Host telemetry through psutil: CPU (total and per core), memory, swap, load, and the monitored process.
 
-Only total CPU is read every tick (one /proc/stat read, ~40 us). Per-core CPU, memory, swap, load and
+Only total CPU is read every tick (one pread of /proc/stat, ~10 us). Per-core CPU, memory, swap, load and
 the process's RSS and CPU are read on the slow thread (1 Hz; each psutil call costs 30-150 us, and
 together they would cost more than the whole GPU sample); rows in between repeat the last reading.
 """
@@ -20,6 +20,8 @@ class HostSampler:
     def __init__(self, pid: int | None = None) -> None:
         """`pid`: the process whose RSS and CPU are reported (default: this one)."""
         self._proc = psutil.Process(pid or os.getpid())
+        self._stat_fd: int | None = None  # /proc/stat, kept open
+        self._stat: tuple[int, int] | None = None  # (idle, total) jiffies at the last read
         psutil.cpu_percent(percpu=True)  # prime: the first call has no interval to compare with
         self._cpu_total()
         self._last_cpu = (time.monotonic(), sum(self._proc.cpu_times()[:2]))
@@ -27,8 +29,6 @@ class HostSampler:
 
     def read_fast(self) -> dict[str, Any]:
         return {"host_cpu_pct": self._cpu_total()}  # % of all cores since the last tick
-
-    _stat_fd: int | None = None
 
     def _cpu_total(self) -> float | None:
         """Busy % of all cores since the last call, from /proc/stat's first line: one pread on a file
@@ -40,7 +40,7 @@ class HostSampler:
         except (OSError, ValueError):
             return psutil.cpu_percent()
         idle, total = f[3] + f[4], sum(f)  # idle + iowait; user..steal
-        last, self._stat = getattr(self, "_stat", None), (idle, total)
+        last, self._stat = self._stat, (idle, total)
         if last is None or total <= last[1]:
             return None
         return 100.0 * (1 - (idle - last[0]) / (total - last[1]))

@@ -159,7 +159,7 @@ class GpuwatchApp(App):
         the risk line, which reads the same memory series."""
         g = self.plot_gpu
         src = self.source
-        meta = next((m for m in src.gpus if m.index == g), None)
+        meta = self._plot_meta()
         height = 3 if self.wide else 1
         cols = 2 if self.wide and width >= 140 else 1
         label_w = 9
@@ -202,8 +202,7 @@ class GpuwatchApp(App):
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
         """The risk line for the plotted GPU and its free-memory fraction series (from `mem`)."""
-        g = self.plot_gpu
-        meta = next((m for m in self.source.gpus if m.index == g), None)
+        meta = self._plot_meta()
         if meta is None or mem is None:
             return Text("risk: no GPU", style="dim"), []
         cap = self._memory_cap()
@@ -212,6 +211,10 @@ class GpuwatchApp(App):
         if cap:
             line.append(f" (of the {R.fmt_bytes(cap)} --gpu-memory-limit)", style="dim")
         return line, free
+
+    def _plot_meta(self):
+        """The GpuMeta of the GPU the plots and the risk line show (None when CPU-only)."""
+        return next((m for m in self.source.gpus if m.index == self.plot_gpu), None)
 
     def _memory_cap(self) -> int | None:
         """A workload's --gpu-memory-limit: NVML does not know it, so headroom is measured against it."""
@@ -240,13 +243,14 @@ class GpuwatchApp(App):
 
     def action_batch_up(self) -> None:
         b = self.workload.batch
-        self.workload.set_batch_size(max(b + 1, int(b * 1.25)))
-        self.notify(f"batch → {max(b + 1, int(b * 1.25))} (next step)")
+        self._set_batch(max(b + 1, int(b * 1.25)))
 
     def action_batch_down(self) -> None:
-        b = self.workload.batch
-        self.workload.set_batch_size(max(1, int(b * 0.8)))
-        self.notify(f"batch → {max(1, int(b * 0.8))} (next step)")
+        self._set_batch(max(1, int(self.workload.batch * 0.8)))
+
+    def _set_batch(self, batch: int) -> None:
+        self.workload.set_batch_size(batch)
+        self.notify(f"batch → {batch} (next step)")
 
     def action_precision(self) -> None:
         cur = self.workload.precision
