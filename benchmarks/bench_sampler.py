@@ -199,7 +199,7 @@ def parts() -> dict:
     import multiprocessing as mp
 
     from gpuwatch.recording.writer import to_frame, write_atomic
-    from gpuwatch.runtime import make_gpu_backend
+    from gpuwatch.recording.backends import make_gpu_backend
     from gpuwatch.telemetry.bus import Bus
     from gpuwatch.telemetry.host import HostSampler
     from gpuwatch.telemetry.sampler import Sampler

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_info(args) -> int:
-    from gpuwatch.runtime import make_gpu_backend, versions
+    from gpuwatch.recording.backends import make_gpu_backend
+    from gpuwatch.runtime import versions
 
     gpu, note = make_gpu_backend()
     print(f"gpuwatch {__version__}: {note}")

@@ -14,27 +14,8 @@ from typing import Any
 from gpuwatch import __version__
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.host import HostSampler
-from gpuwatch.telemetry.nvml import NvmlBackend, NvmlUnavailable
-from gpuwatch.telemetry.sampler import GpuBackend, Sampler
-
-
-def make_gpu_backend(source: str | None = None) -> tuple[GpuBackend | None, str]:
-    """NVML (the default), or a recording replayed as live (`source` = a session path).
-    Returns (backend or None for CPU-only, a one-line note saying what was found)."""
-    if source:
-        from gpuwatch.recording.replay_backend import ReplayGpuBackend
-
-        b = ReplayGpuBackend(source)
-        return b, f"{len(b.gpus)} GPU(s) from {b.label}"
-    try:
-        b = NvmlBackend()
-    except NvmlUnavailable as e:
-        return None, str(e)
-    if not b.gpus:
-        b.close()
-        return None, "NVML found no GPU; running CPU-only"
-    names = ", ".join(sorted({g.name for g in b.gpus}))
-    return b, f"{len(b.gpus)} GPU(s): {names}; driver {b.driver_version}"
+from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
+from gpuwatch.telemetry.sampler import Sampler
 
 
 def versions() -> dict[str, str | None]:
@@ -62,7 +43,7 @@ class Session:
         if sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, source, interval, deliver_s=deliver_s)
+            self.sampler = SamplerProcess(self.bus, BackendFactory(source), interval, deliver_s=deliver_s)
             self.gpu, self.gpu_note = self.sampler.launch()
         else:
             self.gpu, self.gpu_note = make_gpu_backend(source)

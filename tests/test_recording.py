@@ -55,7 +55,7 @@ def test_round_trip_keeps_every_row_and_type(tmp_path):
     assert [json.loads(d)["detail_n"] for d in rec.events["detail"]] == [0, 1, 2, 3, 4]
     src = [row for t in bus.ticks.latest(50) for row in t.rows]
     assert rec.samples["gpu_mem_used_bytes"].to_list() == [x["gpu_mem_used_bytes"] for x in src]
-    assert sorted(p.name for p in r.dir.iterdir()) == ["events.parquet", "meta.json", "samples.parquet", "steps.parquet"]
+    assert sorted(p.name for p in r.dir.iterdir()) == ["events.parquet", "meta.json", "risk.parquet", "samples.parquet", "steps.parquet"]
 
 
 def test_rolled_chunks_and_a_crash_mid_roll_do_not_duplicate(tmp_path):

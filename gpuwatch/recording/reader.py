@@ -21,7 +21,13 @@ from gpuwatch.recording import schema
 from gpuwatch.recording.writer import CHUNK_RE, COMPACT_RE, SEGMENT_RE
 
 
+def _readable() -> str:
+    return " and ".join(str(v) for v in schema.READABLE_VERSIONS)
+
+
 def _table_of(df_schema: pl.Schema) -> str | None:
+    if "risk" in df_schema and "alarm" in df_schema:
+        return "risk"
     if "tick" in df_schema:
         return "samples"
     if "step" in df_schema:
@@ -50,8 +56,8 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
         df = pl.read_parquet(path)
     except Exception as e:  # polars raises several types for corrupt pages
         raise RecordingError(f"{path}: corrupt Parquet ({str(e).splitlines()[0][:120]})") from None
-    if version is not None and version != str(schema.SCHEMA_VERSION):
-        raise RecordingError(f"{path}: schema version {version}, this gpuwatch reads {schema.SCHEMA_VERSION}")
+    if version is not None and version not in {str(v) for v in schema.READABLE_VERSIONS}:
+        raise RecordingError(f"{path}: schema version {version}, this gpuwatch reads {_readable()}")
     table = table or _table_of(df.schema)
     if table is None:
         raise RecordingError(f"{path}: not a gpuwatch table (columns: {', '.join(df.columns[:6])})")
@@ -68,6 +74,7 @@ class Recording:
     samples: pl.DataFrame
     steps: pl.DataFrame
     events: pl.DataFrame
+    risk: pl.DataFrame = field(default_factory=lambda: schema.empty("risk"))
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -109,8 +116,8 @@ class SessionReader:
         except (OSError, ValueError) as e:
             raise RecordingError(f"{mp}: unreadable ({str(e)[:100]})") from None
         version = self.meta.get("schema_version")
-        if version != schema.SCHEMA_VERSION:
-            raise RecordingError(f"{mp}: schema version {version!r}, this gpuwatch reads {schema.SCHEMA_VERSION}")
+        if version not in schema.READABLE_VERSIONS:
+            raise RecordingError(f"{mp}: schema version {version!r}, this gpuwatch reads {_readable()}")
         return self.meta
 
     def _files(self) -> list[tuple[str, Path]]:
@@ -182,5 +189,5 @@ def open_recording(path: Path | str) -> Recording:
     return Recording(
         path=reader.path, meta=reader.meta, warnings=reader.warnings,
         samples=frames["samples"].sort("ts", "gpu"), steps=frames["steps"].sort("ts"),
-        events=frames["events"].sort("ts"),
+        events=frames["events"].sort("ts"), risk=frames["risk"].sort("ts", "gpu"),
     )

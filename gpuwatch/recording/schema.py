@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import polars as pl
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1 sessions read with the v2 columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
 PROC = pl.List(pl.Struct({"pid": pl.UInt32, "used_bytes": pl.UInt64}))
@@ -21,6 +22,7 @@ SAMPLES: dict[str, pl.DataType] = {
     "gpu_util_pct": pl.UInt8,
     "gpu_mem_util_pct": pl.UInt8,
     "gpu_mem_used_bytes": pl.UInt64,
+    "gpu_mem_reserved_bytes": pl.UInt64,
     "gpu_mem_total_bytes": pl.UInt64,
     "gpu_temp_c": pl.Int16,
     "gpu_temp_slowdown_c": pl.Int16,
@@ -68,6 +70,22 @@ STEPS: dict[str, pl.DataType] = {
     "torch_reserved_bytes": pl.UInt64,
     "torch_peak_bytes": pl.UInt64,
     "expert_impl": pl.String,
+    "micro_batches": pl.UInt16,
+    "next_batch": pl.UInt32,
+    "next_seq_len": pl.UInt32,
+    "next_precision": pl.String,
+}
+
+# One row per (scoring, GPU): the failure risk that was live at that moment (v2).
+RISK: dict[str, pl.DataType] = {
+    "ts": TS,
+    "gpu": pl.UInt8,
+    "kind": pl.String,
+    "risk": pl.Float32,
+    "alarm": pl.Boolean,
+    "threshold": pl.Float32,
+    "model": pl.String,
+    "reasons": pl.String,
 }
 
 # Events: the labels for training and the markers in replay. `detail` is a JSON object as text.
@@ -80,12 +98,14 @@ EVENTS: dict[str, pl.DataType] = {
     "detail": pl.String,
 }
 
-TABLES: dict[str, dict[str, pl.DataType]] = {"samples": SAMPLES, "steps": STEPS, "events": EVENTS}
+TABLES: dict[str, dict[str, pl.DataType]] = {"samples": SAMPLES, "steps": STEPS, "events": EVENTS, "risk": RISK}
+TABLE_RE = "|".join(TABLES)  # for file-name patterns
 
 EVENT_KINDS = (
     "session_start", "session_end", "no_gpu", "gpu_lost", "xid", "oom", "oom_recovered", "nonfinite",
     "integrity_mismatch", "throttle_onset", "throttle_end", "guard_action", "control", "mark",
     "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
+    "risk_alarm", "risk_clear", "guard_override", "guard_miss", "memory_snapshot", "compile",
 )
 
 

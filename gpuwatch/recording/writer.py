@@ -29,9 +29,9 @@ from gpuwatch.recording import schema
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 
-SEGMENT_RE = re.compile(r"^(samples|steps|events)-(\d{6})\.parquet$")
-CHUNK_RE = re.compile(r"^(samples|steps|events)-c(\d{6})-(\d{6})\.parquet$")
-COMPACT_RE = re.compile(r"^(samples|steps|events)\.parquet$")
+SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")
+CHUNK_RE = re.compile(rf"^({schema.TABLE_RE})-c(\d{{6}})-(\d{{6}})\.parquet$")
+COMPACT_RE = re.compile(rf"^({schema.TABLE_RE})\.parquet$")
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
 
 
@@ -71,7 +71,7 @@ class Recorder:
         self.meta = {"schema_version": schema.SCHEMA_VERSION, "start": start.isoformat(),
                      "complete": False, **meta}
         self._cursor = {"samples": bus.ticks.next_seq, "steps": bus.steps.next_seq,
-                        "events": bus.events.next_seq}
+                        "events": bus.events.next_seq, "risk": bus.risk.next_seq}
         self._seg = {t: 0 for t in schema.TABLES}
         self._unrolled: dict[str, list[Path]] = {t: [] for t in schema.TABLES}
         self.rows = 0  # sample rows on disk
@@ -141,8 +141,9 @@ class Recorder:
         self.dropped += lost
         steps, self._cursor["steps"], _ = self.bus.steps.since(self._cursor["steps"])
         events, self._cursor["events"], _ = self.bus.events.since(self._cursor["events"])
+        risk, self._cursor["risk"], _ = self.bus.risk.since(self._cursor["risk"])
         rows = [r for t in ticks for r in t.rows]
-        frames = {"samples": rows, "steps": steps, "events": [e.row() for e in events]}
+        frames = {"samples": rows, "steps": steps, "events": [e.row() for e in events], "risk": risk}
         return {t: to_frame(r, t) for t, r in frames.items() if r}
 
     def flush(self) -> None:

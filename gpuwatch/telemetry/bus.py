@@ -77,12 +77,15 @@ class Tick:
 
 
 class Bus:
-    """The three channels every part of gpuwatch shares: samples (ticks), workload steps, events."""
+    """The channels every part of gpuwatch shares: samples (ticks), workload steps, events, and the
+    failure risk the scorer publishes (one dict per GPU and scoring: ts, gpu, kind, risk, alarm,
+    threshold, model, reasons; the `risk` table of docs/SCHEMA.md)."""
 
     def __init__(self, capacity: int = 36_000) -> None:
         self.ticks: Channel[Tick] = Channel(capacity)  # 1 h at 10 Hz
         self.steps: Channel[dict[str, Any]] = Channel(capacity)
         self.events: Channel[Event] = Channel(10_000)
+        self.risk: Channel[dict[str, Any]] = Channel(capacity)
 
     def emit(self, kind: str, message: str, severity: str = "info", gpu: int | None = None,
              **detail: Any) -> Event:

@@ -70,15 +70,14 @@ class _PipeBus:
         self.ticks.append(Event(kind, message, severity, gpu, detail))
 
 
-def _child(conn, stop, source: str | None, interval: float, slow_interval: float, pid: int,
-           deliver_s: float = 0.0) -> None:
+def _child(conn, stop, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
+           pid: int, deliver_s: float = 0.0) -> None:
     set_native_name("gw-sampler-proc")
-    from gpuwatch.runtime import make_gpu_backend
     from gpuwatch.telemetry.host import HostSampler
     from gpuwatch.telemetry.sampler import Sampler
 
     try:
-        gpu, note = make_gpu_backend(source)
+        gpu, note = factory()
     except Exception as e:  # e.g. a replay source that cannot be opened
         conn.send(("hello", {"error": str(e)}))
         return
@@ -115,15 +114,17 @@ class RemoteGpu:
 class SamplerProcess:
     """Same start/stop/late_ticks surface as Sampler; the GPU backend lives in the child."""
 
-    def __init__(self, bus: Bus, source: str | None = None, interval: float = 0.1,
+    def __init__(self, bus: Bus, factory: Callable[[], tuple[Any, str]], interval: float = 0.1,
                  slow_interval: float = 1.0, deliver_s: float = 0.0) -> None:
+        """`factory`: a picklable callable that builds the GPU backend in the child and returns
+        (backend or None, a one-line note); `gpuwatch.recording.backends.BackendFactory`."""
         self.bus, self.interval = bus, interval
         self.on_delivery: Callable[[], None] | None = None  # called after each batch of ticks arrives
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self._stop = ctx.Event()
         self._proc = ctx.Process(target=_child, name="gpuwatch-sampler",
-                                 args=(child_conn, self._stop, source, interval, slow_interval, os.getpid(), deliver_s),
+                                 args=(child_conn, self._stop, factory, interval, slow_interval, os.getpid(), deliver_s),
                                  daemon=True)
         self.late_ticks = 0
         self.gpu: RemoteGpu | None = None
