@@ -198,7 +198,7 @@ class ChartMaker:
             if limit and limit != total and ("cap", limit) not in seen:
                 self._hline(ax, limit / 2**30, f"effective limit {limit / 2**30:.1f} GiB", "#d62728", "--")
                 seen.add(("cap", limit))
-                note = (f"The workload ran under a memory cap ({what}) of {limit / 2**30:.1f} GiB: "
+                note = (f"The workload ran under a memory cap of {limit / 2**30:.1f} GiB (--gpu-memory-limit): "
                         "that, not the card's total, is the limit it could run into.")
         ax.set_ylim(bottom=0)
         return Chart("memory", "GPU memory used", self._finish(fig, ax, "GiB"), note)
