@@ -260,11 +260,13 @@ def test_write_is_atomic_and_format_follows_the_suffix(tmp_path, capsys):
 
 
 def test_report_imports_neither_textual_nor_torch(py, env):
-    code = ("import sys, gpuwatch.report, gpuwatch.report.charts, gpuwatch.report.health\n"
-            "print([m for m in ('textual', 'torch', 'transformers') if m in sys.modules])\n")
+    code = ("import sys, gpuwatch.report\n"
+            "light = [m for m in ('polars', 'jinja2', 'matplotlib') if m in sys.modules]\n"
+            "import gpuwatch.report.charts, gpuwatch.report.health, gpuwatch.report.analysis\n"
+            "print(light, [m for m in ('textual', 'torch', 'transformers') if m in sys.modules])\n")
     r = subprocess.run([py, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
+    assert r.stdout.strip() == "[] []"  # registering the sub-command costs no heavy import
 
 
 def test_a_cpu_session_and_a_two_gpu_session_render():

@@ -14,10 +14,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from gpuwatch.errors import GpuwatchError, RecordingError, UsageError
-from gpuwatch.recording.reader import Recording, open_recording
-from gpuwatch.report import analysis as A
-from gpuwatch.report.health import Row, Thresholds, health_matrix
+
+if TYPE_CHECKING:  # polars, jinja2 and matplotlib load only when a report is made: `register` stays cheap
+    from gpuwatch.recording.reader import Recording
+    from gpuwatch.report.health import Row, Thresholds
 
 __all__ = ["FORMATS", "Row", "Thresholds", "build_context", "health_matrix", "register", "render", "run",
            "write_report"]
@@ -25,6 +28,14 @@ __all__ = ["FORMATS", "Row", "Thresholds", "build_context", "health_matrix", "re
 FORMATS = ("html", "md")
 _SUFFIX = {".html": "html", ".htm": "html", ".md": "md", ".markdown": "md"}
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def __getattr__(name: str):
+    if name in ("Row", "Thresholds", "health_matrix"):
+        from gpuwatch.report import health
+
+        return getattr(health, name)
+    raise AttributeError(name)
 
 
 def format_for(out: Path | None, fmt: str | None) -> str:
@@ -37,6 +48,9 @@ def format_for(out: Path | None, fmt: str | None) -> str:
 
 def build_context(rec: Recording, fmt: str = "html", th: Thresholds | None = None) -> dict[str, Any]:
     """Everything the templates show, computed once from the recording."""
+    from gpuwatch.report import analysis as A
+    from gpuwatch.report.health import Thresholds, health_matrix
+
     th = th or Thresholds()
     matrix = health_matrix(rec, th)
     anomalies = A.anomalies(rec, th)
@@ -66,6 +80,8 @@ def build_context(rec: Recording, fmt: str = "html", th: Thresholds | None = Non
 
 def _env(fmt: str):
     import jinja2
+
+    from gpuwatch.report import analysis as A
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=(fmt == "html"),
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
@@ -118,6 +134,8 @@ def _atomic_write(out: Path, text: str) -> None:
 
 
 def load(session: Path) -> Recording:
+    from gpuwatch.recording.reader import open_recording
+
     rec = open_recording(session)
     if rec.samples.is_empty():
         why = rec.warnings[0] if rec.warnings else f"{session}: no samples recorded"
