@@ -36,7 +36,7 @@ def _workload(bus, **kw):
 
 
 def summarize(w, bus):
-    from gpuwatch.workload.cli import summarize as s
+    from gpuwatch.workload.summary import summarize as s
 
     return s(w, bus)
 

@@ -1,17 +1,24 @@
-"""Command line: parses arguments and calls factories, nothing else.
+"""Command line: parses arguments into typed configs and calls the composition root, nothing else.
 
   gpuwatch                      live dashboard + DeepSeek workload on the embedded default, recording on
   gpuwatch watch                live dashboard, no workload
   gpuwatch replay PATH          replay a session (time travel); --follow attaches to one being written
   gpuwatch info                 GPUs, driver, and what each metric reads on this machine
   gpuwatch record               headless recording
-  gpuwatch stress               headless DeepSeek workload, recorded
+  gpuwatch stress               headless DeepSeek workload, recorded, risk-scored and guarded
+  gpuwatch train                train the failure-risk model on recordings; writes it and its card
+  gpuwatch score SESSION        the risk timeline of a recorded session
+  gpuwatch report SESSION       a self-contained HTML (or Markdown) test report
+
+Errors: a user error (bad flag, unreadable input) exits 2 with one line; a runtime fault exits 1 with
+one line; a signal ends a headless run cleanly (recording closed) with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -20,24 +27,25 @@ from gpuwatch import __version__
 from gpuwatch.errors import GpuwatchError, UsageError
 from gpuwatch.units import parse_duration, parse_size
 
+SPEED_MIN, SPEED_MAX = 0.25, 16.0
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, never a usage dump or traceback
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def _dur(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except UsageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _typed(fn):
+    def conv(text: str):
+        try:
+            return fn(text)
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = fn.__name__
+    return conv
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except UsageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_dur, _size = _typed(parse_duration), _typed(parse_size)
 
 
 def _pos_int(text: str) -> int:
@@ -50,11 +58,37 @@ def _pos_int(text: str) -> int:
     return v
 
 
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
+    return v
+
+
+def _speed(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (SPEED_MIN <= v <= SPEED_MAX):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"speed {text!r} out of range {SPEED_MIN:g}..{SPEED_MAX:g}")
+    return v
+
+
 def _interval(text: str) -> float:
     v = _dur(text)
     if not 0.01 <= v <= 60:
         raise argparse.ArgumentTypeError(f"interval {text!r} out of range 10ms..60s")
     return v
+
+
+def _listen(text: str):
+    from gpuwatch.export.prometheus import parse_listen
+
+    return _typed(parse_listen)(text)
 
 
 def _common(p: argparse.ArgumentParser, record_default: bool) -> None:
@@ -68,13 +102,24 @@ def _common(p: argparse.ArgumentParser, record_default: bool) -> None:
                    help="sample in a child process (default; keeps 100 ms under a busy GIL) or a thread")
     p.add_argument("--source", metavar="SESSION",
                    help="replay a recorded session as if it were live (demo/tests; labelled REPLAY)")
+    p.add_argument("--prometheus", type=_listen, metavar="[HOST:]PORT",
+                   help="serve live metrics for Prometheus (binds 127.0.0.1 unless a host is given)")
+    _model_args(p)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, metavar="PATH", help="failure-risk model (default: models/risk.joblib)")
+    p.add_argument("--no-model", action="store_true", help="no risk scoring")
+    p.add_argument("--trust-model", action="store_true",
+                   help="load a model whose sha256 does not match its manifest (a joblib file runs code)")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    from gpuwatch.workload.presets import MODES, PRECISIONS, PRESETS, SCHEDULES
+    from gpuwatch.control.policy import MODES, RULES
+    from gpuwatch.workload.presets import MODES as WMODES, PRECISIONS, PRESETS, SCHEDULES
 
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: largest that fits)")
-    p.add_argument("--mode", choices=MODES, default="prefill")
+    p.add_argument("--mode", choices=WMODES, default="prefill")
     p.add_argument("--schedule", choices=SCHEDULES, default="steady")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--batch", type=_pos_int, help="batch size (default from preset)")
@@ -84,7 +129,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=None, help="'all' = one workload per GPU, or a list like 0,1")
     p.add_argument("--gpu-memory-limit", type=_size, metavar="SIZE",
                    help="make the GPU behave like a smaller card, e.g. 40GiB")
-    p.add_argument("--leak-mib", type=float, default=0.0, help="fault: keep N MiB per step")
+    p.add_argument("--leak-mib", type=_nonneg, default=0.0, help="fault: keep N MiB per step")
     p.add_argument("--fragment", action="store_true", help="fault: random sequence lengths")
     p.add_argument("--fp16-overflow", action="store_true", help="fault: scale activations to overflow fp16")
     p.add_argument("--integrity-every", type=_pos_int, default=50, metavar="STEPS",
@@ -92,6 +137,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any DeepseekV3Config field, e.g. --set num_hidden_layers=4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guard", choices=MODES, default="on",
+                   help="act on the risk before a failure (on, default), only log what it would do (observe), or off")
+    p.add_argument("--guard-rule", choices=RULES, default="model",
+                   help="model (gpuwatch), fixed (memory >90%% halve, <30%% double), accelerate or composer (reactive)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a recorded session")
     r.add_argument("path", type=Path)
     r.add_argument("--follow", action="store_true", help="attach to a session still being recorded")
-    r.add_argument("--speed", type=float, default=1.0)
+    r.add_argument("--speed", type=_speed, default=1.0, help=f"playback speed {SPEED_MIN:g}..{SPEED_MAX:g} (default 1)")
+    _model_args(r)
     sub.add_parser("info", help="GPUs, driver and what each metric reads here")
     rec = sub.add_parser("record", help="headless recording")
     _common(rec, record_default=True)
@@ -118,9 +168,56 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(s)
     s.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="stop after DUR")
     s.add_argument("--steps", type=_pos_int, default=None, help="stop after N steps")
+    t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
+    t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
+    t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH")
+    t.add_argument("--stride", type=_pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
+    t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
+    sc = sub.add_parser("score", help="the risk timeline of a recorded session")
+    sc.add_argument("session", type=Path)
+    sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
+    sc.add_argument("-o", "--output", type=Path, metavar="PATH", help="write the timeline as Parquet")
+    sc.add_argument("--stride", type=_pos_int, default=1)
+    _model_args(sc)
+    try:
+        from gpuwatch.report import register
+    except ImportError:  # the report package is optional at import time
+        pass
+    else:
+        register(sub)
     return p
 
 
+# -- typed configs from flags -------------------------------------------------------------------------
+def session_config(args, workload: bool, deliver_s: float = 0.0):
+    from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.runtime import ModelChoice, SessionConfig
+
+    spec = _workload_spec(args) if workload else None
+    guard = GuardConfig(mode=getattr(args, "guard", "off"), rule=getattr(args, "guard_rule", "model"))
+    out = args.output if args.record else None
+    if out is not None:
+        from gpuwatch.recording.writer import check_output_dir
+
+        check_output_dir(out)
+    return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
+                         deliver_s=deliver_s, workload=spec, guard=guard, prometheus=args.prometheus,
+                         model=ModelChoice(args.model, not args.no_model, args.trust_model))
+
+
+def _workload_spec(args):
+    from gpuwatch.workload.factory import WorkloadSpec
+    from gpuwatch.workload.presets import parse_overrides
+
+    return WorkloadSpec(
+        preset=args.preset, mode=args.mode, schedule=args.schedule, precision=args.precision, batch=args.batch,
+        seq_len=args.seq_len, max_batch=args.max_batch, device=args.device, gpus=args.gpus,
+        memory_limit_bytes=args.gpu_memory_limit, leak_mib=args.leak_mib, fragment=args.fragment,
+        fp16_overflow=args.fp16_overflow, integrity_every=args.integrity_every,
+        overrides=parse_overrides(args.set), seed=args.seed, max_steps=getattr(args, "steps", None))
+
+
+# -- commands -----------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     from gpuwatch.recording.backends import make_gpu_backend
     from gpuwatch.runtime import versions
@@ -128,34 +225,43 @@ def cmd_info(args) -> int:
     gpu, note = make_gpu_backend()
     print(f"gpuwatch {__version__}: {note}")
     if gpu is not None:
-        print(f"driver {gpu.driver_version}, NVML {getattr(gpu, 'nvml_version', None)}")
+        print(f"driver {gpu.driver_version}, NVML {getattr(gpu, 'nvml_version', None)}, "
+              f"memory read with NVML's {getattr(gpu, 'memory_api', 'v1')} call")
         for g in gpu.gpus:
             print(f"GPU {g.index}: {g.name}  {g.pci_bus_id}  {g.uuid}")
             for field, how in gpu.probe(g.index).items():
                 print(f"  {field:28s} {how}")
         gpu.close()
+    else:
+        print("without a GPU: every gpu_* column is null; host_* and proc_* columns are read "
+              "(psutil, /proc), the workload runs the tiny preset on the CPU")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items() if v))
     return 0
 
 
-def _wait_until(deadline: float | None, done=None, poll_s: float = 0.5) -> None:
-    """Sleep until the deadline, SIGTERM/Ctrl-C, or `done()` (checked every `poll_s`); one wake-up per
-    poll, so a headless recorder costs nothing while it waits."""
-    import threading
+def _finish(session, why: str) -> int:
+    """The summary line of a headless run, and its exit code (a signal: 128 + its number)."""
+    from gpuwatch.runtime import SIGNAL_EXIT
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0 or done is not None and done():
-                return
-            timeout = left
-            if done is not None:
-                timeout = poll_s if left is None else min(left, poll_s)
-            stop.wait(timeout)
-    except KeyboardInterrupt:
-        pass
+    code = 0
+    for w in session.workloads:
+        from gpuwatch.workload.summary import format_summary, summarize
+
+        s = summarize(w, session.bus)
+        print(format_summary(s))
+        code |= 1 if s["unrecovered"] else 0
+    if session.guard is not None:
+        g = session.guard
+        print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
+    r = session.recorder
+    if r is not None:
+        print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
+              f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else ""))
+        code |= 1 if r.error else 0
+    if why in SIGNAL_EXIT:
+        print(f"stopped by {why}", file=sys.stderr)
+        return SIGNAL_EXIT[why]
+    return code
 
 
 def cmd_record(args) -> int:
@@ -163,32 +269,99 @@ def cmd_record(args) -> int:
 
     # Nothing reads the ticks here but the recorder, which writes once a second: take them a second at
     # a time (one wake-up a second in this process instead of ten).
-    s = Session(interval=args.interval, record_dir=args.output if args.record else None, source=args.source,
-                sampler=args.sampler, deliver_s=1.0)
-    print(f"gpuwatch: {s.gpu_note}", file=sys.stderr)
-    s.start()
-    if s.recorder:
-        print(f"recording to {s.recorder.dir}", file=sys.stderr)
-    _wait_until(time.monotonic() + args.duration if args.duration else None)
-    s.stop()
-    if s.recorder:
-        r = s.recorder
-        print(f"{r.dir}: {r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
-              f"{s.sampler.late_ticks} late ticks" + (f"; ERROR {r.error}" if r.error else ""))
-        return 1 if r.error else 0
-    return 0
+    cfg = session_config(args, workload=False, deliver_s=1.0)
+    with Session(cfg) as s:
+        _status(s.gpu_note)
+        if s.recorder:
+            _status(f"recording to {s.recorder.dir}")
+        why = s.wait(args.duration)
+    return _finish(s, why)
 
 
 def cmd_stress(args) -> int:
-    from gpuwatch.workload.cli import run_stress
+    from gpuwatch.runtime import Session
 
-    return run_stress(args)
+    cfg = session_config(args, workload=True)
+    with Session(cfg) as s:
+        _status(f"{s.gpu_note}; {s.model_note}")
+        if s.recorder:
+            _status(f"recording to {s.recorder.dir}")
+        why = s.wait(args.duration, until_done=True)
+    return _finish(s, why)
+
+
+def cmd_train(args) -> int:
+    from gpuwatch.predict.dataset import default_sessions
+    from gpuwatch.predict.train import train
+
+    root = Path(__file__).resolve().parents[1]
+    sessions = args.sessions or default_sessions(root)
+    if not sessions:
+        raise UsageError("no sessions given and none shipped under recordings/")
+    for p in sessions:
+        if not p.exists():
+            raise UsageError(f"{p}: no such session")
+    rep = train(sessions, args.output, progress=_status, stride=args.stride, evaluate=not args.no_eval)
+    m = rep.by_scenario
+    if m is not None:
+        print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "
+              f"({m.caught}/{m.oom_events}), {m.false_alarms} false alarm(s) in {m.healthy_hours * 60:.1f} healthy min; "
+              f"card {rep.card_path}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    from gpuwatch.predict.model import load_model
+    from gpuwatch.predict.scorer import alarms, score_source
+    from gpuwatch.recording.source import ReplaySource
+
+    if args.no_model:
+        raise UsageError("score needs a model (drop --no-model)")
+    model = load_model(args.model, trust=args.trust_model)
+    src = ReplaySource(args.session)
+    t0 = time.perf_counter()
+    tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
+    if args.output:
+        from gpuwatch.recording.writer import write_atomic
+
+        write_atomic(tl, args.output)
+    al = alarms(tl)
+    summary = {"session": str(args.session), "model": model.label, "threshold": model.threshold,
+               "windows": tl.height, "seconds": round(time.perf_counter() - t0, 3),
+               "max_risk": round(float(tl["risk"].max()), 4) if tl.height else None, "alarms": al}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{tl.height} windows scored in {summary['seconds']} s with {model.label}; "
+              f"max risk {summary['max_risk']}; {len(al)} alarm(s)")
+        for a in al:
+            print(f"  {a['ts']}  GPU{a['gpu']}  {a['kind']}  risk {a['risk']:.2f}")
+    return 0
 
 
 def cmd_tui(args) -> int:
-    from gpuwatch.ui.launch import run_tui
+    from gpuwatch.ui.launch import run_replay, run_tui
 
-    return run_tui(args)
+    if args.command == "replay":
+        return run_replay(args.path, follow=args.follow, speed=args.speed)
+    cfg = session_config(args, workload=args.command in (None, "live"))
+    return run_tui(cfg, duration_s=args.duration, status=_status)
+
+
+def _status(msg: str) -> None:
+    print(f"gpuwatch: {msg}", file=sys.stderr, flush=True)
+
+
+def _fix_negative_values(argv: list[str]) -> list[str]:
+    """`--duration -1s` would read as an unknown flag ("expected one argument"); join such values to
+    their flag so the value's own check says what is wrong with it."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(a) > 1 and a[0] == "-" and a[1].isdigit():
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,11 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
             argv = ["live", *argv]
-        args = build_parser().parse_args(argv)
-        handler = {"info": cmd_info, "record": cmd_record, "stress": cmd_stress}.get(args.command, cmd_tui)
+        args = build_parser().parse_args(_fix_negative_values(argv))
+        handler = getattr(args, "handler", None) or {
+            "info": cmd_info, "record": cmd_record, "stress": cmd_stress, "train": cmd_train,
+            "score": cmd_score}.get(args.command, cmd_tui)
         return handler(args)
     except GpuwatchError as e:
         print(f"gpuwatch: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
+        print("gpuwatch: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a fault outside any session (a file we were told to write, say)
+        print(f"gpuwatch: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1

@@ -1,21 +1,35 @@
-"""Wires one gpuwatch session together (bus, sampler, recorder, workload) with no Textual import, so
-the same session runs headless (`gpuwatch record`, `gpuwatch stress`) or under the TUI."""
+"""The composition root: one `Session` assembles everything a run has - bus, sampler, recorder,
+workloads, the live telemetry source, the risk scorer, the guard and the Prometheus exporter - the
+same way for `gpuwatch`, `watch`, `stress` and `record`, with no Textual import, so a headless
+`stress` scores risk exactly as the dashboard does.
+
+Front ends hand it typed configs (`SessionConfig`, `WorkloadSpec`, `GuardConfig`), never an argparse
+Namespace. It is a context manager: whatever fails after the sampler started, the sampler, the
+workloads and the recorder are still stopped (and the recording closed).
+"""
 
 from __future__ import annotations
 
 import platform
+import signal
 import socket
 import sys
-from dataclasses import asdict
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gpuwatch import __version__
+from gpuwatch.control.policy import GuardConfig
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
+from gpuwatch.recording.source import GpuMeta, LiveSource
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.host import HostSampler
-from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
 from gpuwatch.telemetry.sampler import Sampler
+from gpuwatch.workload.factory import WorkloadSpec
 
 
 def versions() -> dict[str, str | None]:
@@ -28,47 +42,146 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-class Session:
-    """One monitored run: sampler + optional recorder + optional workload, all on background threads."""
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which failure-risk model scores the session. `path` None = the shipped default (models/)."""
 
-    def __init__(self, interval: float = 0.1, record_dir: Path | str | None = None,
-                 source: str | None = None, config: dict[str, Any] | None = None,
-                 bus: Bus | None = None, name: str | None = None, sampler: str = "process",
-                 deliver_s: float = 0.0) -> None:
-        """`sampler`: "process" (default; immune to GIL contention here) or "thread".
-        `deliver_s`: with the process sampler, hand ticks over this many seconds at a time (0: each
-        tick at once, for the dashboard and the guard; a headless recorder uses 1.0, its flush interval)."""
+    path: Path | None = None
+    enabled: bool = True
+    trust: bool = False  # load a model whose hash does not match its manifest (runs its code!)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    interval_s: float = 0.1
+    record_dir: Path | None = None
+    source: str | None = None  # a recording replayed as if live (labelled REPLAY everywhere)
+    sampler: str = "process"  # "process" (default: immune to the GIL) or "thread"
+    deliver_s: float = 0.0  # process sampler: hand ticks over this many seconds at a time (0 = each)
+    name: str | None = None  # the session folder's name (default: UTC start + host)
+    workload: WorkloadSpec | None = None
+    model: ModelChoice = field(default_factory=ModelChoice)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    prometheus: tuple[str, int] | None = None
+    score_hz: float = 10.0
+
+
+class Session:
+    """One monitored run. Build it, then `with session:` (or start()/stop()) runs it on background
+    threads; `wait()` blocks the caller until a deadline, a signal or the workloads finish."""
+
+    def __init__(self, config: SessionConfig | None = None, bus: Bus | None = None,
+                 on_status: Callable[[str], None] | None = None) -> None:
+        self.config = cfg = config or SessionConfig()
         self.bus = bus or Bus()
+        self._say = on_status or (lambda _msg: None)
+        self.workloads: list = []
+        self.recorder = self.scorer = self.guard = self.exporter = None
+        self.model_note = "no risk model"
+        self._started = self._stopped = False
+        self.sampler = None
+        self.gpu = None
+        try:
+            self._assemble(cfg)
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- assembly ---------------------------------------------------------------------------------------
+    def _assemble(self, cfg: SessionConfig) -> None:
         self.host = HostSampler()
-        if sampler == "process":
+        if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, BackendFactory(source), interval, deliver_s=deliver_s)
+            self.sampler = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s)
             self.gpu, self.gpu_note = self.sampler.launch()
         else:
-            self.gpu, self.gpu_note = make_gpu_backend(source)
-            self.sampler = Sampler(self.bus, self.gpu, self.host, interval=interval)
-        self.config = dict(config or {}, interval_s=interval, deliver_s=deliver_s)
-        self.workloads: list = []
-        self.recorder = None
-        if record_dir is not None:
+            self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
+            self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s)
+        if cfg.workload is not None:
+            self._say("loading torch and building the workload...")
+            from gpuwatch.workload.factory import make_workloads
+
+            self.workloads = make_workloads(cfg.workload, self.bus, self._nvml_index)
+        self.source = LiveSource(self.bus, self.gpu_meta(), getattr(self.gpu, "label", None) or "CPU-only",
+                                 interval_s=cfg.interval_s)
+        if cfg.record_dir is not None:
             from gpuwatch.recording.writer import Recorder
 
-            self.recorder = Recorder(self.bus, record_dir, self.meta(), name=name)
-            if sampler == "process" and deliver_s > 0:
+            self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name)
+            if cfg.sampler == "process" and cfg.deliver_s > 0:
                 self.sampler.on_delivery = self.recorder.kick
-                self.recorder.wait_s = 2 * max(deliver_s, self.recorder.flush_interval)
+                self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
+        self._make_scorer(cfg)
+        if cfg.prometheus is not None:
+            from gpuwatch.export.prometheus import PrometheusExporter
+
+            host, port = cfg.prometheus
+            self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port)
+
+    def _make_scorer(self, cfg: SessionConfig) -> None:
+        """The risk model scores every GPU of every session that has one; the guard acts on it."""
+        if not cfg.model.enabled or not self.source.gpus:
+            self.model_note = "risk scoring off" if not cfg.model.enabled else "no GPU: nothing to score"
+            return
+        from gpuwatch.predict.model import ModelError, load_model
+        from gpuwatch.predict.scorer import LiveScorer
+
+        try:
+            model = load_model(cfg.model.path, trust=cfg.model.trust)
+        except ModelError as e:
+            if cfg.model.path is not None:
+                raise  # the user asked for this model: a one-line fatal error
+            self.model_note = f"no risk model ({e})"
+            return
+        self.model_note = f"risk model {model.label}"
+        self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=cfg.score_hz)
+        if self.workloads and cfg.guard.mode != "off":
+            from gpuwatch.control.guard import Guard
+
+            limits = {m.index: m.effective_limit_bytes for m in self.source.gpus}
+            self.guard = Guard(self.bus, cfg.guard, {w.cfg.gpu_index: w for w in self.workloads}, model.threshold,
+                               rescore=self.scorer.rescore, limits=limits,
+                               snapshot_dir=lambda: self.recorder.dir if self.recorder and not self.recorder.error else None)
+            self.scorer.on_risk = self.guard.on_risk
+
+    def _nvml_index(self, ident: dict[str, Any]) -> int | None:
+        """The NVML index of a CUDA device, matched by UUID, then PCI bus id (never by CUDA ordinal)."""
+        for g in getattr(self.gpu, "gpus", []) or []:
+            if ident.get("uuid") and g.uuid and ident["uuid"].lower() == g.uuid.lower():
+                return g.index
+        for g in getattr(self.gpu, "gpus", []) or []:
+            if ident.get("pci_bus_id") and g.pci_bus_id and _bus_id(ident["pci_bus_id"]) == _bus_id(g.pci_bus_id):
+                return g.index
+        return None
+
+    def _plan(self, gpu: int | None) -> dict[str, Any] | None:
+        """The next step a GPU's workload will run (what the model scores), or None."""
+        for w in self.workloads:
+            if w.cfg.gpu_index == gpu:
+                return w.plan_info()
+        return None
+
+    def gpu_meta(self) -> list[GpuMeta]:
         if self.gpu is None:
-            self.bus.emit("no_gpu", self.gpu_note, "warning")
+            return []
+        caps = {w.cfg.gpu_index: w.cfg.faults.memory_limit_bytes for w in self.workloads}
+        return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
+                        mem_limit_bytes=caps.get(g.index)) for g in self.gpu.gpus]
 
     def meta(self) -> dict[str, Any]:
+        c = self.config
+        config = {"interval_s": c.interval_s, "deliver_s": c.deliver_s, "sampler": c.sampler,
+                  "workloads": [w.describe() for w in self.workloads],
+                  "guard": asdict(c.guard), "source": c.source}
         return {
             "host": socket.gethostname(), "platform": platform.platform(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
             "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
+            "memory_api": getattr(self.gpu, "memory_api", None),
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
-            "versions": versions(), "argv": sys.argv, "config": self.config,
+            "versions": versions(), "argv": sys.argv, "config": config,
         }
 
     @property
@@ -76,28 +189,108 @@ class Session:
         """The first workload (the one the dashboard shows and the keys control), or None."""
         return self.workloads[0] if self.workloads else None
 
-    def attach_workload(self, workload) -> None:
-        self.workloads.append(workload)
-        self.config["workloads"] = [w.describe() for w in self.workloads]
-        if self.recorder:
-            self.recorder.meta["config"] = self.config
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def __enter__(self) -> "Session":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
         if self.recorder:
             self.recorder.start()
-        self.bus.emit("session_start", f"session started: {self.gpu_note}")
+        if self.exporter:
+            self.exporter.start()
+        self.bus.emit("session_start", f"session started: {self.gpu_note}; {self.model_note}")
         self.sampler.start()
+        if self.scorer:
+            self.scorer.start()
         for w in self.workloads:
+            if self.guard:
+                w.guard = self.guard
             w.start()
 
     def stop(self) -> None:
+        """Idempotent, and safe on a half-built session: stops what exists, in dependency order."""
+        if self._stopped:
+            return
+        self._stopped = True
         for w in self.workloads:
             w.stop(join=False)
         for w in self.workloads:
             w.stop()
-        self.sampler.stop()
-        self.bus.emit("session_end", "session stopped")
-        if self.recorder:
+        if self.scorer:
+            self.scorer.stop()
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self._started:
+            self.bus.emit("session_end", "session stopped")
+        if self.recorder and self._started:
             self.recorder.stop()
+        if self.exporter and self._started:
+            self.exporter.stop()
         if self.gpu is not None:
             self.gpu.close()
+
+    def wait(self, duration_s: float | None = None, until_done: bool = False, poll_s: float = 0.5) -> str:
+        """Block until `duration_s` passes, the workloads finish (`until_done`), or a signal arrives.
+        Returns why: "deadline", "done", "SIGINT", "SIGTERM" or "SIGHUP"."""
+        done = (lambda: all(w.state in ("finished", "failed") for w in self.workloads)) if until_done else None
+        return wait_until(time.monotonic() + duration_s if duration_s else None, done, poll_s)
+
+
+def _bus_id(s: str) -> str:
+    """PCI bus ids compare without the domain's width or case: 00000000:1B:00.0 == 0000:1b:00.0."""
+    parts = s.strip().lower().split(":")
+    if len(parts) == 3:
+        try:
+            return f"{int(parts[0], 16):x}:{parts[1]}:{parts[2]}"
+        except ValueError:
+            pass
+    return s.strip().lower()
+
+
+SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+
+
+def wait_until(deadline: float | None, done=None, poll_s: float = 0.5) -> str:
+    """Sleep until the deadline, `done()` (checked every `poll_s`) or SIGINT/SIGTERM/SIGHUP (a dropped
+    SSH link sends SIGHUP to a foreground run). One wake-up per poll, so a headless run costs nothing
+    while it waits. Only the main thread can install handlers; elsewhere signals are left alone."""
+    stop = threading.Event()
+    why = {"sig": None}
+
+    def handler(signum, _frame):
+        why["sig"] = signal.Signals(signum).name
+        stop.set()
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, handler)
+    try:
+        while not stop.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return "deadline"
+            if done is not None and done():
+                return "done"
+            timeout = left
+            if done is not None:
+                timeout = poll_s if left is None else min(left, poll_s)
+            stop.wait(timeout if timeout is not None else 3600)
+        return why["sig"] or "SIGINT"
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def with_record_dir(cfg: SessionConfig, record: bool, output: Path) -> SessionConfig:
+    return replace(cfg, record_dir=output if record else None)
+
+
+class SessionFailed(GpuwatchError):
+    """A runtime fault that ends a run (exit 1)."""

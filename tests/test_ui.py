@@ -8,7 +8,8 @@ import time
 import pytest
 
 from gpuwatch.recording.source import ReplaySource
-from gpuwatch.ui.app import make_app, parse_goto
+from gpuwatch.ui.app import make_app
+from gpuwatch.units import parse_goto
 from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
 
 from conftest import RAMP, ROOT
@@ -88,9 +89,11 @@ async def test_goto_time_percent_and_relative():
 
 def test_parse_goto():
     src = ReplaySource(RAMP)
-    assert parse_goto("0%", src) == src.start_us
-    assert parse_goto("100%", src) == src.end_us
-    assert parse_goto("later", src) is None
+    args = (src.start_us, src.end_us, src.start_us)
+    assert parse_goto("0%", *args) == src.start_us
+    assert parse_goto("100%", *args) == src.end_us
+    assert parse_goto("later", *args) is None
+    assert parse_goto("99:00", *args) is None  # was a ValueError that crashed the app
 
 
 async def test_help_and_quit_in_replay():
@@ -112,17 +115,19 @@ async def test_live_keys_reach_the_workload_and_the_bus():
     w = Workload(bus, WorkloadConfig(batch=8, seq_len=8, overrides={"num_hidden_layers": 2}, integrity_every=0))
 
     class S:  # the part of a Session the App uses
-        workload, recorder = w, None
+        workload, recorder, guard, model_note = w, None, None, "no risk model"
+        workloads = [w]
         bus = None
     S.bus = bus
     app = make_app(src, session=S())
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("plus")
-        assert w._pending["batch"] == 10
+        assert w._pending["batch"][:2] == (10, "user")  # who acted travels with the change
+        assert w.manual  # a manual change overrides the guard until handed back
         await pilot.press("minus")
-        assert w._pending["batch"] == 6
+        assert w._pending["batch"][0] == 6
         await pilot.press("p")
-        assert w._pending["precision"] == "tf32"  # fp32 -> tf32 in the cycle
+        assert w._pending["precision"][0] == "tf32"  # fp32 -> tf32 in the cycle
         await pilot.press("m")
         assert bus.events.latest(1)[0].kind == "mark"
         await pilot.press("space")

@@ -6,6 +6,7 @@ know which kind it is (the way Meta's `below` treats live, pause and replay as o
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,44 @@ class GpuMeta:
     mem_total_bytes: int | None = None
     power_limit_w: float | None = None
     temp_slowdown_c: int | None = None
+    mem_limit_bytes: int | None = None  # a workload's --gpu-memory-limit on this GPU (NVML does not know it)
+
+    @property
+    def effective_limit_bytes(self) -> int | None:
+        """What an OOM is measured against: the workload's cap where one is set, else the card."""
+        caps = [v for v in (self.mem_total_bytes, self.mem_limit_bytes) if v]
+        return min(caps) if caps else None
+
+
+@dataclass(frozen=True)
+class Window:
+    """The last `seconds` of one GPU, identical live, in replay, in follow and over a recording in
+    training: samples in the samples schema (this GPU's rows, `ts` as Datetime(us, UTC), time order),
+    the GPU's last steps (steps schema) and its recent events (events schema; GPU-less events too)."""
+
+    gpu: int | None
+    end_us: int  # the moment the window is taken at (the cursor); rows are at or before it
+    interval_s: float  # the sampling interval the session was recorded with
+    samples: pl.DataFrame
+    steps: pl.DataFrame
+    events: pl.DataFrame
+    meta: GpuMeta | None = None
+
+
+WINDOW_S = 30.0  # the default window: the feature function looks back this far
+WINDOW_STEPS = 64
+WINDOW_EVENTS_S = 600.0
 
 
 class TelemetrySource(Protocol):
     kind: str  # live | replay | follow
     label: str
     gpus: list[GpuMeta]
+    interval_s: float
+
+    def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
+               events_s: float = WINDOW_EVENTS_S) -> Window: ...
+    def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]: ...  # last n risk rows up to the cursor
 
     def poll(self) -> bool: ...  # advance (playback, follow); True if the cursor's data changed
     def cursor_us(self) -> int | None: ...
@@ -44,13 +77,46 @@ class TelemetrySource(Protocol):
 
 
 class LiveSource:
-    """Reads the in-process bus (ring buffers) that the sampler and the workload fill."""
+    """Reads the in-process bus (ring buffers) that the sampler and the workload fill. Windows are cut
+    from frames kept incrementally (each call converts only the rows that arrived since the last),
+    so the scorer can ask ten times a second."""
 
     kind = "live"
+    KEEP_S = 2 * WINDOW_EVENTS_S
 
-    def __init__(self, bus: Bus, gpus: list[GpuMeta], label: str = "live") -> None:
-        self.bus, self.gpus, self.label = bus, gpus, label
+    def __init__(self, bus: Bus, gpus: list[GpuMeta], label: str = "live", interval_s: float = 0.1) -> None:
+        self.bus, self.gpus, self.label, self.interval_s = bus, gpus, label, interval_s
         self._seen = -1
+        self._lock = threading.Lock()
+        self._cur = {"ticks": bus.ticks.next_seq - len(bus.ticks), "steps": bus.steps.next_seq - len(bus.steps),
+                     "events": bus.events.next_seq - len(bus.events)}
+        self._frames: dict[str, pl.DataFrame] = {t: schema.empty(t) for t in ("samples", "steps", "events")}
+
+    def _catch_up(self) -> None:
+        from gpuwatch.recording.writer import to_frame
+
+        ticks, self._cur["ticks"], _ = self.bus.ticks.since(self._cur["ticks"])
+        steps, self._cur["steps"], _ = self.bus.steps.since(self._cur["steps"])
+        events, self._cur["events"], _ = self.bus.events.since(self._cur["events"])
+        new = {"samples": [r for t in ticks for r in t.rows], "steps": steps, "events": [e.row() for e in events]}
+        for table, rows in new.items():
+            if rows:
+                df = pl.concat([self._frames[table], to_frame(rows, table)], how="vertical_relaxed")
+                cut = df["ts"].dt.epoch("us") > df["ts"].dt.epoch("us").max() - int(self.KEEP_S * 1e6)
+                self._frames[table] = df.filter(cut) if not cut.all() else df
+
+    def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
+               events_s: float = WINDOW_EVENTS_S) -> Window:
+        with self._lock:
+            self._catch_up()
+            f = self._frames
+        last = self.bus.ticks.latest(1)
+        end = last[0].ts_us if last else time.time_ns() // 1000
+        return _cut(f["samples"], f["steps"], f["events"], gpu, end, seconds, n_steps, events_s,
+                    self.interval_s, _meta_of(self.gpus, gpu))
+
+    def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
+        return [r for r in self.bus.risk.latest(n * max(1, len(self.gpus))) if r.get("gpu") == gpu][-n:]
 
     def poll(self) -> bool:
         seq = self.bus.ticks.next_seq + self.bus.events.next_seq + self.bus.steps.next_seq
@@ -92,7 +158,9 @@ class ReplaySource:
         self.kind = "follow" if follow else "replay"
         self.label = self.reader.path.name
         self.clock = clock
-        self.steps_df, self.events_df = (schema.empty(t) for t in ("steps", "events"))
+        self.interval_s = recorded_interval(self.reader.meta)
+        self.steps_df, self.events_df, self.risk_df = (schema.empty(t) for t in ("steps", "events", "risk"))
+        self._risk_ts = np.array([], dtype=np.int64)
         self.ticks_ts = np.array([], dtype=np.int64)
         self._events_ts = self._steps_ts = np.array([], dtype=np.int64)
         self._by_gpu: dict[Any, pl.DataFrame] = {}  # what reads use: body + tail, per GPU
@@ -114,8 +182,10 @@ class ReplaySource:
         self._changed = True
         gm = {g.get("index"): g for g in self.reader.meta.get("gpus", [])}
         gpu_ids = sorted(g for g in self._by_gpu if g is not None) or list(gm)
+        caps = recorded_caps(self.reader.meta)
         self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
-                             gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"))
+                             gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"),
+                             mem_limit_bytes=caps.get(i))
                      for i in gpu_ids]
 
     # -- data ----------------------------------------------------------------------------------------
@@ -155,13 +225,55 @@ class ReplaySource:
             ticks = ts[np.r_[True, ts[1:] != ts[:-1]]]  # all GPUs of a tick share its time
             self.ticks_ts = np.concatenate([self.ticks_ts, ticks]) if after else np.unique(
                 np.concatenate([self.ticks_ts, ticks]))
-        if not frames["steps"].is_empty():
-            self.steps_df = _sorted(pl.concat([self.steps_df, frames["steps"]]))
-            self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
         if not frames["events"].is_empty():
             self.events_df = _sorted(pl.concat([self.events_df, frames["events"]]))
             self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
+        if not frames["steps"].is_empty() or not frames["events"].is_empty():
+            steps = _sorted(pl.concat([self.steps_df, frames["steps"]]))
+            self.steps_df = fill_plans(steps, self.events_df)
+            self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
+        if not frames.get("risk", schema.empty("risk")).is_empty():
+            self.risk_df = _sorted(pl.concat([self.risk_df, frames["risk"]]))
+            self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
         return True
+
+    def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
+               events_s: float = WINDOW_EVENTS_S) -> Window:
+        """The window at the cursor (the same cut as live; `ts` columns are datetimes in both)."""
+        end = int(self._t) if len(self.ticks_ts) else 0
+        return self.window_at(gpu, end, seconds, n_steps, events_s)
+
+    def window_at(self, gpu: int | None, end_us: int, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
+                  events_s: float = WINDOW_EVENTS_S) -> Window:
+        """A window ending at any moment, without moving the cursor (training and `score` walk a
+        recording with this, so they cut exactly what replay would show at that moment)."""
+        body = self._by_gpu.get(gpu, schema.empty("samples"))
+        ts = self._ts.get(gpu, np.array([], dtype=np.int64))
+        hi = int(np.searchsorted(ts, end_us, side="right"))
+        lo = int(np.searchsorted(ts, end_us - seconds * 1e6, side="right"))
+        samples = body.slice(lo, hi - lo)
+        si = int(np.searchsorted(self._steps_ts, end_us, side="right"))
+        steps = self._steps_by_gpu(gpu, si, n_steps)
+        ei = int(np.searchsorted(self._events_ts, end_us, side="right"))
+        ej = int(np.searchsorted(self._events_ts, end_us - events_s * 1e6, side="right"))
+        ev = self.events_df.slice(ej, ei - ej)
+        ev = ev.filter(ev["gpu"].is_null() | (ev["gpu"] == gpu)) if gpu is not None else ev
+        return Window(gpu, end_us, self.interval_s, samples, steps, ev, _meta_of(self.gpus, gpu))
+
+    def _steps_by_gpu(self, gpu: int | None, upto: int, n: int) -> pl.DataFrame:
+        """The last n steps of `gpu` among the first `upto` rows (all GPUs' steps are time-ordered)."""
+        part = self.steps_df.slice(max(0, upto - n * max(1, len(self.gpus))), min(upto, n * max(1, len(self.gpus))))
+        if gpu is not None:
+            part = part.filter(part["gpu"] == gpu)
+        return part.tail(n)
+
+    def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
+        i = int(np.searchsorted(self._risk_ts, self._t, side="right"))
+        part = self.risk_df.slice(max(0, i - n * max(1, len(self.gpus))), min(i, n * max(1, len(self.gpus))))
+        rows = part.filter(part["gpu"] == gpu).tail(n).to_dicts() if gpu is not None else part.tail(n).to_dicts()
+        for r in rows:
+            r["ts"] = int(r["ts"].timestamp() * 1e6)
+        return rows
 
     def _col(self, column: str, gpu: int | None) -> tuple[np.ndarray, pl.Series]:
         """A GPU's row times (one array per GPU, extended as rows arrive) and one of its columns."""
@@ -272,6 +384,70 @@ class ReplaySource:
     def steps(self, n: int) -> list[dict[str, Any]]:
         i = int(np.searchsorted(self._steps_ts, self._t, side="right"))
         return self.steps_df.slice(max(0, i - n), min(n, i)).to_dicts()
+
+
+def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:
+    return next((m for m in gpus if m.index == gpu), None)
+
+
+def _cut(samples: pl.DataFrame, steps: pl.DataFrame, events: pl.DataFrame, gpu: int | None, end_us: int,
+         seconds: float, n_steps: int, events_s: float, interval_s: float, meta: GpuMeta | None) -> Window:
+    """A window from whole (time-ordered) frames: what LiveSource keeps; replay slices by index."""
+    us = pl.col("ts").dt.epoch("us")
+    g = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
+    s = samples.filter(g & (us > end_us - int(seconds * 1e6)) & (us <= end_us))
+    st = steps.filter((pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu) & (us <= end_us)).tail(n_steps)
+    ev = events.filter((pl.col("gpu").is_null() | (pl.col("gpu") == gpu) if gpu is not None else pl.lit(True))
+                       & (us > end_us - int(events_s * 1e6)) & (us <= end_us))
+    return Window(gpu, end_us, interval_s, s, st, ev, meta)
+
+
+def recorded_interval(meta: dict[str, Any]) -> float:
+    """The sampling interval a session was recorded with (meta's config), 0.1 s if it does not say."""
+    v = (meta.get("config") or {}).get("interval_s") if isinstance(meta.get("config"), dict) else None
+    return float(v) if isinstance(v, (int, float)) and v > 0 else 0.1
+
+
+def recorded_caps(meta: dict[str, Any]) -> dict[int | None, int]:
+    """Each GPU's workload memory cap (--gpu-memory-limit) as the session's meta.json records it."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    out: dict[int | None, int] = {}
+    for w in cfg.get("workloads") or []:
+        if not isinstance(w, dict):
+            continue
+        cap = (w.get("faults") or {}).get("memory_limit_bytes") if isinstance(w.get("faults"), dict) else None
+        dev = str(w.get("device") or "")
+        gpu = w.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
+        if cap:
+            out[gpu] = int(cap)
+    return out
+
+
+def fill_plans(steps: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
+    """Sessions recorded before the plan columns existed (schema v1): each step's plan for its next
+    step is what ran next on that GPU - the next step row, or the OOM event's batch/seq_len/precision
+    when an OOM came first. Rows that already carry a plan are left as they are."""
+    if steps.is_empty() or steps["next_batch"].null_count() == 0:
+        return steps
+    ooms = events.filter(pl.col("kind") == "oom")
+    nxt = []
+    if not ooms.is_empty():
+        d = [event_detail(r) for r in ooms.select("detail").to_dicts()]
+        nxt.append(pl.DataFrame({"ts": ooms["ts"], "gpu": ooms["gpu"],
+                                 "batch": [x.get("batch") for x in d], "seq_len": [x.get("seq_len") for x in d],
+                                 "precision": [x.get("precision") for x in d]},
+                                schema={"ts": schema.TS, "gpu": pl.UInt8, "batch": pl.UInt32, "seq_len": pl.UInt32,
+                                        "precision": pl.String}))
+    attempts = pl.concat([steps.select("ts", "gpu", "batch", "seq_len", "precision"), *nxt], how="vertical_relaxed")
+    attempts = attempts.sort("ts").with_columns(
+        pl.col("batch").shift(-1).over("gpu").alias("_nb"), pl.col("seq_len").shift(-1).over("gpu").alias("_ns"),
+        pl.col("precision").shift(-1).over("gpu").alias("_np"))
+    joined = steps.join(attempts.select("ts", "gpu", "_nb", "_ns", "_np"), on=["ts", "gpu"], how="left",
+                        nulls_equal=True, maintain_order="left")
+    return joined.with_columns(
+        pl.coalesce("next_batch", "_nb").cast(pl.UInt32).alias("next_batch"),
+        pl.coalesce("next_seq_len", "_ns").cast(pl.UInt32).alias("next_seq_len"),
+        pl.coalesce("next_precision", "_np").alias("next_precision")).drop("_nb", "_ns", "_np")
 
 
 def _sorted(df: pl.DataFrame) -> pl.DataFrame:

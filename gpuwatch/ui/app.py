@@ -6,7 +6,6 @@ process); this App pulls the latest samples at 4 Hz and re-renders only the pane
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from rich.text import Text
@@ -15,11 +14,13 @@ from textual.binding import Binding
 from textual.widgets import Footer, Static
 
 from gpuwatch.recording.source import ReplaySource, TelemetrySource
+from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
 from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
 
 PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
-LIVE_ONLY = {"toggle_pause_view", "batch_up", "batch_down", "precision", "workload_pause"}
+LIVE_ONLY = {"toggle_pause_view", "batch_up", "batch_down", "precision", "workload_pause", "guard_mode", "hand_back"}
+GUARD_CYCLE = ("on", "observe", "off")
 REPLAY_ONLY = {"play", "seek", "step", "speed", "event", "goto", "home", "end", "loop", "live_edge"}
 
 
@@ -35,6 +36,8 @@ class GpuwatchApp(App):
         Binding("p", "precision", "precision"),
         Binding("w", "workload_pause", "workload ‖", show=False),
         Binding("m", "mark", "mark"),
+        Binding("G", "guard_mode", "guard", show=False),
+        Binding("a", "hand_back", "hand back", show=False),
         Binding("s", "next_gpu", "next GPU", show=False),
         Binding("space", "play", "play/pause"),
         Binding("left", "seek(-1)", "-1s", show=False),
@@ -55,8 +58,10 @@ class GpuwatchApp(App):
     ]
 
     def __init__(self, source: TelemetrySource, session=None, refresh_hz: float = 4.0,
-                 interval_s: float = 0.1) -> None:
+                 interval_s: float | None = None) -> None:
         super().__init__()
+        interval_s = interval_s or getattr(source, "interval_s", 0.1)
+        self.crashed: BaseException | None = None
         self.source, self.session = source, session
         self.refresh_hz, self.interval_s = refresh_hz, interval_s
         self.view_paused = False
@@ -70,6 +75,15 @@ class GpuwatchApp(App):
     @property
     def workload(self):
         return self.session.workload if self.session is not None else None
+
+    def _print_error_renderables(self) -> None:
+        """An uncaught exception: the caller writes the traceback to a log file and prints one line
+        (Textual would print a full traceback to the restored terminal)."""
+        if self._exception is not None:
+            self.crashed = self._exception
+            self._exit_renderables.clear()
+            return
+        super()._print_error_renderables()
 
     # -- layout ------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -92,7 +106,9 @@ class GpuwatchApp(App):
             return False
         if action in REPLAY_ONLY and self.mode == "live":
             return False
-        if action in ("batch_up", "batch_down", "precision", "workload_pause") and self.workload is None:
+        if action in ("batch_up", "batch_down", "precision", "workload_pause", "hand_back") and self.workload is None:
+            return False
+        if action == "guard_mode" and (self.session is None or self.session.guard is None):
             return False
         return True
 
@@ -174,11 +190,13 @@ class GpuwatchApp(App):
             total = meta.mem_total_bytes
             mem = src.series("gpu_mem_used_bytes", g, max(n, 300))  # the risk fit reads the last 300
             risk, free = self._risk(mem)
+            rows = src.risk(g, n)
+            last = ("risk", R.bucket_max([r.get("risk") for r in rows], k), 1.0, "bright_red") if rows else \
+                ("headroom", R.bucket_min(free, k), 1.0, "cyan")
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
                       ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
-                      ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"),
-                      ("headroom", R.bucket_min(free, k), 1.0, "cyan")]
+                      ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"), last]
         else:
             risk = self._risk()[0]
             specs += [("CPU %", R.bucket_max(src.series("host_cpu_pct", None, n), k), 100, "green")]
@@ -201,26 +219,35 @@ class GpuwatchApp(App):
         return Text("\n").join([title, *out]), risk
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
-        """The risk line for the plotted GPU and its free-memory fraction series (from `mem`)."""
+        """The risk panel for the plotted GPU (what the scorer published, live or recorded), and its
+        free-memory fraction series (from `mem`); without a model, memory headroom and its trend."""
         meta = self._plot_meta()
         if meta is None or mem is None:
             return Text("risk: no GPU", style="dim"), []
-        cap = self._memory_cap()
-        total = min(meta.mem_total_bytes or cap, cap) if cap else meta.mem_total_bytes
+        cap = meta.mem_limit_bytes
+        total = meta.effective_limit_bytes
         line, free = R.risk_line(mem, total, self.interval_s, model_loaded=False)
         if cap:
             line.append(f" (of the {R.fmt_bytes(cap)} --gpu-memory-limit)", style="dim")
+        rows = self.source.risk(meta.index, 1)
+        if rows:
+            return R.risk_model_line(rows[-1], self._guard_status(), self.size.width), free
+        if self.session is not None:
+            line = Text(f"{self.session.model_note}; ", style="yellow") + line
         return line, free
+
+    def _guard_status(self) -> str:
+        """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
+        s = self.session
+        if s is None or s.guard is None:
+            return "guard off" if s is not None and s.workloads else ""
+        g = s.guard
+        manual = " (user has control: a hands back)" if self.workload is not None and self.workload.manual else ""
+        return f"guard {g.cfg.mode}/{g.cfg.rule}: {g.actions} act, {g.misses} miss{manual}"
 
     def _plot_meta(self):
         """The GpuMeta of the GPU the plots and the risk line show (None when CPU-only)."""
         return next((m for m in self.source.gpus if m.index == self.plot_gpu), None)
-
-    def _memory_cap(self) -> int | None:
-        """A workload's --gpu-memory-limit: NVML does not know it, so headroom is measured against it."""
-        if self.workload is not None:
-            return self.workload.cfg.faults.memory_limit_bytes
-        return (self._recorded_workload().get("faults") or {}).get("memory_limit_bytes") or None
 
     def _recorded_workload(self) -> dict[str, Any]:
         """The first workload's config as the replayed recording's meta.json describes it ({} if none)."""
@@ -260,12 +287,23 @@ class GpuwatchApp(App):
 
     def action_workload_pause(self) -> None:
         w = self.workload
-        if w.state == "paused" or not w._resume.is_set():
+        if w.state == "paused" or w.paused:
             w.resume()
             self.notify("workload resumed")
         else:
             w.pause()
             self.notify("workload paused (after this step)")
+
+    def action_guard_mode(self) -> None:
+        g = self.session.guard
+        nxt = GUARD_CYCLE[(GUARD_CYCLE.index(g.cfg.mode) + 1) % len(GUARD_CYCLE)]
+        g.set_mode(nxt)
+        self.notify(f"guard {nxt}")
+        self.refresh_data(force=True)
+
+    def action_hand_back(self) -> None:
+        self.workload.hand_back()
+        self.notify("control handed back to the guard" if self.session.guard else "no guard in this run")
 
     def action_mark(self) -> None:
         if self.mode == "live" and self.session is not None:
@@ -336,36 +374,14 @@ class GpuwatchApp(App):
     def action_goto(self) -> None:
         def done(value: str | None) -> None:
             if value:
-                t = parse_goto(value, self.source)
+                src = self.source
+                t = parse_goto(value, src.start_us, src.end_us, src.cursor_us() or src.start_us)
                 if t is None:
                     self.notify(f"cannot go to {value!r}", severity="error")
                 else:
                     self.source.seek_to(t)
                     self._moved()
         self.push_screen(GotoScreen(), done)
-
-
-def parse_goto(value: str, src: ReplaySource) -> float | None:
-    """'12:03:04' (UTC, the recording's day), '+90s' / '-5m' (from the cursor), '50%' (of the session)."""
-    from datetime import datetime, timezone
-
-    from gpuwatch.errors import UsageError
-    from gpuwatch.units import parse_duration
-
-    v = value.strip()
-    if m := re.fullmatch(r"(\d{1,3}(?:\.\d+)?)%", v):
-        return src.start_us + float(m.group(1)) / 100 * (src.end_us - src.start_us)
-    if v[:1] in "+-":
-        try:
-            return (src.cursor_us() or 0) + (1 if v[0] == "+" else -1) * parse_duration(v[1:]) * 1e6
-        except UsageError:
-            return None
-    if m := re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2})(\.\d+)?)?", v):
-        day = datetime.fromtimestamp(src.start_us / 1e6, timezone.utc)
-        t = day.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=int(m.group(3) or 0),
-                        microsecond=int(float(m.group(4) or 0) * 1e6))
-        return t.timestamp() * 1e6
-    return None
 
 
 def make_app(source: TelemetrySource, session=None, **kw) -> GpuwatchApp:

@@ -1,62 +1,68 @@
-"""From parsed flags to a running dashboard (live, watch, replay, follow)."""
+"""From typed configs to a running dashboard (live, watch, replay, follow).
+
+A crash inside the app restores the terminal (Textual does), writes the traceback to a log file (the
+session's folder when recording, else the user's state folder) and exits 1 with one line naming it.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+import traceback
+from pathlib import Path
 
-from gpuwatch.recording.source import GpuMeta, LiveSource, ReplaySource
-
-
-def _gpu_meta(session) -> list[GpuMeta]:
-    if session.gpu is None:
-        return []
-    return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c) for g in session.gpu.gpus]
+from gpuwatch.recording.source import ReplaySource
 
 
-def run_tui(args) -> int:
+def crash_log(exc: BaseException, folder: Path | None = None) -> Path:
+    base = folder or Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "gpuwatch"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        path = base / f"crash-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+        path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return path
+    except OSError:
+        return Path("/dev/stderr")
+
+
+def _run_app(app, log_folder: Path | None, status) -> int:
+    app.run()
+    exc = getattr(app, "crashed", None)
+    if exc is not None:
+        path = crash_log(exc, log_folder)
+        status(f"error: the dashboard crashed ({type(exc).__name__}: {str(exc)[:120]}); traceback in {path}")
+        return 1
+    return app.return_code or 0
+
+
+def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None) -> int:
     from gpuwatch.ui.app import make_app
 
-    if args.command == "replay":
-        source = ReplaySource(args.path, follow=args.follow, speed=args.speed)
-        for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
-            print(f"gpuwatch: warning: {w}", file=sys.stderr)
-        app = make_app(source)
-        app.call_later(lambda: [app.notify(w, severity="warning", timeout=15) for w in source.reader.warnings])
-        app.run()
-        return 0
-    from gpuwatch.runtime import Session
+    status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
+    source = ReplaySource(path, follow=follow, speed=speed)
+    for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
+        status(f"warning: {w}")
+    app = make_app(source)
+    notes = list(source.reader.warnings)
+    why = getattr(source.reader, "incomplete_reason", None)
+    if why and not follow:
+        notes.insert(0, why)
+    app.call_later(lambda: [app.notify(w, severity="warning", timeout=15) for w in notes])
+    return _run_app(app, None, status)
 
-    session = Session(interval=args.interval, record_dir=args.output if args.record else None,
-                      source=args.source, sampler=args.sampler)
-    if args.command in (None, "live"):
-        print("gpuwatch: loading torch and building the workload...", file=sys.stderr)
-        _attach_workloads(session, args)
-    label = getattr(session.gpu, "label", None) or "CPU-only"
-    source = LiveSource(session.bus, _gpu_meta(session), label)
-    session.start()
-    try:
-        app = make_app(source, session=session, interval_s=args.interval)
-        if args.duration:
-            app.call_later(lambda: app.set_timer(args.duration, app.exit))
-        app.run()
-    finally:
-        session.stop()
+
+def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
+    from gpuwatch.runtime import Session
+    from gpuwatch.ui.app import make_app
+
+    status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
+    with Session(cfg, on_status=status) as session:
+        app = make_app(session.source, session=session, interval_s=cfg.interval_s)
+        if duration_s:
+            app.call_later(lambda: app.set_timer(duration_s, app.exit))
+        code = _run_app(app, session.recorder.dir if session.recorder else None, status)
     if session.recorder:
         r = session.recorder
-        print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes)" + (f"; ERROR {r.error}" if r.error else ""))
-    return 0
-
-
-def _attach_workloads(session, args) -> None:
-    """A workload that cannot start (no torch, bad config) is an event; the dashboard still runs."""
-    from gpuwatch.errors import UsageError
-
-    try:
-        from gpuwatch.workload.cli import make_workloads
-
-        for w in make_workloads(args, session.bus):
-            session.attach_workload(w)
-    except UsageError:
-        raise
-    except ImportError as e:
-        session.bus.emit("workload_error", f"workload unavailable: {e}", "error")
+        status(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes)" + (f"; ERROR {r.error}" if r.error else ""))
+    return code

@@ -192,6 +192,28 @@ def risk_line(mem_series: list, total: int | None, interval_s: float, model_load
                                  f", trend {trend}{ttf}"), free_frac_series
 
 
+def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
+    """The scorer's latest word on the plotted GPU: risk vs threshold, the features pushing it up,
+    the model, and what the guard is doing."""
+    import json
+
+    r, thr = row.get("risk"), row.get("threshold")
+    alarm = bool(row.get("alarm"))
+    try:
+        reasons = json.loads(row.get("reasons") or "[]")
+    except ValueError:
+        reasons = []
+    style = "bold red" if alarm else "yellow" if r is not None and thr and r >= 0.5 * thr else "green"
+    t = Text.assemble(("risk ", "bold"), (f"OOM {_f(r, '{:.2f}')}", style),
+                      f" / alarm {_f(thr, '{:.2f}')}", (" ALARM" if alarm else "", "bold red"))
+    if reasons:
+        t.append("  why: " + ", ".join(f"{n} +{d:.2f}" for n, d in reasons[:3]))
+    if guard:
+        t.append(f"  {guard}", style="cyan")
+    t.append(f"  {row.get('model') or ''}", style="dim")
+    return t
+
+
 def _dur(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
@@ -210,7 +232,9 @@ def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
 def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: bool) -> Text:
     badge = {"live": ("● LIVE", "bold green"), "replay": ("◆ REPLAY", "bold cyan"),
              "follow": ("◉ FOLLOW", "bold magenta")}[kind]
-    t = Text.assemble((" gpuwatch ", "bold reverse"), " ", badge, " ", clock(cursor_us))
+    if kind == "live" and "REPLAY" in label:  # a recording played as live must never pass for live
+        badge = ("◆ REPLAY", "bold cyan")
+    t = Text.assemble(badge, " ", (" gpuwatch ", "bold reverse"), " ", clock(cursor_us))
     t.no_wrap = True
     if paused:
         t.append("  ‖ PAUSED", style="bold yellow")

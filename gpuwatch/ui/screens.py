@@ -13,6 +13,8 @@ LIVE_HELP = """[b]Live[/b]
   + / -      batch size up / down (applied before the next step)
   p          precision: cycle bf16 → fp16 → fp32 → tf32
   w          pause / resume the workload
+  G          guard: on → observe (log only) → off
+  a          hand control back to the guard after a manual change
   m          mark this moment (an event in the recording)
   s          show the plots of the next GPU
   q          quit (asks first while a workload runs)"""

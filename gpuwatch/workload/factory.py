@@ -1,124 +1,100 @@
-"""`gpuwatch stress` and the workload half of the live dashboard: from parsed flags to Workloads."""
+"""From a typed `WorkloadSpec` (what the flags say) to running `Workload`s, one per GPU or one on the
+CPU. The front ends build the spec; `runtime.Session` calls `make_workloads`. Imports torch lazily."""
 
 from __future__ import annotations
 
-import statistics
-import sys
-import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.errors import UsageError
-from gpuwatch.workload.presets import choose_preset, parse_overrides
 
 
-def make_workloads(args, bus) -> list:
-    """One Workload per requested GPU (or one on the CPU) from the shared workload flags."""
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The workload flags of `gpuwatch`/`live`/`stress`, typed. None = the preset's or device's default."""
+
+    preset: str | None = None
+    mode: str = "prefill"
+    schedule: str = "steady"
+    precision: str | None = None
+    batch: int | None = None
+    seq_len: int | None = None
+    max_batch: int | None = None
+    device: str = "auto"
+    gpus: str | None = None  # "all" or "0,1": one workload per GPU (CUDA ordinals)
+    memory_limit_bytes: int | None = None
+    leak_mib: float = 0.0
+    fragment: bool = False
+    fp16_overflow: bool = False
+    integrity_every: int = 50
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    max_steps: int | None = None
+
+
+def _devices(spec: WorkloadSpec) -> list:
     import torch
 
     from gpuwatch.workload.model import resolve_device
+
+    if not spec.gpus:
+        return [resolve_device(spec.device)]
+    if not torch.cuda.is_available():
+        raise UsageError("--gpus: no CUDA GPU is available to torch here")
+    n = torch.cuda.device_count()
+    try:
+        idx = list(range(n)) if spec.gpus == "all" else [int(x) for x in spec.gpus.split(",")]
+    except ValueError:
+        raise UsageError(f"bad --gpus {spec.gpus!r}: use all or a list like 0,1") from None
+    if any(not 0 <= i < n for i in idx):
+        raise UsageError(f"--gpus {spec.gpus}: this machine has {n} GPU(s)")
+    return [torch.device(f"cuda:{i}") for i in idx]
+
+
+def cuda_identity(dev) -> dict[str, Any]:
+    """The CUDA device's UUID and PCI bus id, to match it to its NVML GPU (CUDA ordinals differ from
+    NVML indices under CUDA_VISIBLE_DEVICES and CUDA's default fastest-first order)."""
+    import torch
+
+    if dev.type != "cuda":
+        return {}
+    p = torch.cuda.get_device_properties(dev)
+    uuid = str(getattr(p, "uuid", "") or "")
+    bus = None
+    if all(hasattr(p, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+    return {"uuid": ("GPU-" + uuid) if uuid and not uuid.startswith("GPU-") else uuid or None, "pci_bus_id": bus}
+
+
+def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
+    """One Workload per requested device. `nvml_index(identity) -> int | None` maps a CUDA device
+    (its uuid / pci_bus_id) to the NVML index its telemetry rows carry; without it, the CUDA ordinal."""
+    import torch
+
+    from gpuwatch.workload import presets
     from gpuwatch.workload.runner import Faults, Workload, WorkloadConfig
 
-    overrides = parse_overrides(args.set)
-    if args.gpus:
-        if not torch.cuda.is_available():
-            raise UsageError("--gpus: no CUDA GPU is available to torch here")
-        n = torch.cuda.device_count()
-        try:
-            idx = list(range(n)) if args.gpus == "all" else [int(x) for x in args.gpus.split(",")]
-        except ValueError:
-            raise UsageError(f"bad --gpus {args.gpus!r}: use all or a list like 0,1") from None
-        if any(not 0 <= i < n for i in idx):
-            raise UsageError(f"--gpus {args.gpus}: this machine has {n} GPU(s)")
-        devices = [torch.device(f"cuda:{i}") for i in idx]
-    else:
-        devices = [resolve_device(args.device)]
+    validate = getattr(presets, "validate_overrides", dict)
+    overrides = validate(dict(spec.overrides))
+    choose_preset = presets.choose_preset
+    if spec.max_batch and spec.batch and spec.max_batch < spec.batch:
+        raise UsageError("--max-batch must be >= --batch")
     out = []
-    for dev in devices:
+    for dev in _devices(spec):
         mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-        preset = args.preset or choose_preset(mem, overrides)
-        precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
-        if args.max_batch and args.batch and args.max_batch < args.batch:
-            raise UsageError("--max-batch must be >= --batch")
+        ident = cuda_identity(dev)
+        index = nvml_index(ident) if nvml_index and dev.type == "cuda" else None
+        if index is None and dev.type == "cuda":
+            index = dev.index
         cfg = WorkloadConfig(
-            preset=preset, mode=args.mode, schedule=args.schedule, precision=precision, batch=args.batch,
-            seq_len=args.seq_len, max_batch=args.max_batch, device=str(dev),
-            gpu_index=dev.index if dev.type == "cuda" else None, overrides=overrides,
-            faults=Faults(args.leak_mib, args.fragment, args.fp16_overflow, args.gpu_memory_limit),
-            integrity_every=args.integrity_every, seed=args.seed, max_steps=getattr(args, "steps", None))
+            preset=spec.preset or choose_preset(mem, overrides), mode=spec.mode, schedule=spec.schedule,
+            precision=spec.precision or ("bf16" if dev.type == "cuda" else "fp32"), batch=spec.batch,
+            seq_len=spec.seq_len, max_batch=spec.max_batch, device=str(dev), gpu_index=index,
+            overrides=overrides, faults=Faults(spec.leak_mib, spec.fragment, spec.fp16_overflow, spec.memory_limit_bytes),
+            integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
+            gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"))
         try:
             out.append(Workload(bus, cfg))
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise UsageError(f"bad model config: {e}") from None
     return out
-
-
-def summarize(w, bus) -> dict[str, Any]:
-    rows = [r for r in bus.steps.latest(len(bus.steps)) if r["gpu"] == w.cfg.gpu_index]
-    tps = [r["tokens_per_s"] for r in rows]
-    return {"preset": w.cfg.preset, "mode": w.cfg.mode, "device": w.device_name, "state": w.state,
-            "steps": len(rows), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "ooms": w.ooms, "recovered": w.recovered, "nonfinite": w.nonfinite,
-            "integrity_failures": w.integrity_failures, "unrecovered": w.unrecovered,
-            "ramp_edges": w.schedule.edges, "sweep": sweep_table(rows) if w.cfg.schedule == "sweep" else None,
-            "sweep_oom": w.schedule.oom_levels}
-
-
-def sweep_table(rows: list[dict]) -> list[dict[str, Any]]:
-    """Per batch: median latency, tokens/s, TFLOP/s, MFU and peak memory over the measured steps."""
-    table = []
-    for b in sorted({r["batch"] for r in rows}):
-        m = [r for r in rows if r["batch"] == b and "warmup" not in r["phase"]] or [r for r in rows if r["batch"] == b]
-        med = lambda k: statistics.median([r[k] for r in m if r[k] is not None]) if any(r[k] is not None for r in m) else None  # noqa: E731
-        table.append({"batch": b, "seq_len": m[0]["seq_len"], "latency_s": med("step_time_s"),
-                      "tokens_per_s": med("tokens_per_s"), "tflops": med("tflops"), "mfu": med("mfu"),
-                      "peak_bytes": max((r["torch_peak_bytes"] or 0) for r in m) or None, "steps": len(m)})
-    return table
-
-
-def run_stress(args) -> int:
-    from gpuwatch.runtime import Session
-
-    session = Session(interval=args.interval, record_dir=args.output if args.record else None,
-                      source=args.source, sampler=args.sampler)
-    for w in make_workloads(args, session.bus):
-        session.attach_workload(w)
-    print(f"gpuwatch: {session.gpu_note}", file=sys.stderr)
-    session.start()
-    if session.recorder:
-        print(f"recording to {session.recorder.dir}", file=sys.stderr)
-    from gpuwatch.cli import _wait_until
-
-    deadline = time.monotonic() + args.duration if args.duration else None
-    _wait_until(deadline, done=lambda: all(w.state in ("finished", "failed") for w in session.workloads))
-    session.stop()
-    code = 0
-    for w in session.workloads:
-        s = summarize(w, session.bus)
-        print(_format_summary(s))
-        code |= 1 if s["unrecovered"] else 0
-    if session.recorder:
-        r = session.recorder
-        print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped)"
-              + (f"; ERROR {r.error}" if r.error else ""))
-    return code
-
-
-def _format_summary(s: dict[str, Any]) -> str:
-    tps = f"{s['median_tokens_per_s']:.0f}" if s["median_tokens_per_s"] else "-"
-    lines = [f"{s['preset']} {s['mode']} on {s['device']}: {s['state']}, {s['steps']} steps, "
-             f"median {tps} tokens/s, {s['ooms']} OOM ({s['recovered']} recovered), "
-             f"{s['nonfinite']} non-finite, {s['integrity_failures']} integrity failures"]
-    if s["unrecovered"]:
-        lines.append(f"  UNRECOVERED: {s['unrecovered']}")
-    if s["ramp_edges"]:
-        lines.append(f"  ramp OOM edges (last batch that fit): {s['ramp_edges']}")
-    if s["sweep"]:
-        lines.append("  batch  seq  latency_s  tokens/s  TFLOP/s   MFU  peak_GiB")
-        for r in s["sweep"]:
-            mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "   -"
-            peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
-            lines.append(f"  {r['batch']:5d} {r['seq_len']:4d} {r['latency_s']:10.4f} {r['tokens_per_s']:9.0f} "
-                         f"{r['tflops']:8.1f} {mfu:>5} {peak:>8}")
-        if s["sweep_oom"]:
-            lines.append(f"  out of memory at batch {s['sweep_oom']}")
-    return "\n".join(lines)

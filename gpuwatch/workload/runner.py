@@ -1,13 +1,17 @@
 """The workload thread: builds the model, runs steps by schedule, applies controls between steps,
 publishes step metrics and events on the bus, and survives its own failures (OOM, non-finite loss).
 
-Controls (`set_batch_size`, `set_seq_len`, `set_precision`, `pause`, `resume`, `stop`) are thread-safe
-and take effect before the next step: this is the interface the guard (gpuwatch.control) calls.
+Controls (`set_batch_size`, `set_ceiling`, `hold`, `set_seq_len`, `set_precision`, `pause`, `resume`,
+`stop`) are thread-safe and take effect before the next step; each says who acted (user, guard,
+schedule, recovery) and why, and becomes a `control` event. This is the interface the guard
+(gpuwatch.control) drives. A batch ceiling below what the schedule wants makes a train step run as
+micro-batches with gradient accumulation, so the effective batch (and the loss curve) is unchanged.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,10 +53,15 @@ class WorkloadConfig:
     long_seq: int = 8192  # the sequence length of the `long` schedule
     seed: int = 0
     max_steps: int | None = None
+    gpu_uuid: str | None = None  # how this workload was matched to its NVML GPU
+    gpu_pci_bus_id: str | None = None
+    accumulate: bool = True  # train: a ceiling below the schedule's batch -> gradient accumulation
 
 
 class Workload:
-    def __init__(self, bus: Bus, cfg: WorkloadConfig) -> None:
+    guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
+
+    def __init__(self, bus: Bus, cfg: WorkloadConfig, model=None) -> None:
         self.bus, self.cfg = bus, cfg
         self.fields = config_fields(cfg.preset, cfg.overrides)
         b, s = defaults(cfg.preset)
@@ -74,24 +83,75 @@ class Workload:
         self._thread: threading.Thread | None = None
         self._leak: list[torch.Tensor] = []
         self._step = 0
+        self._baseline_blocks = None
         self._gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._prebuilt = model
+        self.manual = False  # a user's batch/precision change overrides the guard until handed back
+        self.last_ok_batch: int | None = None  # the micro-batch of the last step that ran
+        self.retries = 0  # OOMs retried in place (reactive rules); the step was not lost
+        self.lost_steps = 0  # OOMs the schedule recovered by moving on: those steps were lost
+        self.snapshot_request: tuple[str, Any] | None = None
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
 
     # -- controls (any thread) -----------------------------------------------------------------------
-    def set_batch_size(self, n: int) -> None:
+    def _put(self, key: str, value: Any, who: str, why: str) -> None:
+        if who not in WHO:
+            raise ValueError(f"who must be one of {WHO}")
         with self._lock:
-            self._pending["batch"] = max(1, int(n))
+            self._pending[key] = (value, who, why)
+        if who == "user" and key in ("batch", "precision", "ceiling") and not self.manual:
+            self.manual = True
+            self.bus.emit("guard_override", f"manual {key} change: the guard leaves this workload alone until handed back",
+                          gpu=self.cfg.gpu_index, who=who)
 
-    def set_seq_len(self, n: int) -> None:
-        with self._lock:
-            self._pending["seq_len"] = max(1, int(n))
+    def set_batch_size(self, n: int, who: str = "user", why: str = "") -> None:
+        self._put("batch", max(1, int(n)), who, why)
 
-    def set_precision(self, p: str) -> None:
+    def set_ceiling(self, n: int | None, who: str = "user", why: str = "") -> None:
+        self._put("ceiling", None if n is None else max(1, int(n)), who, why)
+
+    def hold(self, who: str = "guard", why: str = "") -> None:
+        """Refuse the schedule's next step up (a ramp stays at its batch)."""
+        self._put("hold", True, who, why)
+
+    def set_seq_len(self, n: int, who: str = "user", why: str = "") -> None:
+        self._put("seq_len", max(1, int(n)), who, why)
+
+    def set_precision(self, p: str, who: str = "user", why: str = "") -> None:
         if p not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
+        self._put("precision", p, who, why)
+
+    def hand_back(self) -> None:
+        """The user hands control back to the guard."""
+        if self.manual:
+            self.manual = False
+            self.bus.emit("guard_override", "control handed back to the guard", gpu=self.cfg.gpu_index, who="user")
+
+    @property
+    def paused(self) -> bool:
+        return not self._resume.is_set()
+
+    @property
+    def ceiling(self) -> int | None:
+        return self.schedule.ceiling
+
+    def plan_info(self) -> dict[str, Any] | None:
+        """The next step as the risk model scores it: the micro-batch (what memory sees), its
+        sequence length and precision, and the effective batch. Read from any thread."""
+        p = self.schedule.wanted()
+        if p is None:
+            return None
         with self._lock:
-            self._pending["precision"] = p
+            pend = dict(self._pending)
+        ceiling = pend["ceiling"][0] if "ceiling" in pend else self.schedule.ceiling
+        wanted = pend["batch"][0] if "batch" in pend else p[0]
+        micro = min(wanted, ceiling) if ceiling else wanted
+        prec = pend["precision"][0] if "precision" in pend else self.precision
+        seq = pend["seq_len"][0] if "seq_len" in pend else p[1]
+        eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
+        return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff}
 
     def pause(self) -> None:
         self._resume.clear()
@@ -107,6 +167,7 @@ class Workload:
 
     @property
     def batch(self) -> int:
+        """The batch the next step will use (its micro-batch when a ceiling splits it)."""
         return self.schedule.plan()[0] if not self.schedule.finished else self.schedule.batch
 
     @property
@@ -118,7 +179,8 @@ class Workload:
         return {"preset": c.preset, "mode": c.mode, "schedule": c.schedule, "precision": self.precision,
                 "batch": self.schedule.batch, "seq_len": self.schedule.seq_len, "device": str(self.device),
                 "params": self.params, "overrides": c.overrides, "faults": vars(c.faults),
-                "integrity_every": c.integrity_every, "seed": c.seed}
+                "integrity_every": c.integrity_every, "seed": c.seed, "gpu_index": c.gpu_index,
+                "gpu_uuid": c.gpu_uuid, "gpu_pci_bus_id": c.gpu_pci_bus_id}
 
     # -- thread ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,8 +198,11 @@ class Workload:
                     self.state = "paused"
                     self._resume.wait()
                     continue
+                if self.guard is not None and not self.manual:
+                    self.guard.before_step(self)
                 self._apply_controls()
-                plan = self.schedule.plan()
+                self._maybe_snapshot()
+                plan = self.schedule.wanted()
                 if plan is None or (self.cfg.max_steps and self._step >= self.cfg.max_steps):
                     self.state = "finished"
                     break
@@ -158,7 +223,11 @@ class Workload:
         if lim and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, lim / total), self.device)
-        self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
+        if self._prebuilt is not None:  # benchmarks reuse one model across arms
+            self.model, secs = self._prebuilt, 0.0
+            M.apply_precision(self.model, self.precision)
+        else:
+            self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
@@ -171,35 +240,85 @@ class Workload:
     def _apply_controls(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for key, value in pending.items():
+        for key, (value, who, why) in pending.items():
             if key == "batch":
                 self.schedule.set_batch(value)
+            elif key == "ceiling":
+                self.schedule.set_ceiling(value)
+            elif key == "hold":
+                self.schedule.hold()
+                value = self.schedule.ceiling
             elif key == "seq_len":
                 self.schedule.set_seq_len(value)
-            elif key == "precision" and value != self.precision:
+            elif key == "precision":
+                if value == self.precision:
+                    continue
                 M.apply_precision(self.model, value)
                 self.precision = value
                 if self.cfg.mode == "train":
                     self.scaler = M.LossScaler() if value == "fp16" else None
-            self.bus.emit("control", f"{key} -> {value}", gpu=self.cfg.gpu_index, control=key, value=value)
+            self.bus.emit("control", f"{key} -> {value} ({who}{': ' + why if why else ''})", gpu=self.cfg.gpu_index,
+                          control=key, value=value, who=who, why=why)
+
+    def request_snapshot(self, directory, reason: str) -> None:
+        """Save a CUDA allocator snapshot before the next step (the guard asks at alarm time)."""
+        self.snapshot_request = (reason, directory)
+
+    def _maybe_snapshot(self) -> None:
+        req, self.snapshot_request = self.snapshot_request, None
+        if req is None or self.device.type != "cuda":
+            return
+        reason, directory = req
+        try:
+            from gpuwatch.workload.memsnap import save_memory_snapshot
+
+            info = save_memory_snapshot(self.device, directory, self._baseline_blocks)
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+            self.bus.emit("memory_snapshot", f"memory snapshot failed: {e}", "warning", gpu=self.cfg.gpu_index)
+            return
+        top = ", ".join(f"{b['size'] / 2**20:.0f} MiB" for b in info["largest_growing"][:3]) or "none"
+        self.bus.emit("memory_snapshot", f"allocator snapshot at alarm ({reason}); largest growing: {top}",
+                      "warning", gpu=self.cfg.gpu_index, **info)
 
     # -- one step ----------------------------------------------------------------------------------------
-    def _one_step(self, batch: int, seq: int, phase: str) -> None:
+    def _split(self, wanted: int) -> tuple[int, int, int]:
+        """(effective batch, micro-batch, micro-batches) for a step the schedule wants at `wanted`."""
+        ceiling = self.schedule.ceiling
+        micro = min(wanted, ceiling) if ceiling else wanted
+        if self.cfg.mode == "train" and self.cfg.accumulate and micro < wanted:
+            k = math.ceil(wanted / micro)
+            return wanted, math.ceil(wanted / k), k
+        return micro, micro, 1
+
+    def _one_step(self, wanted: int, seq: int, phase: str) -> None:
         if self.cfg.faults.fragment:
             seq = int(torch.randint(max(1, seq // 4), seq + 1, (1,), generator=self._gen, device=self.device).item())
-        before = M.memory(self.device)["torch_allocated_bytes"]
-        failure = None
-        try:
-            row = self._timed_step(batch, seq, phase)
-        except Exception as e:  # noqa: BLE001 - classified below, outside the handler
-            if not M.is_oom(e):
-                raise
-            failure = str(e).splitlines()[0][:300]
-        if failure is not None:  # recover OUTSIDE the except block: its traceback pins the step's tensors
-            self._recover_oom(failure, batch, seq, before)
+        for _attempt in range(20):  # reactive rules retry the same step; the schedule's recovery moves on
+            batch, micro, k = self._split(wanted)
+            before = M.memory(self.device)["torch_allocated_bytes"]
+            failure = None
+            try:
+                row = self._timed_step(batch, seq, phase, micro, k)
+            except Exception as e:  # noqa: BLE001 - classified below, outside the handler
+                if not M.is_oom(e):
+                    raise
+                failure = str(e).splitlines()[0][:300]
+            if failure is None:
+                break
+            # recover OUTSIDE the except block: its traceback pins the step's tensors
+            if not self._recover_oom(failure, batch, seq, before, micro):
+                return
+        else:
             return
         self.schedule.done()
         self._step += 1
+        self.last_ok_batch = micro
+        if self._baseline_blocks is None and self.device.type == "cuda" and self.guard is not None:
+            from gpuwatch.workload.memsnap import baseline
+
+            self._baseline_blocks = baseline(self.device)
+        nxt = self.plan_info() or {}
+        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"))
         self.last = row
         self.bus.steps.append(row)
         if row["loss"] is not None and not _finite(row["loss"]) or not _finite(row["max_abs_logit"]):
@@ -209,7 +328,7 @@ class Workload:
         if self.cfg.integrity_every and self._step % self.cfg.integrity_every == 0:
             self._integrity()
 
-    def _timed_step(self, batch: int, seq: int, phase: str) -> dict[str, Any]:
+    def _timed_step(self, batch: int, seq: int, phase: str, micro: int | None = None, k: int = 1) -> dict[str, Any]:
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -217,7 +336,9 @@ class Workload:
         M.synchronize(dev)
         t0 = time.perf_counter()
         mode = self.cfg.mode
-        if mode == "train":
+        if mode == "train" and k > 1:
+            loss, max_logit = _train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler)
+        elif mode == "train":
             loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler)
         elif mode == "decode":
             loss, max_logit = M.step_decode(self.model, ids, self.cfg.decode_tokens)
@@ -236,13 +357,15 @@ class Workload:
                 "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
-                **M.memory(dev), "expert_impl": self.expert_impl}
+                **M.memory(dev), "expert_impl": self.expert_impl, "micro_batches": k}
 
-    def _recover_oom(self, message: str, batch: int, seq: int, before: int | None) -> None:
+    def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
+        """Free what the failed step held; True = retry the same step (a reactive rule decided so)."""
         self.ooms += 1
         gpu = self.cfg.gpu_index
-        self.bus.emit("oom", f"CUDA OOM at batch {batch} x {seq} ({self.precision})", "error", gpu=gpu,
-                      batch=batch, seq_len=seq, precision=self.precision, error=message,
+        micro = micro or batch
+        self.bus.emit("oom", f"CUDA OOM at batch {micro} x {seq} ({self.precision})", "error", gpu=gpu,
+                      batch=micro, seq_len=seq, precision=self.precision, error=message, effective_batch=batch,
                       allocated_before=before, phase=self.schedule.plan()[2] if not self.schedule.finished else None)
         self._leak.clear()  # the leak fault's memory is what a real leak fix would release
         if self.optimizer is not None:
@@ -251,11 +374,21 @@ class Workload:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         after = M.memory(self.device)["torch_allocated_bytes"]
-        decision = self.schedule.oom(batch)
+        react = self.guard.after_oom(self, batch, micro) if self.guard is not None else None
+        if react is not None:
+            what, n = react
+            (self.schedule.set_batch if what == "batch" else self.schedule.set_ceiling)(n)
+            self.retries += 1
+            decision = f"{self.guard.cfg.rule}: {what} -> {n}, same step retried"
+        else:
+            decision = self.schedule.oom(micro)
+            self.lost_steps += 1
         self.recovered += 1
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
-                      allocated_after=after, allocated_before=before, decision=decision,
+                      allocated_after=after, allocated_before=before, decision=decision, who="recovery",
+                      retried=react is not None,
                       back_to_pre_step=(after is not None and before is not None and after <= before))
+        return react is not None
 
     def _integrity(self) -> None:
         """The same input twice must give the same logits (within the precision's tolerance)."""
@@ -273,6 +406,36 @@ class Workload:
             self.bus.emit("integrity_mismatch", f"same input, outputs differ by {diff:.3g} (tol {tol:.3g})",
                           "error", gpu=self.cfg.gpu_index, max_abs_diff=diff, tolerance=tol,
                           nonfinite_pattern_differs=not same_nonfinite)
+
+
+WHO = ("user", "guard", "schedule", "recovery")
+
+
+def _train_accumulated(model, chunks, optimizer, scaler) -> tuple[float, float]:
+    """One optimizer step over micro-batches: each micro-batch's loss / k is backpropagated, the
+    gradients add up, one update at the end (the same update as the whole batch, up to rounding)."""
+    model.train()
+    try:
+        k = len(chunks)
+        losses, max_logit = [], 0.0
+        for ids in chunks:
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            loss = out.loss
+            max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
+            del out
+            losses.append(loss.item())
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=True)
+                return losses[-1], max_logit
+            ((loss / k) * (scaler.scale if scaler else 1.0)).backward()
+            del loss
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if scaler is None or scaler.unscale_and_check(params):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sum(losses) / k, max_logit
+    finally:
+        model.eval()
 
 
 def _finite(x: float | None) -> bool:

@@ -21,6 +21,7 @@ class Schedule:
     finished: bool = False
     edges: list[int] = field(default_factory=list)  # ramp: last batch that ran before each OOM
     oom_levels: list[int] = field(default_factory=list)  # sweep: batches that ran out of memory
+    ceiling: int | None = None  # a batch ceiling (user or guard) that every kind of schedule respects
     _level: int = 0
     _in_level: int = 0
     _base: int = 0
@@ -38,7 +39,14 @@ class Schedule:
             self.batch = 1
 
     def plan(self) -> tuple[int, int, str] | None:
-        """(batch, seq_len, phase) of the next step, or None when the schedule has finished."""
+        """(batch, seq_len, phase) of the next step, the batch at most the ceiling; None when finished."""
+        p = self.wanted()
+        if p is None or self.ceiling is None:
+            return p
+        return min(p[0], self.ceiling), p[1], p[2]
+
+    def wanted(self) -> tuple[int, int, str] | None:
+        """What the schedule itself wants next, before the ceiling (train mode accumulates up to it)."""
         if self.finished:
             return None
         k = self.kind
@@ -71,7 +79,8 @@ class Schedule:
             self.finished = self._level >= len(self.levels)
         else:
             nxt = max(self.batch + 1, int(self.batch * 1.25))
-            self.batch = min(nxt, self.max_batch) if self.max_batch else nxt
+            nxt = min(nxt, self.max_batch) if self.max_batch else nxt
+            self.batch = min(nxt, self.ceiling) if self.ceiling else nxt  # a ramp stops climbing at the ceiling
 
     def oom(self, b: int) -> str:
         """A step at batch `b` ran out of memory: decide how to carry on; returns what was decided."""
@@ -94,8 +103,16 @@ class Schedule:
         return f"batch halved to {self.batch}"
 
     def set_batch(self, b: int) -> None:
-        """A control (user or guard) sets the batch; sweep levels are fixed and ignore it."""
+        """A control (user or reactive rule) sets the batch the schedule works from. Sweep levels are
+        fixed (a ceiling limits them instead); a ramp continues upwards from here."""
         self.batch = self._base = max(1, b)
+
+    def set_ceiling(self, b: int | None) -> None:
+        self.ceiling = None if b is None else max(1, int(b))
+
+    def hold(self) -> None:
+        """Refuse the next step up: a ramp stays at its current batch (the ceiling is set to it)."""
+        self.set_ceiling(self.batch if self.kind != "sweep" else self.levels[min(self._level, len(self.levels) - 1)])
 
     def set_seq_len(self, s: int) -> None:
         self.seq_len = max(1, s)

@@ -1,0 +1,175 @@
+"""The guard's decisions, pure Python (no torch, no threads): from the risk, its reasons and recent
+telemetry to an action on the workload, with hysteresis and a cooldown. Tested on score sequences.
+
+Rules (the same guard runs any of them, so they compare like for like):
+- `model` (gpuwatch): when the risk reaches the alarm threshold, refuse a schedule's step up (hold the
+  batch that fits), else lower the batch ceiling by `lower_by`; fall back fp32 -> bf16 (or fp16) when
+  the batch is at its floor, when memory keeps growing at a fixed batch, or when the estimated saving
+  of the precision switch beats that of a smaller batch; raise the ceiling back gradually once the
+  risk stays below `clear_ratio` x threshold for `restore_after_s`.
+- `fixed`: the common stress-test rule: memory > 90 % of the effective limit halves the batch,
+  < 30 % doubles it (never above the schedule's own batch).
+- `accelerate`: nothing before a failure; after an OOM, batch x 0.9 and retry the same step
+  (accelerate's find_executable_batch_size).
+- `composer`: nothing before a failure; after an OOM, halve the micro-batch and re-run the same
+  batch (Composer's automatic microbatching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+RULES = ("model", "fixed", "accelerate", "composer")
+MODES = ("off", "observe", "on")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    mode: str = "on"  # off | observe (decide and log, act on nothing) | on
+    rule: str = "model"
+    lower_by: float = 0.2  # lower the ceiling by this fraction of the current batch
+    cooldown_s: float = 2.0  # no second action within this long
+    clear_ratio: float = 0.5  # the risk counts as low below threshold x this (hysteresis)
+    restore_after_s: float = 15.0  # low this long before the ceiling goes back up
+    restore_by: float = 0.125  # each raise: this fraction of the schedule's own batch
+    fixed_high: float = 0.90
+    fixed_low: float = 0.30
+    precision_fallback: bool = True
+
+
+@dataclass
+class Observation:
+    """What the policy sees before a step: everything in plain numbers."""
+
+    now_s: float
+    risk: float | None
+    threshold: float
+    planned_batch: int  # what the schedule wants for the next step
+    last_batch: int | None  # the batch of the last step that ran (fit)
+    ceiling: int | None  # the guard's current ceiling (None = none)
+    floor: int = 1
+    precision: str = "bf16"
+    bf16_ok: bool = True
+    act_frac: float = 0.0  # the last step's activation peak (peak - allocated) / effective limit
+    features: dict[str, float] = field(default_factory=dict)
+    reasons: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # lower_ceiling | refuse_step | raise_ceiling | clear_ceiling | precision | none
+    value: Any = None
+    why: str = ""
+
+
+NONE = Action("none")
+
+
+def _f(obs: Observation, name: str, default: float = 0.0) -> float:
+    v = obs.features.get(name)
+    return default if v is None or v != v else float(v)
+
+
+class Policy:
+    """Stateful only in time: when it last acted and since when the risk has been low."""
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        if cfg.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}")
+        self.cfg = cfg
+        self._last_action = -1e18
+        self._low_since: float | None = None
+
+    def decide(self, obs: Observation) -> Action:
+        if self.cfg.rule in ("accelerate", "composer"):
+            return NONE  # reactive rules act only after a failure (see after_oom)
+        if obs.now_s - self._last_action < self.cfg.cooldown_s:
+            return NONE
+        act = self._fixed(obs) if self.cfg.rule == "fixed" else self._model(obs)
+        if act.kind != "none":
+            self._last_action = obs.now_s
+        return act
+
+    # -- the model rule ------------------------------------------------------------------------------
+    def _model(self, obs: Observation) -> Action:
+        r = obs.risk
+        if r is None:
+            return NONE
+        if r >= obs.threshold:
+            self._low_since = None
+            return self._reduce(obs)
+        if r < obs.threshold * self.cfg.clear_ratio:
+            self._low_since = obs.now_s if self._low_since is None else self._low_since
+            if obs.ceiling is not None and obs.now_s - self._low_since >= self.cfg.restore_after_s:
+                self._low_since = obs.now_s  # the next raise waits as long again
+                return self._raise(obs)
+        else:
+            self._low_since = None
+        return NONE
+
+    def _reduce(self, obs: Observation) -> Action:
+        cur = min(obs.planned_batch, obs.ceiling or obs.planned_batch)
+        why = f"risk {obs.risk:.2f} >= {obs.threshold:.2f}" + (f" ({_top(obs.reasons)})" if obs.reasons else "")
+        growing = _f(obs, "alloc_growth_frac_per_step") > 0.002 and _f(obs, "plan_growth", 1.0) <= 1.0
+        if self.cfg.precision_fallback and obs.precision == "fp32" and (cur <= obs.floor or growing
+                                                                         or self._precision_saves_more(obs)):
+            to = "bf16" if obs.bf16_ok else "fp16"
+            return Action("precision", to, why + ("; batch at its floor" if cur <= obs.floor else
+                                                  "; memory grows at a fixed batch" if growing else
+                                                  "; halving activations saves more than a smaller batch"))
+        if obs.last_batch and obs.planned_batch > obs.last_batch and obs.last_batch >= obs.floor:
+            return Action("refuse_step", obs.last_batch,
+                          f"{why}; the schedule's step to {obs.planned_batch} refused, held at {obs.last_batch}")
+        if cur <= obs.floor:
+            return Action("none", None, why + "; batch already at its floor")
+        new = max(obs.floor, min(cur - 1, int(cur * (1 - self.cfg.lower_by))))
+        return Action("lower_ceiling", new, f"{why}; batch ceiling {cur} -> {new}")
+
+    def _precision_saves_more(self, obs: Observation) -> bool:
+        """Autocast halves activations, not fp32 weights or optimizer state: the saving is about half
+        of the step's activation peak, a smaller batch saves `lower_by` of it. Choose precision only
+        when the smaller batch would not bring the estimated next peak under 95 % and precision would."""
+        est, act = _f(obs, "next_peak_est_frac"), max(0.0, obs.act_frac)
+        return act > 0 and est - self.cfg.lower_by * act > 0.95 >= est - 0.5 * act
+
+    def _raise(self, obs: Observation) -> Action:
+        base = obs.planned_batch
+        step = max(1, round(base * self.cfg.restore_by))
+        new = (obs.ceiling or base) + step
+        if new >= base:
+            return Action("clear_ceiling", None, f"risk below {obs.threshold * self.cfg.clear_ratio:.2f} for "
+                                                 f"{self.cfg.restore_after_s:g} s; ceiling lifted (schedule's batch {base})")
+        return Action("raise_ceiling", new, f"risk below {obs.threshold * self.cfg.clear_ratio:.2f} for "
+                                            f"{self.cfg.restore_after_s:g} s; ceiling {obs.ceiling} -> {new}")
+
+    # -- the fixed rule --------------------------------------------------------------------------------
+    def _fixed(self, obs: Observation) -> Action:
+        frac = obs.features.get("mem_used_frac")
+        if frac is None or frac != frac:
+            return NONE
+        cur = min(obs.planned_batch, obs.ceiling or obs.planned_batch)
+        if frac > self.cfg.fixed_high and cur > obs.floor:
+            new = max(obs.floor, cur // 2)
+            return Action("lower_ceiling", new, f"memory {frac:.0%} > {self.cfg.fixed_high:.0%}: batch {cur} -> {new}")
+        if frac < self.cfg.fixed_low and obs.ceiling is not None:
+            new = obs.ceiling * 2
+            if new >= obs.planned_batch:
+                return Action("clear_ceiling", None, f"memory {frac:.0%} < {self.cfg.fixed_low:.0%}: ceiling lifted")
+            return Action("raise_ceiling", new, f"memory {frac:.0%} < {self.cfg.fixed_low:.0%}: batch -> {new}")
+        return NONE
+
+    # -- after a failure -----------------------------------------------------------------------------
+    def after_oom(self, batch: int, micro: int) -> tuple[str, int] | None:
+        """What a reactive rule does after an OOM at micro-batch `micro` of a step of `batch`:
+        ("batch", smaller batch) or ("ceiling", micro-batch ceiling: same effective batch), and retry
+        the same step; None = the schedule recovers as it always has (the failed step is lost)."""
+        if self.cfg.rule == "accelerate":
+            return "batch", max(1, int(batch * 0.9))
+        if self.cfg.rule == "composer":
+            return "ceiling", max(1, micro // 2)
+        return None
+
+
+def _top(reasons: list) -> str:
+    return ", ".join(str(r[0]) for r in reasons[:2])

@@ -1,0 +1,152 @@
+"""Model files: `NAME.joblib` (the scikit-learn estimator) + `NAME.manifest.json` beside it.
+
+The manifest holds the feature names and order, the schema version the features read, the failure
+kind, horizon and alarm threshold, the library versions it was trained with, the training sessions,
+healthy reference values (for the reasons), and the sha256 of the joblib file.
+
+Loading a joblib file runs code from it (it is a pickle). gpuwatch therefore loads a model only when
+its manifest is there, its hash matches the file, its features are the ones this gpuwatch computes
+and its scikit-learn is this one; `trust=True` (`--trust-model`) skips the hash check for a file you
+made yourself and know. Any mismatch is one line (`ModelError`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.predict.features import NAMES
+from gpuwatch.recording import schema
+
+MANIFEST_FORMAT = 1
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "risk.joblib"
+
+
+class ModelError(GpuwatchError):
+    """A model file that cannot be used (missing, tampered, mismatched): one line, exit 1."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".joblib") + ".manifest.json")
+
+
+def lib_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("scikit-learn", "numpy", "joblib", "polars"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _minor(v: str | None) -> str:
+    return ".".join((v or "").split(".")[:2])
+
+
+@dataclass
+class RiskModel:
+    estimator: Any
+    manifest: dict[str, Any]
+    path: Path | None = None
+    reference: list[float] = field(default_factory=list)
+
+    @property
+    def threshold(self) -> float:
+        return float(self.manifest["threshold"])
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.get("kind", "oom")
+
+    @property
+    def horizon_s(self) -> float:
+        return float(self.manifest.get("horizon_s", 10.0))
+
+    @property
+    def label(self) -> str:
+        name = self.path.name if self.path else "in-memory"
+        return f"{name}@{self.manifest.get('sha256', '')[:12]}"
+
+
+def save_model(estimator: Any, manifest: dict[str, Any], path: Path) -> Path:
+    """Write the joblib file and its manifest (with the file's sha256), each atomically."""
+    import joblib
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    joblib.dump(estimator, tmp, compress=3)
+    os.replace(tmp, path)
+    man = {"format": MANIFEST_FORMAT, "kind": "oom", "features": list(NAMES),
+           "schema_version": schema.SCHEMA_VERSION, "versions": lib_versions(), **manifest,
+           "file": path.name, "sha256": sha256(path)}
+    mp = manifest_path(path)
+    tmp = mp.with_name(f".{mp.name}.tmp")
+    tmp.write_text(json.dumps(man, indent=2, default=str) + "\n")
+    os.replace(tmp, mp)
+    return path
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    mp = manifest_path(path)
+    if not mp.exists():
+        raise ModelError(f"{path}: no manifest ({mp.name}) beside it; gpuwatch loads only models it wrote")
+    try:
+        man = json.loads(mp.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{mp}: unreadable manifest ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(man, dict) or man.get("format") != MANIFEST_FORMAT:
+        raise ModelError(f"{mp}: not a gpuwatch model manifest (format {man.get('format') if isinstance(man, dict) else '?'})")
+    return man
+
+
+def check_manifest(path: Path, man: dict[str, Any], trust: bool) -> None:
+    if man.get("features") != list(NAMES):
+        raise ModelError(f"{path}: trained on other features than this gpuwatch computes; retrain with `gpuwatch train`")
+    if man.get("schema_version") not in schema.READABLE_VERSIONS:
+        raise ModelError(f"{path}: schema version {man.get('schema_version')!r} unknown to this gpuwatch")
+    have = lib_versions().get("scikit-learn")
+    want = (man.get("versions") or {}).get("scikit-learn")
+    if _minor(have) != _minor(want):
+        raise ModelError(f"{path}: trained with scikit-learn {want}, this is {have}; retrain with `gpuwatch train` (minutes)")
+    if not trust:
+        digest = sha256(path)
+        if digest != man.get("sha256"):
+            raise ModelError(f"{path}: sha256 {digest[:12]}... does not match its manifest; refusing to load it "
+                             "(a joblib file runs code when loaded; --trust-model overrides)")
+
+
+def load_model(path: Path | str | None = None, trust: bool = False) -> RiskModel:
+    """Load and check a model (default: models/risk.joblib). Raises ModelError (one line)."""
+    path = Path(path) if path is not None else DEFAULT_MODEL
+    if not path.exists():
+        raise ModelError(f"{path}: no such model file" + (" (train one with `gpuwatch train`)" if path == DEFAULT_MODEL else ""))
+    if path.is_dir():
+        raise ModelError(f"{path}: is a folder, not a model file")
+    man = read_manifest(path)
+    check_manifest(path, man, trust)
+    try:
+        import joblib
+
+        est = joblib.load(path)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is one line
+        raise ModelError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
+    if not hasattr(est, "predict_proba"):
+        raise ModelError(f"{path}: not a classifier with predict_proba")
+    return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)))

@@ -1,0 +1,161 @@
+"""Scoring: the model over one window (`Scorer.score`), the live loop that scores every GPU about ten
+times a second and publishes the risk (`LiveScorer`), and a whole recording at once (`score_recording`,
+for `gpuwatch score`, replay of older sessions and reports). All three call the one feature function.
+
+Reasons are occlusion effects: each feature in turn set to its healthy median (from the training
+data, in the manifest) and how far the risk falls; computed only when the risk is within reach of the
+alarm, so a calm GPU costs one prediction per scoring.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import polars as pl
+
+from gpuwatch.predict.features import NAMES, features, vector
+from gpuwatch.predict.model import RiskModel
+from gpuwatch.recording import schema
+from gpuwatch.recording.source import ReplaySource, Window
+from gpuwatch.threads import start_thread
+
+REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
+
+
+class Scorer:
+    def __init__(self, model: RiskModel) -> None:
+        self.model = model
+        self.ref = np.array([np.nan if v is None else v for v in model.reference], dtype=np.float64)
+        est = model.estimator
+        proba = getattr(est, "predict_proba")
+        from threadpoolctl import threadpool_limits
+
+        self._limits = threadpool_limits  # one OpenMP thread: a single row costs ~30x more with spinning threads
+
+        def predict(X):
+            with threadpool_limits(limits=1, user_api="openmp"):
+                return proba(X)
+        self._predict = predict
+
+    def score_vector(self, x: list[float]) -> float:
+        return float(self._predict(np.asarray([x], dtype=np.float64))[0, 1])
+
+    def reasons(self, x: list[float], risk: float, top: int = 3) -> list[tuple[str, float]]:
+        base = np.asarray(x, dtype=np.float64)
+        rows = np.repeat(base[None, :], len(NAMES), axis=0)
+        for i in range(len(NAMES)):
+            rows[i, i] = self.ref[i]
+        drops = risk - self._predict(rows)[:, 1]
+        order = np.argsort(-drops)
+        return [(NAMES[i], round(float(drops[i]), 3)) for i in order[:top] if drops[i] > 0.01]
+
+    def score(self, w: Window, plan: dict | None = None) -> tuple[float, list, dict[str, float]]:
+        f = features(w, plan)
+        x = vector(f)
+        r = self.score_vector(x)
+        why = self.reasons(x, r) if r >= self.model.threshold * REASONS_FROM else []
+        return r, why, f
+
+
+class LiveScorer:
+    """Scores every GPU of a live source on its own thread and publishes `bus.risk` rows; the alarm's
+    onset and end are `risk_alarm` / `risk_clear` events."""
+
+    def __init__(self, source, model: RiskModel, bus, plan: Callable[[int | None], dict | None],
+                 hz: float = 10.0, on_risk: Callable | None = None) -> None:
+        self.source, self.model, self.bus, self.plan = source, model, bus, plan
+        self.scorer = Scorer(model)
+        self.period = 1.0 / hz
+        self.on_risk = on_risk
+        self._alarm: dict[int | None, bool] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.cost_us: list[int] = []  # CPU per scoring round (the last 600)
+
+    def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
+        return self.scorer.score(self.source.window(gpu), plan)
+
+    def score_once(self) -> None:
+        c0 = time.thread_time_ns()
+        for g in [m.index for m in self.source.gpus]:
+            w = self.source.window(g)
+            if not w.samples.height:
+                continue
+            plan = self.plan(g)
+            r, why, f = self.scorer.score(w, plan)
+            alarm = r >= self.model.threshold
+            onset = alarm and not self._alarm.get(g, False)
+            self.bus.risk.append({"ts": w.end_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
+                                  "threshold": self.model.threshold, "model": self.model.label,
+                                  "reasons": json.dumps(why)})
+            if onset:
+                self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}: "
+                              + (", ".join(n for n, _ in why) or "no single feature stands out"), "warning",
+                              gpu=g, risk=r, threshold=self.model.threshold, model=self.model.label, reasons=why)
+            elif not alarm and self._alarm.get(g, False):
+                self.bus.emit("risk_clear", f"OOM risk back to {r:.2f}", gpu=g, risk=r)
+            self._alarm[g] = alarm
+            if self.on_risk is not None:
+                self.on_risk(g, r, why, f, plan, onset)
+        self.cost_us = (self.cost_us + [(time.thread_time_ns() - c0) // 1000])[-600:]
+
+    def _run(self) -> None:
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.score_once()
+            except Exception as e:  # noqa: BLE001 - scoring must never take the run down
+                self.bus.emit("risk_clear", f"risk scoring stopped: {type(e).__name__}: {e}", "error")
+                return
+            nxt += self.period
+            self._stop.wait(max(0.0, nxt - time.monotonic()))
+
+    def start(self) -> None:
+        self._thread = start_thread(self._run, "gpuwatch-scorer")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+
+def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
+                 progress: Callable[[str], None] | None = None) -> pl.DataFrame:
+    """The risk timeline of a whole recording (the risk table's schema): every `stride`-th sample
+    of every GPU, each window cut as replay would show it at that moment."""
+    sc = Scorer(model)
+    rows: list[dict[str, Any]] = []
+    for g in [m.index for m in src.gpus]:
+        ts = src._ts.get(g)
+        if ts is None:
+            continue
+        X = np.array([vector(features(src.window_at(g, int(t)))) for t in ts[::stride]], dtype=np.float64)
+        if not X.size:
+            continue
+        risk = sc._predict(X)[:, 1]
+        for t, r in zip(ts[::stride], risk):
+            rows.append({"ts": int(t), "gpu": g, "kind": model.kind, "risk": float(r),
+                         "alarm": bool(r >= model.threshold), "threshold": model.threshold,
+                         "model": model.label, "reasons": "[]"})
+        if progress:
+            progress(f"GPU {g}: {len(ts[::stride])} windows scored")
+    if not rows:
+        return schema.empty("risk")
+    return pl.from_dicts(rows, schema=schema.RISK, strict=False)
+
+
+def alarms(timeline: pl.DataFrame) -> list[dict[str, Any]]:
+    """One entry per moment the risk rises over the alarm threshold (per GPU)."""
+    out = []
+    for g, part in timeline.sort("ts").group_by("gpu", maintain_order=True):
+        a = part["alarm"].to_numpy()
+        on = np.where(a & ~np.r_[False, a[:-1]])[0]
+        for i in on:
+            r = part.row(int(i), named=True)
+            out.append({"ts": r["ts"].isoformat().replace("+00:00", "Z"), "gpu": r["gpu"], "kind": r["kind"],
+                        "risk": round(float(r["risk"]), 4)})
+    return sorted(out, key=lambda x: x["ts"])

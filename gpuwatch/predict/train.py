@@ -1,0 +1,170 @@
+"""`gpuwatch train`: fit the failure-risk model on recorded sessions and say honestly how well it
+predicts, against the simple rules anyone could write.
+
+Evaluation never mixes a session's windows into both sides: cross-validation is grouped by session
+(leave one session out) and, separately, by scenario (leave one kind of run out: ramp, leak,
+fragmentation, near-cap, ...). The alarm threshold is picked on the session-grouped out-of-fold
+scores and then applied unchanged to the scenario folds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gpuwatch.errors import UsageError
+from gpuwatch.predict import evaluate as E
+from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, load_sessions
+from gpuwatch.predict.features import FEATURES, NAMES
+from gpuwatch.predict.model import save_model
+
+MAX_FA_PER_HOUR = 1.0
+SESSION_FOLDS = 5
+
+
+def make_estimator(seed: int = 0):
+    """Gradient-boosted trees: handle NaN (missing telemetry) natively, monotone in nothing we must
+    hand-tune, fast to score one row. Balanced classes: positives are a few % of windows."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    return HistGradientBoostingClassifier(max_iter=120, learning_rate=0.1, max_leaf_nodes=15, max_bins=63,
+                                          min_samples_leaf=40, l2_regularization=1.0,
+                                          class_weight="balanced", random_state=seed)
+
+
+def one_thread():
+    """OpenMP spinning on a shared 2-core machine costs more than it gains (a fit took 31 s with the
+    default threads beside other work, 13 s with one): train and score with one thread."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="openmp")
+
+
+def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
+    X = np.concatenate([t.X[t.y != -1] for t in tls])
+    y = np.concatenate([t.y[t.y != -1] for t in tls])
+    return X, y
+
+
+def fit(tls: list[Timeline], seed: int = 0):
+    X, y = _xy(tls)
+    if len(set(y.tolist())) < 2:
+        raise UsageError("training data needs both failures and healthy running (found one class only)")
+    est = make_estimator(seed)
+    est.fit(X, y)
+    return est
+
+
+def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
+    return [est.predict_proba(t.X)[:, 1] if t.X.size else np.array([]) for t in tls]
+
+
+def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None
+                ) -> list[np.ndarray]:
+    """Scores of each timeline by a model that never saw its group (session or scenario). With
+    `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else one fold each."""
+    groups = sorted({key(t) for t in tls})
+    if folds and folds < len(groups):
+        fold_of = {g: i % folds for i, g in enumerate(groups)}
+        k0 = key
+        key = lambda t: f"fold {fold_of[k0(t)] + 1}"  # noqa: E731
+        groups = sorted({key(t) for t in tls})
+    out: list[np.ndarray | None] = [None] * len(tls)
+    for i, g in enumerate(groups):
+        train = [t for t in tls if key(t) != g]
+        X, y = _xy(train) if train else (np.empty((0, len(NAMES))), np.array([]))
+        held = [j for j, t in enumerate(tls) if key(t) == g]
+        if len(set(y.tolist())) < 2:
+            for j in held:
+                out[j] = np.zeros(tls[j].y.size)
+            continue
+        est = make_estimator()
+        est.fit(X, y)
+        for j in held:
+            out[j] = est.predict_proba(tls[j].X)[:, 1]
+        if progress:
+            progress(f"  fold {i + 1}/{len(groups)}: held out {g}")
+    return [o if o is not None else np.zeros(0) for o in out]
+
+
+@dataclass
+class Report:
+    model_path: Path
+    card_path: Path
+    data: dict[str, Any]
+    threshold: float
+    threshold_why: str
+    by_session: E.Metrics
+    by_scenario: E.Metrics
+    baselines: dict[str, E.Metrics]
+    at_baseline_fa: dict[str, E.Metrics | None]
+    per_scenario: dict[str, E.Metrics]
+    seconds: float
+    warnings: list[str]
+
+
+def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
+          horizon_s: float = HORIZON_S, evaluate: bool = True) -> Report:
+    t0 = time.perf_counter()
+    progress(f"reading {len(sessions)} session(s) and cutting windows (every {stride} sample(s))...")
+    tls, warnings = load_sessions(sessions, stride, progress, horizon_s)
+    for w in warnings:
+        progress(f"warning: {w}")
+    if not tls:
+        raise UsageError("no readable session to train on")
+    data = describe(tls)
+    progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
+             f"{data['sessions']} sessions, scenarios: {', '.join(data['scenarios'])}")
+    with one_thread():
+        return _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0)
+
+
+def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0) -> Report:
+    by_session = by_scenario = None
+    threshold, why = 0.5, "no evaluation run"
+    baselines: dict[str, E.Metrics] = {}
+    at_fa: dict[str, E.Metrics | None] = {}
+    per_scen: dict[str, E.Metrics] = {}
+    if evaluate:
+        progress(f"cross-validation grouped by session ({SESSION_FOLDS} folds, no session on both sides)...")
+        oof = out_of_fold(tls, lambda t: t.session, progress, SESSION_FOLDS)
+        threshold, why = E.pick_threshold(tls, oof, MAX_FA_PER_HOUR, horizon_s)
+        by_session = E.event_metrics(tls, oof, threshold, horizon_s, with_auc=True)
+        progress("cross-validation grouped by scenario (leave one scenario out)...")
+        oos = out_of_fold(tls, lambda t: t.scenario, progress)
+        by_scenario = E.event_metrics(tls, oos, threshold, horizon_s, with_auc=True)
+        for sc in sorted({t.scenario for t in tls}):
+            idx = [i for i, t in enumerate(tls) if t.scenario == sc]
+            per_scen[sc] = E.event_metrics([tls[i] for i in idx], [oos[i] for i in idx], threshold, horizon_s)
+        baselines = E.baseline_metrics(tls, horizon_s)
+        for name, m in baselines.items():
+            fa = m.false_alarms_per_hour if m.false_alarms_per_hour is not None else 0.0
+            at_fa[name] = E.recall_at_fa(tls, oof, fa, horizon_s)
+    progress("fitting the final model on every session...")
+    est = fit(tls)
+    X, y = _xy(tls)
+    reference = np.nanmedian(np.where(np.isfinite(X[y == 0]), X[y == 0], np.nan), axis=0)
+    manifest = {
+        "horizon_s": horizon_s, "threshold": threshold, "threshold_why": why, "window_s": 30.0,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "training_sessions": sorted({t.session for t in tls}), "data": data,
+        "reference": [None if not np.isfinite(v) else float(v) for v in reference],
+        "metrics": {"by_session": by_session.row() if by_session else None,
+                    "by_scenario": by_scenario.row() if by_scenario else None},
+    }
+    path = save_model(est, manifest, out)
+    rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
+                 per_scen, time.perf_counter() - t0, warnings)
+    from gpuwatch.predict.card import write_card
+
+    write_card(rep)
+    progress(f"wrote {path} and {rep.card_path} in {rep.seconds:.0f} s")
+    return rep
+
+
+FEATURE_TABLE = "\n".join(f"| `{n}` | {u} | {d} |" for n, (u, d) in FEATURES.items())
