@@ -1,16 +1,24 @@
 """Open a recorded session (a folder) or a single Parquet file, validating what it reads.
 
-A corrupt or truncated segment, a file that is not Parquet, or a wrong schema is reported as one line
-naming the file; every intact segment is still read. Only when nothing at all can be read (or the
-session's schema version is unknown) does opening fail, with `RecordingError`.
+A corrupt or truncated segment, a file that is not Parquet, a wrong schema, a FIFO or a folder named
+like a segment is reported as one line naming the file; every intact segment is still read. Only when
+nothing at all can be read (or meta.json is unreadable, malformed or of an unknown schema version) does
+opening fail, with `RecordingError` (one line, naming the file). `SessionReader(...)`, `load_new()`
+and `open_recording(...)` raise nothing else.
 `SessionReader.load_new()` reads only files that appeared since the last call: that is how
 `replay --follow` keeps up with a session another process is still writing.
+A session whose meta.json says `complete: false` is reported by `incomplete_reason` (one line).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +28,42 @@ from gpuwatch.errors import RecordingError
 from gpuwatch.recording import schema
 from gpuwatch.recording.writer import CHUNK_RE, COMPACT_RE, SEGMENT_RE
 
+META_MAX_BYTES = 16 * 2**20  # a meta.json is a few KiB; anything this big is not one
+STALE_S = 60.0  # an incomplete session with no data this long is taken as stopped, not still recording
+
 
 def _readable() -> str:
     return " and ".join(str(v) for v in schema.READABLE_VERSIONS)
+
+
+def _oneline(e: BaseException, n: int = 120) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:n]
+
+
+def _os_why(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or -1)
+    return f"{e.strerror or _oneline(e)}" + (f" ({name})" if name else "")
+
+
+def _fatal_exc(e: BaseException) -> bool:
+    """What a reader must let through: Ctrl-C and interpreter exit (polars' panics are BaseException)."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _stat_regular(path: Path) -> os.stat_result:
+    """stat() that names why `path` cannot be read as a file (never opens it: a FIFO would block)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RecordingError(f"{path}: symbolic link loop") from None
+        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise RecordingError(f"{path}: is a folder, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise RecordingError(f"{path}: not a regular file (a FIFO, socket or device)")
+    return st
 
 
 def _table_of(df_schema: pl.Schema) -> str | None:
@@ -39,32 +80,116 @@ def _table_of(df_schema: pl.Schema) -> str | None:
 
 def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataFrame]:
     """Read one Parquet file of a session; raises RecordingError (one line, naming the file)."""
+    _stat_regular(path)
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-            fh.seek(0, 2)
-            size = fh.tell()
-            fh.seek(max(0, size - 4))
-            tail = fh.read(4)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
+                raise RecordingError(f"{path}: not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                head = fh.read(4)
+                fh.seek(0, 2)
+                size = fh.tell()
+                fh.seek(max(0, size - 4))
+                tail = fh.read(4)
+        finally:
+            os.close(fd)
     except OSError as e:
-        raise RecordingError(f"{path}: cannot read ({e.strerror or e})") from None
-    if head != b"PAR1" or tail != b"PAR1":
+        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
+    if size == 0:
+        raise RecordingError(f"{path}: empty file (0 bytes)")
+    if head != b"PAR1" or tail != b"PAR1" or size < 12:
         what = "truncated Parquet file" if head == b"PAR1" else "not a Parquet file"
         raise RecordingError(f"{path}: {what}")
     try:
         version = pl.read_parquet_metadata(path).get("gpuwatch_schema_version")
         df = pl.read_parquet(path)
-    except Exception as e:  # polars raises several types for corrupt pages
-        raise RecordingError(f"{path}: corrupt Parquet ({str(e).splitlines()[0][:120]})") from None
+    except BaseException as e:  # polars raises several types (and panics) for corrupt pages
+        if _fatal_exc(e):
+            raise
+        raise RecordingError(f"{path}: corrupt Parquet ({_oneline(e)})") from None
     if version is not None and version not in {str(v) for v in schema.READABLE_VERSIONS}:
-        raise RecordingError(f"{path}: schema version {version}, this gpuwatch reads {_readable()}")
+        raise RecordingError(f"{path}: schema version {version[:20]!r}, this gpuwatch reads {_readable()}")
     table = table or _table_of(df.schema)
     if table is None:
         raise RecordingError(f"{path}: not a gpuwatch table (columns: {', '.join(df.columns[:6])})")
     problems = schema.check_schema(df.schema, table)
     if problems:
         raise RecordingError(f"{path}: wrong schema for {table}: {problems[0]}")
-    return table, schema.conform(df, table)
+    try:
+        return table, schema.conform(df, table)
+    except BaseException as e:
+        if _fatal_exc(e):
+            raise
+        raise RecordingError(f"{path}: columns of the wrong type for {table} ({_oneline(e)})") from None
+
+
+# meta.json fields gpuwatch reads, and the JSON types each may have (None: null allowed)
+_INT, _NUM, _STR, _BOOL, _LIST, _DICT = (int,), (int, float), (str,), (bool,), (list,), (dict,)
+_META_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "start": (_STR, True), "end": (_STR, True), "complete": (_BOOL, True), "host": (_STR, True),
+    "platform": (_STR, True), "cpu_count": (_INT, True), "gpu_backend": (_STR, True),
+    "sampler": (_STR, True), "gpu_note": (_STR, True), "driver_version": (_STR, True),
+    "gpus": (_LIST, True), "versions": (_DICT, True), "argv": (_LIST, True), "config": (_DICT, True),
+    "rows": (_INT, True), "bytes": (_INT, True), "dropped": (_INT, True),
+    "incomplete_reason": (_STR, True), "lost_rows": (_DICT, True), "single_file": (_BOOL, True),
+}
+_GPU_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": _INT, "name": _STR, "uuid": _STR, "pci_bus_id": _STR, "mem_total_bytes": _INT,
+    "power_limit_w": _NUM, "temp_slowdown_c": _NUM,
+}
+_NAMES = {int: "a whole number", float: "a number", str: "text", bool: "true or false",
+          list: "a list", dict: "an object"}
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _fits(v: Any, types: tuple[type, ...], nullable: bool = True) -> bool:
+    if v is None:
+        return nullable
+    if isinstance(v, bool) and bool not in types:
+        return False
+    if isinstance(v, float) and float in types:
+        return v == v and abs(v) != float("inf")
+    return isinstance(v, types)
+
+
+def validate_meta(meta: Any, where: Path) -> dict[str, Any]:
+    """Check the parsed meta.json; RecordingError (one line naming the file) if gpuwatch cannot use it."""
+    if not isinstance(meta, dict):
+        raise RecordingError(f"{where}: not a JSON object ({_json_type(meta)})")
+    if "schema_version" not in meta:
+        raise RecordingError(f"{where}: schema_version missing, this gpuwatch reads {_readable()}")
+    version = meta["schema_version"]
+    if isinstance(version, bool) or version not in schema.READABLE_VERSIONS:
+        shown = repr(version)[:40]
+        raise RecordingError(f"{where}: schema version {shown}, this gpuwatch reads {_readable()}")
+    for key, (types, nullable) in _META_FIELDS.items():
+        if key in meta and not _fits(meta[key], types, nullable):
+            raise RecordingError(f"{where}: {key!r} is {_json_type(meta[key])}, expected "
+                                 f"{_NAMES[types[0]]}")
+    for i, g in enumerate(meta.get("gpus") or []):
+        if not isinstance(g, dict):
+            raise RecordingError(f"{where}: gpus[{i}] is {_json_type(g)}, expected an object")
+        for key, types in _GPU_FIELDS.items():
+            if key in g and not _fits(g[key], types):
+                raise RecordingError(f"{where}: gpus[{i}].{key} is {_json_type(g[key])}, expected {_NAMES[types[0]]}")
+    loads = (meta.get("config") or {}).get("workloads")
+    if loads is not None:
+        if not isinstance(loads, list) or not all(isinstance(w, dict) for w in loads):
+            raise RecordingError(f"{where}: config.workloads is not a list of objects")
+        for i, w in enumerate(loads):
+            faults = w.get("faults")
+            if faults is not None and not isinstance(faults, dict):
+                raise RecordingError(f"{where}: config.workloads[{i}].faults is {_json_type(faults)}, expected an object")
+            lim = (faults or {}).get("memory_limit_bytes")
+            if not _fits(lim, _INT):
+                raise RecordingError(f"{where}: config.workloads[{i}].faults.memory_limit_bytes is "
+                                     f"{_json_type(lim)}, expected a whole number")
+    return meta
 
 
 @dataclass
@@ -76,6 +201,7 @@ class Recording:
     events: pl.DataFrame
     risk: pl.DataFrame = field(default_factory=lambda: schema.empty("risk"))
     warnings: list[str] = field(default_factory=list)
+    incomplete_reason: str | None = None  # None when the session was closed cleanly (or is one file)
 
     @property
     def complete(self) -> bool:
@@ -90,42 +216,95 @@ class SessionReader:
     """Incremental reader of one session folder (or one file)."""
 
     def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
-            raise RecordingError(f"{self.path}: no such file or folder")
+        try:
+            self.path = Path(path)
+        except TypeError:
+            raise RecordingError(f"{path!r}: not a path") from None
         self.meta: dict[str, Any] = {}
         self.warnings: list[str] = []
         self._seen: set[str] = set()
         self._covered: dict[str, list[tuple[int, int]]] = {t: [] for t in schema.TABLES}
         self._rows: dict[str, dict[str, int]] = {t: {} for t in schema.TABLES}  # rows returned per file
-        self.read_meta()
+        self._last_us: int | None = None  # the newest sample or event read so far
+        self._loaded_once = False
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                raise RecordingError(f"{self.path}: no such file or folder") from None
+            if e.errno == errno.ELOOP:
+                raise RecordingError(f"{self.path}: symbolic link loop") from None
+            raise RecordingError(f"{self.path}: cannot read ({_os_why(e)})") from None
+        except ValueError as e:  # e.g. a NUL byte in the path
+            raise RecordingError(f"{path!r}: bad path ({_oneline(e)})") from None
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise RecordingError(f"{self.path}: not a session folder or a Parquet file (a FIFO, socket or device)")
+        self._is_file = stat.S_ISREG(st.st_mode)
+        self._guard(self.read_meta)
+
+    def _guard(self, fn, *a):
+        """Run `fn`; anything but RecordingError becomes one (one line naming the session)."""
+        try:
+            return fn(*a)
+        except RecordingError:
+            raise
+        except BaseException as e:
+            if _fatal_exc(e):
+                raise
+            if isinstance(e, OSError):
+                raise RecordingError(f"{getattr(e, 'filename', None) or self.path}: cannot read ({_os_why(e)})") from None
+            raise RecordingError(f"{self.path}: unreadable ({type(e).__name__}: {_oneline(e)})") from None
 
     def read_meta(self) -> dict[str, Any]:
-        if self.path.is_file():
+        if self._is_file:
             self.meta = {"schema_version": schema.SCHEMA_VERSION, "single_file": True}
             return self.meta
         mp = self.path / "meta.json"
-        if not mp.exists():
-            if not any(self.path.glob("*.parquet")):
+        try:
+            os.stat(mp)
+            present = True
+        except FileNotFoundError:
+            present = False
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RecordingError(f"{mp}: symbolic link loop") from None
+            raise RecordingError(f"{mp}: cannot read ({_os_why(e)})") from None
+        if not present:
+            if not any(self._parquet_names()):
                 raise RecordingError(f"{self.path}: not a gpuwatch session (no meta.json, no Parquet files)")
             self.warnings.append(f"{mp}: missing; reading the Parquet files alone")
-            self.meta = {"schema_version": schema.SCHEMA_VERSION}
+            self.meta = {"schema_version": schema.SCHEMA_VERSION, "complete": False,
+                         "incomplete_reason": "no meta.json"}
             return self.meta
+        st = _stat_regular(mp)
+        if st.st_size > META_MAX_BYTES:
+            raise RecordingError(f"{mp}: {st.st_size} bytes, too big to be a gpuwatch meta.json")
         try:
-            self.meta = json.loads(mp.read_text())
-        except (OSError, ValueError) as e:
-            raise RecordingError(f"{mp}: unreadable ({str(e)[:100]})") from None
-        version = self.meta.get("schema_version")
-        if version not in schema.READABLE_VERSIONS:
-            raise RecordingError(f"{mp}: schema version {version!r}, this gpuwatch reads {_readable()}")
+            fd = os.open(mp, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with os.fdopen(fd, "rb") as fh:
+                raw = fh.read(META_MAX_BYTES + 1)
+        except OSError as e:
+            raise RecordingError(f"{mp}: cannot read ({_os_why(e)})") from None
+        if not raw.strip():
+            raise RecordingError(f"{mp}: empty file")
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RecordingError(f"{mp}: not JSON (not UTF-8 text)") from None
+        except (ValueError, RecursionError) as e:
+            raise RecordingError(f"{mp}: not JSON ({_oneline(e, 100)})") from None
+        self.meta = validate_meta(meta, mp)
         return self.meta
+
+    def _parquet_names(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.path) if n.endswith(".parquet") and not n.startswith("."))
 
     def _files(self) -> list[tuple[str, Path]]:
         """New data files in read order: compacted files win over chunks, chunks over segments."""
-        if self.path.is_file():
+        if self._is_file:
             return [] if str(self.path) in self._seen else [("", self.path)]
         out = []
-        names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+        names = self._parquet_names()
         compacted = {COMPACT_RE.match(n).group(1) for n in names if COMPACT_RE.match(n)}
         for n in names:
             m = COMPACT_RE.match(n) or CHUNK_RE.match(n) or SEGMENT_RE.match(n)
@@ -158,7 +337,21 @@ class SessionReader:
 
     def load_new(self) -> dict[str, pl.DataFrame]:
         """Read files not read before; returns one frame per table (possibly empty). Rows are returned
-        once, also when the writer later merges segments into a chunk or compacts the session."""
+        once, also when the writer later merges segments into a chunk or compacts the session.
+        Raises only RecordingError, and only on the first call: later (a follower's polls), a folder
+        that cannot be listed is a warning and no new rows."""
+        try:
+            out = self._guard(self._load_new)
+        except RecordingError as e:
+            if not self._loaded_once:
+                raise
+            if str(e) not in self.warnings:
+                self.warnings.append(str(e))
+            return {t: schema.empty(t) for t in schema.TABLES}
+        self._loaded_once = True
+        return out
+
+    def _load_new(self) -> dict[str, pl.DataFrame]:
         frames: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
         for table, p in self._files():
             self._seen.add(p.name if p.parent == self.path else str(p))
@@ -170,7 +363,28 @@ class SessionReader:
             df = df.slice(self._already_read(t, p.name))
             self._rows[t][p.name] = df.height
             frames[t].append(df)
+            if t in ("samples", "events", "steps") and df.height:
+                last = df["ts"].max()
+                if last is not None:
+                    us = int(last.timestamp() * 1e6)
+                    self._last_us = us if self._last_us is None else max(self._last_us, us)
         return {t: pl.concat(f, how="vertical_relaxed") if f else schema.empty(t) for t, f in frames.items()}
+
+    @property
+    def incomplete_reason(self) -> str | None:
+        """None for a session closed cleanly (and for a single file); else one line saying why not."""
+        if self._is_file or self.meta.get("complete") is True:
+            return None
+        last = ""
+        if self._last_us is not None:
+            last = f"last data {datetime.fromtimestamp(self._last_us / 1e6, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
+        why = self.meta.get("incomplete_reason")
+        if why:
+            return f"incomplete: {why}" + (f" ({last})" if last else "")
+        if self._last_us is not None and time.time() - self._last_us / 1e6 < STALE_S:
+            return f"incomplete: still being recorded, or stopped without closing the session ({last})"
+        return ("incomplete: the recording process stopped without closing the session"
+                + (f" ({last})" if last else " (no data)"))
 
 
 def _first_segment(name: str) -> int:
@@ -180,14 +394,19 @@ def _first_segment(name: str) -> int:
 
 
 def open_recording(path: Path | str) -> Recording:
-    """Open a session folder or one Parquet file. Raises RecordingError if nothing can be read."""
+    """Open a session folder or one Parquet file. Raises RecordingError (only) if nothing can be read."""
     reader = SessionReader(path)
     frames = reader.load_new()
-    if frames["samples"].is_empty() and frames["events"].is_empty() and frames["steps"].is_empty():
-        why = reader.warnings[0] if reader.warnings else f"{reader.path}: no samples recorded"
-        raise RecordingError(why)
-    return Recording(
-        path=reader.path, meta=reader.meta, warnings=reader.warnings,
-        samples=frames["samples"].sort("ts", "gpu"), steps=frames["steps"].sort("ts"),
-        events=frames["events"].sort("ts"), risk=frames["risk"].sort("ts", "gpu"),
-    )
+
+    def build() -> Recording:
+        if frames["samples"].is_empty() and frames["events"].is_empty() and frames["steps"].is_empty():
+            why = reader.warnings[0] if reader.warnings else f"{reader.path}: no samples recorded"
+            raise RecordingError(why)
+        return Recording(
+            path=reader.path, meta=reader.meta, warnings=reader.warnings,
+            samples=frames["samples"].sort("ts", "gpu"), steps=frames["steps"].sort("ts"),
+            events=frames["events"].sort("ts"), risk=frames["risk"].sort("ts", "gpu"),
+            incomplete_reason=reader.incomplete_reason,
+        )
+
+    return reader._guard(build)

@@ -8,23 +8,30 @@ A session is a folder `<root>/<UTC start>-<host>/`:
   samples-c000001-000300.parquet  every `roll_every` segments are merged into one chunk (bounded file count)
   samples.parquet ...             after a clean stop: one compacted file per table, segments removed
 
-Writing runs on its own thread; the sampler never waits for the disk. Any OSError (a full disk, a
-removed folder) stops recording with a `recorder_error` event; the process carries on.
+Writing runs on its own thread; the sampler never waits for the disk. A write that fails (a full disk,
+a removed folder, anything polars raises) never leaves the thread: it becomes one `recorder_error`
+event and one line in `Recorder.error`, the rows that were not written are held (up to an hour, like
+the bus ring) and the write is retried every `retry_s` seconds; when it succeeds a `recorder_resumed`
+event says so and nothing was lost or written twice. Rows that could not be kept are counted, and the
+session's meta.json then stays `complete: false` with an `incomplete_reason`.
 """
 
 from __future__ import annotations
 
+import errno as _errno
 import json
 import os
 import re
 import socket
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from gpuwatch.errors import UsageError
 from gpuwatch.recording import schema
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
@@ -33,26 +40,44 @@ SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")
 CHUNK_RE = re.compile(rf"^({schema.TABLE_RE})-c(\d{{6}})-(\d{{6}})\.parquet$")
 COMPACT_RE = re.compile(rf"^({schema.TABLE_RE})\.parquet$")
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
+HOLD_S = 3600.0  # unwritten rows held while the disk fails (the bus ring holds as much)
+_BUS_CHANNEL = {"samples": "ticks", "steps": "steps", "events": "events", "risk": "risk"}
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_atomic(df: pl.DataFrame, path: Path, level: int = 3, fsync: bool = True) -> int:
     """Write `df` to `path` via a temp file and a rename, so no reader sees half a file.
     `fsync` also survives a power loss; without it a killed process still loses nothing written
-    (the page cache belongs to the kernel), which is what the 1 s segments need."""
+    (the page cache belongs to the kernel), which is what the 1 s segments need.
+    On any failure the temp file is removed and the exception propagates."""
     tmp = path.with_name(f".{path.name}.tmp")
-    df.write_parquet(tmp, compression="zstd", compression_level=level, statistics=True,
-                     metadata=FILE_META)
-    if fsync:
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        df.write_parquet(tmp, compression="zstd", compression_level=level, statistics=True,
+                         metadata=FILE_META)
+        if fsync:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
     return path.stat().st_size
 
 
 def write_json_atomic(obj: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
 
 
 def session_name(start: datetime, host: str | None = None) -> str:
@@ -60,12 +85,78 @@ def session_name(start: datetime, host: str | None = None) -> str:
     return f"{start:%Y%m%dT%H%M%SZ}-{host}"
 
 
+def check_output_dir(root: Path | str) -> None:
+    """Raise UsageError (one line) unless `root` is a folder gpuwatch can create and write in: it is
+    created if missing, and a temp file is created and removed there (the only reliable test: read-only
+    mounts, immutable folders, /proc, quotas and a full disk all show up here)."""
+    root = Path(root)
+    try:
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"cannot record to {root}: it exists and is not a folder")
+        root.mkdir(parents=True, exist_ok=True)
+    except UsageError:
+        raise
+    except OSError as e:
+        raise UsageError(f"cannot create the output folder {root}: {_os_reason(e)}") from None
+    probe = root / f".gpuwatch-write-test-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"gpuwatch")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        _unlink_quietly(probe)
+        raise UsageError(f"cannot write in the output folder {root}: {_os_reason(e)}") from None
+    try:
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot remove files in the output folder {root}: {_os_reason(e)}") from None
+
+
+def _os_reason(e: OSError) -> str:
+    name = _errno.errorcode.get(e.errno or -1)
+    text = e.strerror or str(e) or type(e).__name__
+    return f"{text} ({name})" if name else text
+
+
+def classify_error(exc: BaseException, folder: Path) -> tuple[str, str]:
+    """(errno name or the exception's type, one line) for a failed write in `folder`. Polars reports a
+    full disk as a ComputeError ("... No space left on device (os error 28)"), so the text is checked,
+    and where it says nothing the free space of the folder is."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if code is None and (m := re.search(r"os error (\d+)", text)):
+        code = int(m.group(1))
+    if code is None and "No space left" in text:
+        code = _errno.ENOSPC
+    if code is None and "quota exceeded" in text.lower():
+        code = _errno.EDQUOT
+    if code is None:
+        try:
+            st = os.statvfs(folder)
+            if st.f_bavail * st.f_frsize < 64 * 1024 or (st.f_files and st.f_favail == 0):
+                code = _errno.ENOSPC
+        except OSError:
+            pass
+    name = _errno.errorcode.get(code, "") if code is not None else ""
+    if code in (_errno.ENOSPC, _errno.EDQUOT):
+        what = "disk full" if code == _errno.ENOSPC else "disk quota exceeded"
+        return name, f"{what} ({name}: {os.strerror(code)}) in {folder}"
+    if code is not None:
+        return name or str(code), f"{os.strerror(code)} ({name or code}) in {folder}"
+    first = text[:160]
+    return type(exc).__name__, f"{type(exc).__name__}: {first} in {folder}"
+
+
 class Recorder:
     """Drains the bus into a session folder every `flush_interval` seconds."""
 
     def __init__(self, bus: Bus, root: Path | str, meta: dict[str, Any], flush_interval: float = 1.0,
-                 roll_every: int = 300, name: str | None = None) -> None:
+                 roll_every: int = 300, name: str | None = None, retry_s: float = 5.0) -> None:
         self.bus, self.flush_interval, self.roll_every = bus, flush_interval, roll_every
+        self.retry_s = retry_s
         start = datetime.now(timezone.utc)
         self.dir = Path(root) / (name or session_name(start))
         self.meta = {"schema_version": schema.SCHEMA_VERSION, "start": start.isoformat(),
@@ -74,10 +165,17 @@ class Recorder:
                         "events": bus.events.next_seq, "risk": bus.risk.next_seq}
         self._seg = {t: 0 for t in schema.TABLES}
         self._unrolled: dict[str, list[Path]] = {t: [] for t in schema.TABLES}
+        self._pending: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}  # drained, not written
         self.rows = 0  # sample rows on disk
         self.bytes = 0
         self.dropped = 0  # ticks overwritten in the ring before the recorder read them
-        self.error: str | None = None
+        self.lost: dict[str, int] = {t: 0 for t in schema.TABLES}  # rows drained but never written
+        self.error: str | None = None  # the current problem, one line (None while writing works)
+        self.incomplete_reason: str | None = None  # why meta.json will say complete: false
+        self._error_key: str | None = None
+        self._error_line: str | None = None  # `error` without the retry note, for meta.json
+        self._error_since: float | None = None
+        self._fatal = False  # the session folder could not even be created: nothing to retry
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -97,19 +195,32 @@ class Recorder:
                     n += 1
                     self.dir = base.with_name(f"{base.name}-{n}")
             write_json_atomic(self.meta, self.dir / "meta.json")
-        except OSError as e:
-            self._fail(e)
+        except Exception as e:
+            self._fatal = True
+            self._fail(e, "recording stopped (the session folder could not be created)")
             return self
         self._thread = start_thread(self._run, "gpuwatch-recorder")
         return self
 
     def _run(self) -> None:
-        while self.error is None:
-            self._kick.wait(self.wait_s)
-            self._kick.clear()
-            if self._stop.is_set():
-                return
-            self.flush()
+        while True:
+            try:
+                if self.error is not None:
+                    if self._stop.wait(self.retry_s):  # failing: retry every retry_s, kicks or not
+                        return
+                else:
+                    self._kick.wait(self.wait_s)
+                    self._kick.clear()
+                    if self._stop.is_set():
+                        return
+                self.flush()
+            except Exception as e:  # never leave the thread (flush catches; this is the last net)
+                try:
+                    self._fail(e, "recording paused")
+                except Exception:
+                    pass
+                if self._stop.wait(self.retry_s):
+                    return
 
     def kick(self) -> None:
         """Flush now. A sampler that delivers ticks a second at a time kicks the recorder as each batch
@@ -118,50 +229,112 @@ class Recorder:
         self._kick.set()
 
     def stop(self, compact: bool = True) -> None:
-        """Final flush; then merge every segment into one file per table and mark the session complete."""
+        """Final flush; then merge every segment into one file per table and mark the session complete.
+        If the disk still fails, the rows not written are counted as lost and meta.json (if it can be
+        written) says why the session is incomplete. Never raises."""
         self._stop.set()
         self._kick.set()
         if self._thread:
             self._thread.join(timeout=10)
-        if self.error is not None:
+        if self._fatal:
             return
-        self.flush()
-        if compact and self.error is None:
-            try:
-                self._compact()
-                self.meta.update(complete=True, end=datetime.now(timezone.utc).isoformat(),
-                                 rows=self.rows, bytes=self.bytes, dropped=self.dropped)
-                write_json_atomic(self.meta, self.dir / "meta.json")
-            except OSError as e:
-                self._fail(e)
+        try:
+            self.flush()
+            with self._lock:
+                held = {t: sum(df.height for df in fs) for t, fs in self._pending.items()}
+                for t, n in held.items():
+                    self.lost[t] += n
+                    self._pending[t] = []
+                if any(held.values()):
+                    self._note_lost(f"still failing at stop: {self._error_line}")
+                if compact and self.error is None:
+                    try:
+                        self._compact()
+                    except Exception as e:
+                        self._fail(e, "compaction failed (every row is still in the segments)")
+                if self.dropped:
+                    self._note_lost(f"{self.dropped} ticks overwritten in the bus before they were written")
+                if any(self.lost.values()):
+                    self.incomplete_reason = (f"{self._describe_lost(self.lost)} never written "
+                                              f"({self.incomplete_reason})")
+                elif self.error is not None and self.incomplete_reason is None:
+                    self.incomplete_reason = f"not closed cleanly: {self._error_line} (every row written is in the segments)"
+                complete = compact and self.error is None and self.incomplete_reason is None
+                self.meta.update(complete=complete, end=datetime.now(timezone.utc).isoformat(),
+                                 rows=self.rows, bytes=self.bytes, dropped=self.dropped,
+                                 lost_rows={t: n for t, n in self.lost.items() if n})
+                if self.incomplete_reason:
+                    self.meta["incomplete_reason"] = self.incomplete_reason
+                if compact or self.incomplete_reason:
+                    write_json_atomic(self.meta, self.dir / "meta.json")
+        except Exception as e:  # meta.json could not be rewritten: it still says complete: false
+            self._fail(e, "could not close the session")
 
     # -- writing ------------------------------------------------------------------------------------
-    def _drain(self) -> dict[str, pl.DataFrame]:
-        ticks, self._cursor["samples"], lost = self.bus.ticks.since(self._cursor["samples"])
-        self.dropped += lost
-        steps, self._cursor["steps"], _ = self.bus.steps.since(self._cursor["steps"])
-        events, self._cursor["events"], _ = self.bus.events.since(self._cursor["events"])
-        risk, self._cursor["risk"], _ = self.bus.risk.since(self._cursor["risk"])
-        rows = [r for t in ticks for r in t.rows]
-        frames = {"samples": rows, "steps": steps, "events": [e.row() for e in events], "risk": risk}
-        return {t: to_frame(r, t) for t, r in frames.items() if r}
+    def _drain(self) -> None:
+        """Move everything new on the bus into `_pending` (as frames); the cursors advance only past
+        rows that are now held here, so nothing is read twice or skipped."""
+        for table, ch in _BUS_CHANNEL.items():
+            channel = getattr(self.bus, ch)
+            items, nxt, lost = channel.since(self._cursor[table])
+            if table == "samples":
+                self.dropped += lost
+                rows = [r for t in items for r in t.rows]
+            else:
+                rows = [e.row() for e in items] if table == "events" else items
+                self.lost[table] += lost
+                if lost:
+                    self._note_lost(f"{table} rows overwritten in the bus before they were written")
+            self._cursor[table] = nxt
+            if rows:
+                try:
+                    self._pending[table].append(to_frame(rows, table))
+                except Exception as e:  # a malformed row: drop this batch, say so, go on
+                    self.lost[table] += len(rows)
+                    self._note_lost(f"{table} rows could not be converted "
+                                    f"({type(e).__name__}: {' '.join(str(e).split())[:120]})")
+                    self.bus.emit("recorder_error", f"{len(rows)} {table} rows dropped: not convertible",
+                                  "error", table=table, rows=len(rows), exception=type(e).__name__)
+        self._trim_pending()
+
+    def _trim_pending(self) -> None:
+        """Hold at most HOLD_S of unwritten rows per table (like the bus ring); older ones are lost."""
+        for table, frames in self._pending.items():
+            while len(frames) > 1:
+                first, last = frames[0]["ts"].min(), frames[-1]["ts"].max()
+                if first is None or last is None or (last - first).total_seconds() <= HOLD_S:
+                    break
+                gone = frames.pop(0)
+                self.lost[table] += gone.height
+                self._note_lost(f"writing failed for longer than the {HOLD_S:g} s hold: {self._error_line}")
 
     def flush(self) -> None:
+        """Drain the bus and write what is held; never raises. A failure keeps the rows held for the
+        next try (segment numbers are only used by files that were written)."""
         with self._lock:
-            if self.error is not None:
+            if self._fatal:
                 return
             try:
-                for table, df in self._drain().items():
-                    self._seg[table] += 1
-                    path = self.dir / f"{table}-{self._seg[table]:06d}.parquet"
+                self._drain()
+                for table in schema.TABLES:
+                    frames = self._pending[table]
+                    if not frames:
+                        continue
+                    df = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
+                    path = self.dir / f"{table}-{self._seg[table] + 1:06d}.parquet"
                     self.bytes += write_atomic(df, path, level=1, fsync=False)
+                    self._seg[table] += 1
+                    self._pending[table] = []
                     self._unrolled[table].append(path)
                     if table == "samples":
                         self.rows += df.height
                     if len(self._unrolled[table]) >= self.roll_every:
                         self._roll(table)
-            except OSError as e:
-                self._fail(e)
+            except Exception as e:
+                self._fail(e, "recording paused")
+                return
+            if self.error is not None:
+                self._resumed()
 
     def _roll(self, table: str) -> None:
         """Merge the open segments of `table` into one chunk file, then delete them."""
@@ -172,7 +345,8 @@ class Recorder:
 
     def _compact(self) -> None:
         for table in schema.TABLES:
-            parts = sorted(self.dir.glob(f"{table}-*.parquet"))
+            parts = sorted(p for p in self.dir.glob(f"{table}-*.parquet")
+                           if SEGMENT_RE.match(p.name) or CHUNK_RE.match(p.name))
             self._merge(table, parts, self.dir / f"{table}.parquet", level=9, sort=True)
 
     def _merge(self, table: str, parts: list[Path], out: Path, level: int, sort: bool) -> None:
@@ -184,9 +358,37 @@ class Recorder:
             p.unlink()
         self.bytes += new
 
-    def _fail(self, e: OSError) -> None:
-        self.error = f"recording stopped: {e.strerror or e} ({getattr(e, 'filename', None) or self.dir})"
-        self.bus.emit("recorder_error", self.error, "error", errno=e.errno)
+    # -- errors -------------------------------------------------------------------------------------
+    def _fail(self, e: BaseException, what: str) -> None:
+        name, line = classify_error(e, self.dir)
+        retry = "" if self._fatal or self._stop.is_set() else f"; retrying every {self.retry_s:g} s"
+        self.error = f"{what}: {line}{retry}"
+        self._error_line = f"{what}: {line}"
+        if self._error_since is None:
+            self._error_since = time.monotonic()
+        key = f"{what}|{name}"
+        if key != self._error_key:  # one event per distinct problem, not one per retry
+            self._error_key = key
+            self.bus.emit("recorder_error", self.error, "error", errno=name, folder=str(self.dir),
+                          exception=type(e).__name__, retry_s=None if retry == "" else self.retry_s)
+
+    def _resumed(self) -> None:
+        took = time.monotonic() - (self._error_since or time.monotonic())
+        lost = {t: n for t, n in self.lost.items() if n}
+        msg = (f"recording resumed after {took:.0f} s; "
+               + (f"{self._describe_lost(lost)} lost" if lost else "no rows lost"))
+        was = self.error
+        self.error, self._error_key, self._error_since = None, None, None
+        self.bus.emit("recorder_resumed", msg, "warning" if lost else "info", after_s=round(took, 1),
+                      error=was, lost_rows=lost)
+
+    def _note_lost(self, reason: str) -> None:
+        if self.incomplete_reason is None:
+            self.incomplete_reason = reason
+
+    @staticmethod
+    def _describe_lost(counts: dict[str, int]) -> str:
+        return ", ".join(f"{n} {t} rows" for t, n in counts.items() if n) or "no rows"
 
     @property
     def state(self) -> str:

@@ -10,12 +10,20 @@ receiver thread here appends them to the bus. Timestamps and intervals are taken
 recorder that writes once a second asks for 1.0, so the pipe, the receiver and the recorder wake once
 a second instead of ten times (wake-ups are most of what a 10 Hz Python sampler costs). Events are
 never held back: one flushes the held ticks and goes at once, in order.
+
+Signals: Ctrl-C in a terminal (and a hang-up, or a SIGTERM sent to the process group) reaches the
+whole foreground process group. The child must not die of it with a KeyboardInterrupt traceback: it
+is started with SIGINT/SIGHUP/SIGTERM blocked (the mask survives exec), moves into its own process
+group, ignores SIGINT and SIGHUP, and only stops when the parent tells it (the stop pipe) or dies
+(the stop pipe reads EOF at once; a new parent pid is checked too). No multiprocessing Event: its
+named semaphore made Python's resource tracker warn about a leak after `kill -9` of the parent.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
 from dataclasses import asdict
 from typing import Any, Callable
@@ -70,9 +78,30 @@ class _PipeBus:
         self.ticks.append(Event(kind, message, severity, gpu, detail))
 
 
-def _child(conn, stop, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
+_GROUP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGHUP", "SIGTERM") if hasattr(signal, n))
+
+
+def _detach_from_terminal_signals() -> None:
+    """In the child: leave the parent's process group (a terminal's Ctrl-C, hang-up and a group
+    SIGTERM no longer reach it), ignore SIGINT/SIGHUP for good, drop any that arrived while they were
+    blocked, then unblock. SIGTERM sent to this pid alone still ends it, quietly."""
+    for sig in _GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # discards a pending one
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
            pid: int, deliver_s: float = 0.0) -> None:
+    _detach_from_terminal_signals()
     set_native_name("gw-sampler-proc")
+    stop = threading.Event()  # set by a broken pipe (the parent is gone) in the child's channel
     from gpuwatch.telemetry.host import HostSampler
     from gpuwatch.telemetry.sampler import Sampler
 
@@ -87,8 +116,14 @@ def _child(conn, stop, factory: Callable[[], tuple[Any, str]], interval: float, 
     bus = _PipeBus(conn, stop, max(1, round(deliver_s / interval)))
     s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
     s.start()
-    # A killed parent shows as a broken pipe at the next send (which sets `stop`) or a new parent pid.
-    while not stop.wait(2.0):
+    # The parent says stop by writing to (or closing) the stop pipe; a killed parent closes it too, so
+    # poll() returns at once either way. A broken data pipe sets `stop`; a new parent pid is checked.
+    while not stop.is_set():
+        try:
+            if stop_conn.poll(2.0):
+                break
+        except (EOFError, OSError):
+            break
         if os.getppid() != pid:
             break
     s.stop()
@@ -122,10 +157,12 @@ class SamplerProcess:
         self.on_delivery: Callable[[], None] | None = None  # called after each batch of ticks arrives
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=False)
-        self._stop = ctx.Event()
+        stop_r, self._stop_w = ctx.Pipe(duplex=False)  # the parent's stop: a message, or EOF if it dies
+        self._stopping = threading.Event()
         self._proc = ctx.Process(target=_child, name="gpuwatch-sampler",
-                                 args=(child_conn, self._stop, factory, interval, slow_interval, os.getpid(), deliver_s),
+                                 args=(child_conn, stop_r, factory, interval, slow_interval, os.getpid(), deliver_s),
                                  daemon=True)
+        self._child_ends = (child_conn, stop_r)
         self.late_ticks = 0
         self.gpu: RemoteGpu | None = None
         self.note = ""
@@ -135,7 +172,17 @@ class SamplerProcess:
         """Start the child and wait for it to say what it found."""
         from gpuwatch.errors import GpuwatchError
 
-        self._proc.start()
+        # Started with the terminal's signals blocked in this thread: the child inherits the mask
+        # through exec, so a Ctrl-C during its start-up cannot kill it before it detaches.
+        blocked = hasattr(signal, "pthread_sigmask")
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS) if blocked else None
+        try:
+            self._proc.start()
+        finally:
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for c in self._child_ends:  # the child holds its own copies; ours would hide its death
+            c.close()
         if not self._conn.poll(timeout):
             self._proc.kill()
             raise GpuwatchError("the sampler process did not start within 30 s")
@@ -154,8 +201,13 @@ class SamplerProcess:
             try:
                 item = self._conn.recv()
             except (EOFError, OSError):
-                if not self._stop.is_set():
-                    self.bus.emit("recorder_error", "the sampler process died; no more samples", "error")
+                if not self._stopping.is_set():
+                    self._proc.join(timeout=1)
+                    code = self._proc.exitcode
+                    how = ("still running" if code is None else
+                           f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+                    self.bus.emit("sampler_error", f"the sampler process died ({how}); no more samples",
+                                  "error", exitcode=code)
                 return
             if isinstance(item, Event):
                 self.bus.events.append(item)
@@ -171,9 +223,19 @@ class SamplerProcess:
                 self.bus.ticks.append(item)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
+        try:
+            self._stop_w.send(b"stop")
+        except (OSError, ValueError):  # the child is already gone, or stop() ran before
+            pass
         if self._thread:
             self._thread.join(timeout=5)
         self._proc.join(timeout=5)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join(timeout=5)
+        for c in (self._stop_w, self._conn):
+            try:
+                c.close()
+            except OSError:
+                pass

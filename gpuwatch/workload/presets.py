@@ -72,27 +72,103 @@ def defaults(preset: str) -> tuple[int, int]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`["num_hidden_layers=4", "q_lora_rank=None"]` -> typed dict (int, float, bool, None, str)."""
+    """`["num_hidden_layers=4", "q_lora_rank=None"]` -> typed dict (int, float, bool, None, str).
+    Raises only UsageError; `validate_overrides` then checks keys and types against the config."""
+    import math
+
     from gpuwatch.errors import UsageError
 
     out: dict[str, Any] = {}
     for item in items:
+        item = str(item)
         key, sep, raw = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise UsageError(f"bad --set {item!r}: use KEY=VALUE, e.g. num_hidden_layers=4")
-        low = raw.strip().lower()
+        key = key.strip()
+        if not sep or not key.isidentifier() or not key.isascii():
+            shown = repr(item) if len(repr(item)) <= 60 else repr(item)[:57] + "...'"
+            raise UsageError(f"bad --set {shown}: use KEY=VALUE, e.g. num_hidden_layers=4")
+        raw = raw.strip()
+        low = raw.lower()
         if low in ("none", "null"):
             out[key] = None
         elif low in ("true", "false"):
             out[key] = low == "true"
         else:
             try:
-                out[key] = int(raw)
+                out[key] = int(raw) if raw.isascii() else raw
             except ValueError:
                 try:
-                    out[key] = float(raw)
+                    f = float(raw) if raw.isascii() else raw
+                    out[key] = f if isinstance(f, float) and math.isfinite(f) else raw
                 except ValueError:
                     out[key] = raw
+    return out
+
+
+# DeepseekV3Config fields that take None although their default is a number (None switches them off)
+_OPTIONAL = {"q_lora_rank", "pad_token_id", "bos_token_id", "eos_token_id", "head_dim", "rope_scaling",
+             "rope_parameters", "max_window_layers"}
+_INT_MAX = 2**31 - 1
+
+
+def validate_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Check `--set` overrides against transformers' DeepseekV3Config: each key must be one of its
+    fields and each value fit the field's default type (a whole number for an int field, a number for
+    a float field, true/false for a flag, None only where the field may be None). Returns the
+    overrides with ints given to float fields made floats; raises UsageError naming the key."""
+    import math
+
+    from gpuwatch.errors import UsageError
+
+    if not overrides:
+        return {}
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config()
+    fields = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}
+    # legacy keyword arguments the config folds into a dict field (rope_theta -> rope_parameters)
+    for k, v in (fields.get("rope_parameters") or {}).items():
+        if k != "rope_type":
+            fields.setdefault(k, v)
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        shown = "None" if value is None else str(value)
+        shown = shown if shown.isprintable() else repr(shown)
+        where = f"--set {key}={shown[:40]}"
+        if key not in fields and not (key in _OPTIONAL and hasattr(cfg, key)):
+            near = sorted(k for k in fields if k.split("_")[0] == str(key).split("_")[0])[:3]
+            hint = f" (did you mean {', '.join(near)}?)" if near else " (see DeepseekV3Config)"
+            raise UsageError(f"{where}: {key} is not a DeepseekV3Config field{hint}")
+        default = fields.get(key, getattr(cfg, key, None))
+        if value is None:
+            if default is None or key in _OPTIONAL:
+                out[key] = None
+                continue
+            raise UsageError(f"{where}: {key} cannot be None")
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise UsageError(f"{where}: {key} must be true or false")
+        elif isinstance(default, int) or (default is None and key in _OPTIONAL and key != "rope_scaling"
+                                          and key != "rope_parameters"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{where}: {key} must be a whole number")
+            if abs(value) > _INT_MAX:
+                raise UsageError(f"{where}: {key} is out of range")
+            if value < 0 and (default is None or default >= 0):
+                raise UsageError(f"{where}: {key} must not be negative")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{where}: {key} must be a number")
+            value = float(value)
+            if not math.isfinite(value):
+                raise UsageError(f"{where}: {key} must be a finite number")
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise UsageError(f"{where}: {key} must be text")
+        elif isinstance(default, (dict, list, tuple)):
+            raise UsageError(f"{where}: {key} is a structured field and cannot be set with --set (only None)")
+        elif default is not None and not isinstance(value, type(default)):
+            raise UsageError(f"{where}: {key} must be {type(default).__name__}")
+        out[key] = value
     return out
 
 
