@@ -9,6 +9,10 @@
                                                              (gw-sampler, gw-recorder, polars' pool, ...)
   python benchmarks/bench_sampler.py parts                   CPU us of each piece on its own: a wake-up, a
                                                              tick, a slow read, a pipe hand-over, a segment write
+                                                             (and a tick over a fake NVML that costs nothing: the
+                                                             sampler's own Python)
+  python benchmarks/bench_sampler.py memory                  nvidia-smi's memory.used/.reserved vs gpuwatch's (v2)
+                                                             and NVML's v1 call, per GPU, plus power.draw
 Prints one JSON object per measurement (and writes it to --out if given).
 """
 
@@ -221,10 +225,29 @@ def parts() -> dict:
     s.slow_tick()
     out["host_read_fast"] = cpu_us(host.read_fast, 2000)
     out["host_read_slow"] = cpu_us(host.read_slow, 200)
+    out["host_read_slow_psutil"] = cpu_us(host._read_slow_psutil, 200)
+    meta: dict = {}
     if gpu is not None:
         out["gpu0_read_fast"] = cpu_us(lambda: gpu.read_fast(0), 2000)
-        out["gpu0_read_slow"] = cpu_us(lambda: gpu.read_slow(0), 50)
+        out["gpu0_read_slow"] = cpu_us(lambda: gpu.read_slow(0), 60)
+        meta = {"memory_api": getattr(gpu, "memory_api", None),
+                "field_batch": [c for c, _, _ in (gpu._batch[0] or [])] if getattr(gpu, "_batch", None) else None}
+        try:
+            from gpuwatch.telemetry import nvml
+
+            h = gpu._handles[0]
+            out["nvml_mem_v1"] = cpu_us(lambda: nvml._mem(h), 2000)
+            out["nvml_mem_v2"] = cpu_us(lambda: nvml._mem_v2(h), 2000)
+            ids = [fid for _, fid, _ in nvml.FIELD_BATCH]
+            out["nvml_field_values_batch"] = cpu_us(lambda: nvml.pynvml.nvmlDeviceGetFieldValues(h, ids), 2000)
+            out["nvml_power_ecc_legacy_3_calls"] = cpu_us(lambda: (
+                nvml.FAST["gpu_power_w"](h), gpu._try(lambda: nvml.FAST["gpu_ecc_corrected"](h)),
+                gpu._try(lambda: nvml.FAST["gpu_ecc_uncorrected"](h))), 2000)
+            out["nvml_procs"] = cpu_us(lambda: nvml._procs(h), 2000)
+        except Exception as e:  # noqa: BLE001
+            meta["nvml_parts_error"] = repr(e)[:200]
     out["tick_all"] = cpu_us(s.tick, 2000)
+    out["tick_fake_nvml"] = _fake_tick_us(cpu_us)
     t = s.tick()
     batch = [s.tick() for _ in range(10)]
     out["pickle_tick"] = cpu_us(lambda: pickle.dumps(t), 2000)
@@ -245,12 +268,78 @@ def parts() -> dict:
     except ImportError:
         pass
     shutil.rmtree(d, ignore_errors=True)
-    return {"measure": "cpu_us_per_call", "columns": len(df.columns), "gpu": note, "parts": out}
+    return {"measure": "cpu_us_per_call", "columns": len(df.columns), "gpu": note, **meta, "parts": out}
+
+
+class _FakeNvmlBackend:
+    """A GPU backend whose reads cost nothing: the row a real H200 read gives, copied (what is left of a
+    tick's CPU is the sampler's own Python)."""
+
+    def __init__(self) -> None:
+        from gpuwatch.telemetry.nvml import GpuInfo
+
+        self.gpus = [GpuInfo(0, "fake", None, None, 141 * 2**30, 700.0, 89)]
+        self._row = {"gpu_util_pct": 97, "gpu_mem_util_pct": 40, "gpu_mem_used_bytes": 10 * 2**30,
+                     "gpu_mem_total_bytes": 141 * 2**30, "gpu_mem_reserved_bytes": 615 * 2**20, "gpu_temp_c": 60,
+                     "gpu_power_w": 350.0, "gpu_sm_clock_mhz": 1980, "gpu_mem_clock_mhz": 2619,
+                     "gpu_clocks_event_reasons": 0, "gpu_ecc_corrected": 0, "gpu_ecc_uncorrected": 0,
+                     "gpu_procs": [{"pid": 1, "used_bytes": 2**30}], "gpu_power_limit_w": 700.0, "gpu_temp_slowdown_c": 89}
+
+    def read_fast(self, i):
+        return dict(self._row)
+
+    def read_slow(self, i):
+        return {"gpu_pcie_tx_bytes_per_s": 1.0, "gpu_pcie_rx_bytes_per_s": 2.0, "gpu_energy_mj": 5}
+
+
+def _fake_tick_us(cpu_us) -> float:
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.host import HostSampler
+    from gpuwatch.telemetry.sampler import Sampler
+
+    s = Sampler(Bus(), _FakeNvmlBackend(), HostSampler())
+    s.slow_tick()
+    return cpu_us(s.tick, 5000)
+
+
+def memory() -> dict:
+    """On an idle GPU: nvidia-smi's memory.used (and .reserved) next to what gpuwatch records (NVML v2 where
+    the driver has it) and what NVML's v1 call says (driver-reserved memory counted as used)."""
+    from gpuwatch.telemetry import nvml
+
+    try:
+        b = nvml.NvmlBackend()
+    except nvml.NvmlUnavailable as e:
+        return {"measure": "memory_used_vs_nvidia_smi", "skipped": str(e)}
+    q = "index,memory.used,memory.reserved,memory.total,power.draw"
+    smi = {}
+    try:
+        txt = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        for line in txt.strip().splitlines():
+            f = [x.strip() for x in line.split(",")]
+            smi[int(f[0])] = {"memory.used_mib": f[1], "memory.reserved_mib": f[2], "memory.total_mib": f[3],
+                              "power.draw_w": f[4]}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        smi = {"error": repr(e)}
+    gpus = []
+    for g in b.gpus:
+        row = b.read_fast(g.index)
+        v1 = b._try(lambda: nvml._mem(b._handles[g.index]))
+        mib = lambda x: None if x is None else round(x / 2**20, 1)  # noqa: E731
+        gpus.append({"gpu": g.index, "nvidia_smi": smi.get(g.index, smi),
+                     "gpuwatch_used_mib": mib(row.get("gpu_mem_used_bytes")),
+                     "gpuwatch_reserved_mib": mib(row.get("gpu_mem_reserved_bytes")),
+                     "gpuwatch_total_mib": mib(row.get("gpu_mem_total_bytes")),
+                     "nvml_v1_used_mib": mib(v1[0]) if v1 else None, "gpuwatch_power_w": row.get("gpu_power_w"),
+                     "legacy_power_usage_w": b._try(lambda: nvml.FAST["gpu_power_w"](b._handles[g.index]))})
+    b.close()
+    return {"measure": "memory_used_vs_nvidia_smi", "memory_api": b.memory_api, "gpus": gpus}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["cost", "jitter", "threads", "parts"])
+    ap.add_argument("what", choices=["cost", "jitter", "threads", "parts", "memory"])
     ap.add_argument("--sampler", default="process", choices=["process", "thread"], help="threads: which sampler")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", type=Path)
@@ -261,6 +350,8 @@ def main() -> None:
         res = jitter(a.seconds or 20)
     elif a.what == "threads":
         res = threads(a.seconds or 30, ["--sampler", a.sampler])
+    elif a.what == "memory":
+        res = memory()
     else:
         res = parts()
     res["host"] = os.uname().nodename

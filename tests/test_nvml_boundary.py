@@ -16,9 +16,13 @@ class FakeDriver:
     """Stands in for libnvml behind pynvml's functions: two GPUs; errors are the real classes."""
 
     def __init__(self, monkeypatch):
-        self.calls = {"power": 0}
+        self.calls = {"power": 0, "fields": 0, "mem_v1": 0, "mem_v2": 0}
         self.lost = set()
         self.power_error = None
+        self.mem_v2 = True  # the driver has nvmlDeviceGetMemoryInfo_v2
+        # nvmlDeviceGetFieldValues: None = the call is not supported at all; else per field id, the value
+        # or an NVML return code (int) for that field
+        self.fields = None
         mp = monkeypatch.setattr
         mp(pynvml, "nvmlInit", lambda: None)
         mp(pynvml, "nvmlShutdown", lambda: None)
@@ -31,7 +35,7 @@ class FakeDriver:
         mp(pynvml, "nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=f"0000:0{h}:00.0"))
         mp(pynvml, "nvmlDeviceGetEnforcedPowerLimit", lambda h: 700_000)
         mp(pynvml, "nvmlDeviceGetTemperatureThreshold", lambda h, t: 89)
-        mp(pynvml, "nvmlDeviceGetMemoryInfo", self._guard(lambda h: types.SimpleNamespace(used=10 * 2**30, total=141 * 2**30)))
+        mp(pynvml, "nvmlDeviceGetMemoryInfo", self._memory)
         mp(pynvml, "nvmlDeviceGetUtilizationRates", self._guard(lambda h: types.SimpleNamespace(gpu=97, memory=40)))
         mp(pynvml, "nvmlDeviceGetTemperature", self._guard(lambda h, s: 60))
         mp(pynvml, "nvmlDeviceGetPowerUsage", self._power)
@@ -42,7 +46,7 @@ class FakeDriver:
            self._guard(lambda h: [types.SimpleNamespace(pid=42, usedGpuMemory=2**30)]))
         mp(pynvml, "nvmlDeviceGetPcieThroughput", self._guard(lambda h, c: 100))
         mp(pynvml, "nvmlDeviceGetTotalEnergyConsumption", self._guard(lambda h: 5000))
-        mp(pynvml, "nvmlDeviceGetFieldValues", self._raise(pynvml.NVMLError_NotSupported))
+        mp(pynvml, "nvmlDeviceGetFieldValues", self._field_values)
         mp(pynvml, "nvmlEventSetCreate", self._raise(pynvml.NVMLError_NotSupported))
 
     def _guard(self, fn):
@@ -57,6 +61,39 @@ class FakeDriver:
         if self.power_error:
             raise self.power_error()
         return self._guard(lambda h: 350_000)(h)
+
+    def _memory(self, h, version=None):
+        if h in self.lost:
+            raise pynvml.NVMLError_GpuIsLost()
+        if version is None:  # v1: driver-reserved memory counted as used
+            self.calls["mem_v1"] += 1
+            return types.SimpleNamespace(used=10 * 2**30 + 615 * 2**20, total=141 * 2**30)
+        self.calls["mem_v2"] += 1
+        if not self.mem_v2:  # what pynvml raises when libnvidia-ml lacks the _v2 symbol
+            raise pynvml.NVMLError_FunctionNotFound()
+        assert version == pynvml.nvmlMemory_v2
+        return types.SimpleNamespace(used=10 * 2**30, total=141 * 2**30, reserved=615 * 2**20)
+
+    def _field_values(self, h, ids):
+        """Real pynvml c_nvmlFieldValue_t structures, filled the way libnvidia-ml fills them."""
+        self.calls["fields"] += 1
+        if h in self.lost:
+            raise pynvml.NVMLError_GpuIsLost()
+        if self.fields is None:
+            raise pynvml.NVMLError_NotSupported()
+        out = (pynvml.c_nvmlFieldValue_t * len(ids))()
+        for v, fid in zip(out, ids):
+            v.fieldId = fid
+            x = self.fields.get(fid, pynvml.NVML_ERROR_NOT_SUPPORTED)
+            if isinstance(x, tuple):  # ("ret", code)
+                v.nvmlReturn = x[1]
+                continue
+            v.nvmlReturn = pynvml.NVML_SUCCESS
+            if isinstance(x, float):
+                v.valueType, v.value.dVal = pynvml.NVML_VALUE_TYPE_DOUBLE, x
+            else:
+                v.valueType, v.value.ullVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, x
+        return out
 
     @staticmethod
     def _raise(cls):
@@ -75,6 +112,7 @@ def test_reads_every_field_in_schema_units(driver):
     row = b.read_fast(0)
     assert row["gpu_util_pct"] == 97 and row["gpu_mem_util_pct"] == 40
     assert row["gpu_mem_used_bytes"] == 10 * 2**30 and row["gpu_mem_total_bytes"] == 141 * 2**30
+    assert row["gpu_mem_reserved_bytes"] == 615 * 2**20 and b.memory_api == "v2"
     assert row["gpu_power_w"] == 350.0 and row["gpu_power_limit_w"] == 700.0
     assert row["gpu_temp_slowdown_c"] == 89 and row["gpu_clocks_event_reasons"] == 4
     assert row["gpu_procs"] == [{"pid": 42, "used_bytes": 2**30}]
@@ -134,3 +172,80 @@ def test_xid_watch_not_supported_is_said_once(driver):
     why = b.watch_xid(threading.Event(), lambda g, x: None)
     assert why and "not available" in why
     assert nvml.NvmlBackend().probe(0)["xid_events"].startswith("null")
+
+
+# -- memory v2 / v1, and the batched field values ------------------------------------------------------------
+
+def test_memory_v2_where_the_driver_has_it_else_v1_with_reserved_null(driver):
+    b = nvml.NvmlBackend()
+    assert b.memory_api == "v2" and b.read_fast(0)["gpu_mem_used_bytes"] == 10 * 2**30
+    assert b.probe(0)["memory api"].startswith("v2")
+    driver.mem_v2 = False  # an older driver: no nvmlDeviceGetMemoryInfo_v2
+    b = nvml.NvmlBackend()
+    row = b.read_fast(0)
+    assert b.memory_api == "v1" and b.probe(0)["memory api"].startswith("v1")
+    assert row["gpu_mem_used_bytes"] == 10 * 2**30 + 615 * 2**20 and "gpu_mem_reserved_bytes" not in row
+    v2_calls = driver.calls["mem_v2"]
+    b.read_fast(0)
+    assert driver.calls["mem_v2"] == v2_calls  # decided once, not retried every tick
+
+
+def test_memory_v2_on_a_pynvml_without_the_version_argument_is_v1(driver, monkeypatch):
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo",
+                        lambda h: types.SimpleNamespace(used=5, total=10))  # old pynvml signature
+    b = nvml.NvmlBackend()
+    assert b.memory_api == "v1" and b.read_fast(0)["gpu_mem_used_bytes"] == 5
+
+
+FI = {"power": pynvml.NVML_FI_DEV_POWER_AVERAGE, "sbe": pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+      "dbe": pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL}
+
+
+def test_batched_field_values_replace_three_calls_with_one(driver):
+    driver.fields = {FI["power"]: 351_500, FI["sbe"]: 3, FI["dbe"]: 0}
+    b = nvml.NvmlBackend()
+    power_calls, field_calls = driver.calls["power"], driver.calls["fields"]
+    row = b.read_fast(0)
+    assert row["gpu_power_w"] == 351.5 and row["gpu_ecc_corrected"] == 3 and row["gpu_ecc_uncorrected"] == 0
+    assert driver.calls["power"] == power_calls  # nvmlDeviceGetPowerUsage no longer asked
+    assert driver.calls["fields"] == field_calls + 1  # one call for the three fields
+    assert "ok: gpu_power_w" in b.probe(0)["field values (one call)"]
+
+
+def test_a_batched_field_not_supported_is_null_and_remembered(driver):
+    driver.fields = {FI["power"]: 350_000, FI["sbe"]: ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED),
+                     FI["dbe"]: ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED)}
+    b = nvml.NvmlBackend()  # the probe at start already drops the unsupported ECC fields
+    assert [c for c, _, _ in b._batch[0]] == ["gpu_power_w"]
+    driver.fields[FI["power"]] = ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED)  # stops answering later
+    row = b.read_fast(0)
+    assert "gpu_power_w" not in row and "gpu_ecc_corrected" not in row
+    assert b._batch[0] == []
+    calls = driver.calls["fields"]
+    b.read_fast(0)
+    assert driver.calls["fields"] == calls  # nothing left to ask: no call at all
+    assert driver.calls["power"] == 0  # and the legacy call is not used for a field the batch covers
+
+
+def test_a_transient_batched_field_error_is_null_for_one_tick(driver):
+    driver.fields = {FI["power"]: 350_000, FI["sbe"]: 0, FI["dbe"]: 0}
+    b = nvml.NvmlBackend()
+    driver.fields[FI["power"]] = ("ret", pynvml.NVML_ERROR_TIMEOUT)
+    assert "gpu_power_w" not in b.read_fast(0)
+    driver.fields[FI["power"]] = 350_000
+    assert b.read_fast(0)["gpu_power_w"] == 350.0
+
+
+def test_field_values_unsupported_falls_back_to_the_legacy_calls(driver):
+    b = nvml.NvmlBackend()  # driver.fields None: the call is not supported
+    assert b._batch[0] is None and b.read_fast(0)["gpu_power_w"] == 350.0
+    assert b.probe(0)["field values (one call)"].startswith("not available")
+
+
+def test_gpu_lost_inside_the_batched_call_is_gpu_lost(driver):
+    driver.fields = {FI["power"]: 350_000, FI["sbe"]: 0, FI["dbe"]: 0}
+    b = nvml.NvmlBackend()
+    driver.fields[FI["power"]] = ("ret", pynvml.NVML_ERROR_GPU_IS_LOST)
+    with pytest.raises(nvml.GpuLost):
+        b.read_fast(1)
+    assert 1 in b.lost

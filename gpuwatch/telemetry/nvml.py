@@ -24,6 +24,13 @@ _NOT_AVAILABLE = tuple(
     ) if hasattr(pynvml, n)
 )
 _LOST = (pynvml.NVMLError_GpuIsLost,)
+_NOT_AVAILABLE_CODES = frozenset(
+    getattr(pynvml, n) for n in (
+        "NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND",
+        "NVML_ERROR_NOT_FOUND", "NVML_ERROR_NO_DATA", "NVML_ERROR_INVALID_ARGUMENT",
+        "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", "NVML_ERROR_DEPRECATED", "NVML_ERROR_NOT_READY",
+    ) if hasattr(pynvml, n)
+)
 
 
 class NvmlUnavailable(Exception):
@@ -51,8 +58,18 @@ def _s(v: Any) -> Any:
 
 # Fast fields: (column, reader(handle) -> value). Each is one NVML call of a few microseconds.
 def _mem(h):
+    """v1: `used` counts driver-reserved memory (615 MiB on an idle H200 where nvidia-smi says 0)."""
     m = pynvml.nvmlDeviceGetMemoryInfo(h)
-    return m.used, m.total
+    return m.used, m.total, None
+
+
+_MEM_V2 = getattr(pynvml, "nvmlMemory_v2", None)
+
+
+def _mem_v2(h):
+    """v2 (driver >= 510): used / total / reserved as nvidia-smi's memory.used / .total / .reserved."""
+    m = pynvml.nvmlDeviceGetMemoryInfo(h, version=_MEM_V2)
+    return m.used, m.total, m.reserved
 
 
 def _util(h):
@@ -75,7 +92,7 @@ def _procs(h):
 
 FAST: dict[str, Callable[[Any], Any]] = {
     "util": _util,  # nvidia-smi utilization.gpu / utilization.memory (%, averaged over 1/6-1 s)
-    "mem": _mem,  # nvidia-smi memory.used / memory.total (bytes)
+    "mem": _mem,  # nvidia-smi memory.used / memory.total (bytes); _mem_v2 where the driver has it
     "gpu_temp_c": lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
     "gpu_power_w": lambda h: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # power.draw (mW -> W)
     "gpu_sm_clock_mhz": lambda h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
@@ -92,7 +109,7 @@ FAST: dict[str, Callable[[Any], Any]] = {
 # ~21 ms (~0.9 ms of CPU) per direction; the total-energy counter costs ~4 ms of CPU per read, by the
 # legacy call or as a field value. So PCIe is read from the cumulative byte counters where the driver
 # has them (Hopper and newer: one nvmlDeviceGetFieldValues call, rate = difference over time), else by
-# the legacy calls; and energy only every `ENERGY_EVERY` slow ticks (10 s).
+# the legacy calls; and energy only every `ENERGY_EVERY` slow ticks (30 s).
 LEGACY_PCIE: dict[str, Callable[[Any], Any]] = {
     "gpu_pcie_tx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES) * 1024,
     "gpu_pcie_rx_bytes_per_s": lambda h: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES) * 1024,
@@ -101,9 +118,43 @@ ENERGY: dict[str, Callable[[Any], Any]] = {
     "gpu_energy_mj": lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h),  # mJ since driver load
 }
 LEGACY_SLOW = {**LEGACY_PCIE, **ENERGY}
-ENERGY_EVERY = 10
+ENERGY_EVERY = 30  # slow ticks: ~4 ms of CPU per read, so every 30 s
 PCIE_COUNTERS = (getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
                  getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None))
+
+
+# Fast fields read together in ONE nvmlDeviceGetFieldValues call (one driver round trip instead of
+# three): (column, field id, scale). Power: NVML_FI_DEV_POWER_AVERAGE is the 1 s average that
+# nvmlDeviceGetPowerUsage returns on Ampere-and-newer boards (nvidia-smi power.draw); ECC: the volatile
+# totals nvmlDeviceGetTotalEccErrors(..., VOLATILE) returns. A field the driver answers "not supported"
+# for is null and not asked again; if the call itself fails, the legacy calls in FAST are used instead.
+def _fi(name: str) -> int | None:
+    return getattr(pynvml, name, None)
+
+
+FIELD_BATCH: tuple[tuple[str, int, float | None], ...] = tuple(
+    (col, fid, scale) for col, fid, scale in (
+        ("gpu_power_w", _fi("NVML_FI_DEV_POWER_AVERAGE"), 1e-3),  # mW -> W
+        ("gpu_ecc_corrected", _fi("NVML_FI_DEV_ECC_SBE_VOL_TOTAL"), None),
+        ("gpu_ecc_uncorrected", _fi("NVML_FI_DEV_ECC_DBE_VOL_TOTAL"), None),
+    ) if fid is not None
+)
+_BATCHED = {col for col, _, _ in FIELD_BATCH}
+
+
+def _field_value(v) -> int | float:
+    t = v.valueType
+    if t == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        return v.value.dVal
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return v.value.uiVal
+    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return v.value.ulVal
+    if t == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return v.value.sllVal
+    if t == getattr(pynvml, "NVML_VALUE_TYPE_SIGNED_INT", -1):
+        return v.value.siVal
+    return v.value.ullVal
 
 
 def read_pcie_counters(h) -> tuple[int, int] | None:
@@ -140,6 +191,41 @@ class NvmlBackend:
         self._last_counters: list[tuple[float, tuple[int, int]] | None] = [None] * count
         self.counters = [self._try(lambda h=h: read_pcie_counters(h)) is not None for h in self._handles]
         self._slow_n = [0] * count
+        # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
+        self._mem_fn = [_mem_v2 if _MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
+                        for h in self._handles]
+        apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn}
+        self.memory_api = apis.pop() if len(apis) == 1 else "mixed"
+        # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
+        self._batch: list[list[tuple[str, int, float | None]] | None] = [self._probe_batch(h) for h in self._handles]
+        self._fast = [self._fast_readers(i) for i in range(count)]
+
+    @staticmethod
+    def _works(fn) -> bool:
+        try:
+            fn()
+            return True
+        except (pynvml.NVMLError, TypeError):  # TypeError: a pynvml without the `version` argument
+            return False
+
+    def _probe_batch(self, h) -> list[tuple[str, int, float | None]] | None:
+        """Which FIELD_BATCH fields this GPU answers; None when the call itself fails (then: legacy calls)."""
+        if not FIELD_BATCH:
+            return None
+        try:
+            vals = pynvml.nvmlDeviceGetFieldValues(h, [fid for _, fid, _ in FIELD_BATCH])
+        except pynvml.NVMLError:
+            return None
+        return [f for f, v in zip(FIELD_BATCH, vals) if v.nvmlReturn == pynvml.NVML_SUCCESS]
+
+    def _fast_readers(self, i: int) -> dict[str, Callable[[Any], Any]]:
+        """FAST for GPU i: its memory call, and without the fields the batched call reads."""
+        fields = dict(FAST)
+        fields["mem"] = self._mem_fn[i]
+        if self._batch[i] is not None:
+            for col in _BATCHED:
+                fields.pop(col, None)
+        return fields
 
     @staticmethod
     def _try(fn):
@@ -182,17 +268,50 @@ class NvmlBackend:
 
     def read_fast(self, i: int) -> dict[str, Any]:
         """The 100 ms fields for GPU i, as samples-schema columns; absent keys are null."""
-        raw = self._read(i, FAST)
+        raw = self._read(i, self._fast[i])
         util = raw.pop("util", None)
         if util is not None:
             raw["gpu_util_pct"], raw["gpu_mem_util_pct"] = util
         mem = raw.pop("mem", None)
         if mem is not None:
-            raw["gpu_mem_used_bytes"], raw["gpu_mem_total_bytes"] = mem
+            raw["gpu_mem_used_bytes"], raw["gpu_mem_total_bytes"], reserved = mem
+            if reserved is not None:
+                raw["gpu_mem_reserved_bytes"] = reserved
+        batch = self._batch[i]
+        if batch:
+            self._read_batch(i, batch, raw)
         info = self.gpus[i]
         raw["gpu_power_limit_w"] = info.power_limit_w
         raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
         return raw
+
+    def _read_batch(self, i: int, batch: list, out: dict[str, Any]) -> None:
+        """The batched fields in one nvmlDeviceGetFieldValues call. A field answering "not supported" (or
+        no permission...) is dropped for good; any other per-field error is null for this tick."""
+        try:
+            vals = pynvml.nvmlDeviceGetFieldValues(self._handles[i], [fid for _, fid, _ in batch])
+        except _NOT_AVAILABLE:
+            self._batch[i] = None  # the call itself went away: back to the legacy calls
+            self._fast[i] = dict(FAST, mem=self._mem_fn[i])
+            return
+        except _LOST:
+            self.lost.add(i)
+            raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
+        except pynvml.NVMLError:
+            return
+        drop = None
+        for (col, _, scale), v in zip(batch, vals):
+            ret = v.nvmlReturn
+            if ret == 0:  # NVML_SUCCESS
+                x = _field_value(v)
+                out[col] = x * scale if scale else x
+            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
+                self.lost.add(i)
+                raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)")
+            elif ret in _NOT_AVAILABLE_CODES:
+                drop = (drop or set()) | {col}
+        if drop:
+            self._batch[i] = [f for f in batch if f[0] not in drop]
 
     def read_slow(self, i: int) -> dict[str, Any]:
         """PCIe TX/RX rates (counters where supported, else the blocking legacy calls) and, every
@@ -211,8 +330,12 @@ class NvmlBackend:
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""
-        out = {}
-        for name, fn in {**FAST, **LEGACY_SLOW, "pcie counters": read_pcie_counters}.items():
+        out = {"memory api": f"{'v2' if self._mem_fn[i] is _mem_v2 else 'v1'} (v2: used excludes driver-reserved "
+                             "memory, like nvidia-smi; v1: reserved counted as used)"}
+        batch = self._batch[i]
+        out["field values (one call)"] = ("not available: legacy calls" if batch is None
+                                          else "ok: " + ", ".join(c for c, _, _ in batch) if batch else "none supported")
+        for name, fn in {**FAST, "mem": self._mem_fn[i], **LEGACY_SLOW, "pcie counters": read_pcie_counters}.items():
             try:
                 out[name] = f"ok: {fn(self._handles[i])!r}"[:60]
             except _NOT_AVAILABLE as e:

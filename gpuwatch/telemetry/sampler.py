@@ -50,35 +50,46 @@ class Sampler:
 
     # -- one tick ---------------------------------------------------------------------------------
     def tick(self) -> Tick:
-        t0, c0 = self.clock(), time.thread_time_ns()
+        """One sample of every GPU and the host. Per tick it builds only what it sends: one dict per GPU row
+        (the backend's, filled in place) and one shared dict of the host and tick columns merged into each."""
+        clock = self.clock
+        t0, c0 = clock(), time.thread_time_ns()
         ts = self.wall_us()
-        host = self.host.read_fast() if self.host else {}
-        host.update(self._slow.get("host", {}))
+        common = self.host.read_fast() if self.host else {}
+        slow = self._slow
+        host_slow = slow.get("host")
+        if host_slow:
+            common.update(host_slow)
         rows = []
-        for i in list(self.active_gpus):
+        for i in self.active_gpus:
             try:
                 row = self.gpu.read_fast(i)
             except GpuLost as e:
-                self.active_gpus.remove(i)
-                self.bus.emit("gpu_lost", str(e), "error", gpu=i)
+                self._lost(i, e)
                 continue
-            row.update(self._slow.get(i, {}))
+            gpu_slow = slow.get(i)
+            if gpu_slow:
+                row.update(gpu_slow)
             row["gpu"] = i
             rows.append(row)
         if not rows:
             rows.append({"gpu": None})
-        interval_us = int((t0 - self._last_t) * 1e6) if self._last_t is not None else None
-        self._last_t = t0
-        cost_us = int((self.clock() - t0) * 1e6)
-        cpu_us = (time.thread_time_ns() - c0) // 1000
+        last, self._last_t = self._last_t, t0
+        common["ts"] = ts
+        common["tick"] = self._tick
+        common["sampler_interval_us"] = int((t0 - last) * 1e6) if last is not None else None
+        common["sampler_cost_us"] = int((clock() - t0) * 1e6)
+        common["sampler_cpu_us"] = (time.thread_time_ns() - c0) // 1000
         for row in rows:
-            row.update(host)
-            row.update(ts=ts, tick=self._tick, sampler_interval_us=interval_us,
-                       sampler_cost_us=cost_us, sampler_cpu_us=cpu_us)
+            row.update(common)
         t = Tick(self._tick, ts, rows)
         self._tick += 1
         self.bus.ticks.append(t)
         return t
+
+    def _lost(self, i: int, e: GpuLost) -> None:
+        self.active_gpus = [g for g in self.active_gpus if g != i]  # a new list: the loop keeps its own
+        self.bus.emit("gpu_lost", str(e), "error", gpu=i)
 
     def slow_tick(self) -> None:
         if self.host:
