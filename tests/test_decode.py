@@ -75,9 +75,28 @@ def test_static_engine_reuses_its_cache_and_rebuilds_when_the_shape_or_dtype_cha
 def test_prefill_only_engine_matches_step_prefill(tiny):
     ids = _ids(4, 32)
     _, ref = M.step_prefill(tiny, ids)
-    eng = M.DecodeEngine(tiny, 4, 32, 0, "cpu", graphs=False)
+    eng = M.DecodeEngine(tiny, 4, 32, 0, "cpu", graphs=False)  # no graphs: prefill is plain step_prefill
     _, got = eng.step(ids)
-    assert got == pytest.approx(ref, rel=1e-4)
+    assert eng.mode == "eager" and got == pytest.approx(ref, rel=1e-6)
+
+
+def test_small_prefill_through_the_static_cache_matches_step_prefill(tiny):
+    """The body a small prefill's graph holds, run eagerly: same logits as step_prefill."""
+    ids = _ids(4, 32)
+    _, ref = M.step_prefill(tiny, ids)
+    eng = M.DecodeEngine(tiny, 4, 32, 1, "cpu", graphs=False)
+    eng.prepare(4, 32)
+    with torch.inference_mode():
+        eng._st["cache"].reset()
+        eng._st["ids"].copy_(ids)
+        eng._prefill_body()
+    assert eng._st["logits"].abs().max().item() == pytest.approx(ref, rel=1e-4)
+
+
+def test_large_prefill_stays_eager(tiny):
+    eng = M.DecodeEngine(tiny, 64, 512, 0, "cpu", graphs=False)
+    eng.prepare(64, 512)
+    assert eng.mode == "eager" and not eng._st and not eng._forced_eager
 
 
 def test_cpu_default_is_eager_and_says_so(tiny):
@@ -173,3 +192,16 @@ def test_cuda_graph_engine_recaptures_on_batch_and_precision_change():
     eng.step(_ids(2, 32, "cuda:0"))
     eng.step(_ids(2, 32, "cuda:0"))
     assert eng.captures == 3 and eng._st["logits"].isfinite().all()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_small_prefill_matches_step_prefill():
+    model = _build("cuda:0", "bf16", "small")
+    ids = _ids(2, 64, "cuda:0")
+    _, ref = M.step_prefill(model, ids)
+    eng = M.DecodeEngine(model, 2, 64, 0, "cuda:0")
+    _, got = eng.step(ids)
+    assert eng.mode == "graphs" and eng._st["g_prefill"] is not None
+    assert got == pytest.approx(ref, rel=0.02)
+    _, big = M.DecodeEngine(model, 64, 512, 0, "cuda:0").step(_ids(64, 512, "cuda:0"))  # compute-bound: eager
+    assert big > 0

@@ -184,6 +184,7 @@ class DecodeEngine:
         self.prefill_graph_tokens = prefill_graph_tokens
         self.record_tokens = record_tokens
         self.mode = "eager" if self.device.type != "cuda" and graphs is None else None
+        self._forced_eager = self.mode == "eager"  # for good: a CPU, a failed capture, unstable shapes
         self.compile_s = 0.0  # seconds the last prepare() spent (0.0 when it reused what it had)
         self.captures = 0
         self.tokens: torch.Tensor | None = None  # (batch, new_tokens) when record_tokens
@@ -202,7 +203,7 @@ class DecodeEngine:
     def prepare(self, batch: int, prompt_len: int) -> float:
         self.compile_s = 0.0
         self.batch, self.prompt_len = batch, prompt_len
-        if self.mode == "eager":
+        if self._forced_eager:
             self._say_eager("CPU: no CUDA graphs, decode runs eager (dynamic cache)" if self.device.type != "cuda"
                             else "decode runs eager")
             return 0.0
@@ -212,22 +213,22 @@ class DecodeEngine:
         if self._key is not None and self._steps_since_capture < 2:
             self._thrash += 1
             if self._thrash >= 3:  # e.g. the fragment fault: a new prompt length every step
-                self._release()
-                self.mode = "eager"
+                self.release()
+                self.mode, self._forced_eager = "eager", True
                 self.on_event("compile", "decode: shapes change every step, re-capturing would cost more than "
                               "it saves; falling back to eager", fallback="eager", reason="shapes unstable")
                 return 0.0
         else:
             self._thrash = 0
         t0 = time.perf_counter()
-        self._release()
+        self.release()
         try:
             self._build(batch, prompt_len)
         except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: eager
-            self._release()
+            self.release()
             if is_oom(e):
                 raise
-            self.mode = "eager"
+            self.mode, self._forced_eager = "eager", True
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self.on_event("compile", f"decode: CUDA graph capture failed ({why}); falling back to eager",
                           fallback="eager", reason=why)
@@ -236,7 +237,8 @@ class DecodeEngine:
         self._steps_since_capture = 0
         self.captures += 1
         self.compile_s = time.perf_counter() - t0
-        what = "captured CUDA graphs" if self.mode == "graphs" else "built a static cache (no graphs)"
+        what = {"graphs": "captured CUDA graphs", "static": "built a static cache (no graphs)",
+                "eager": "compute-bound prefill, runs eager (no graph)"}[self.mode]
         self.on_event("compile", f"decode: {what} for batch {batch} x {prompt_len} (+{self.new_tokens} tokens) "
                       f"in {self.compile_s:.2f} s", mode=self.mode, batch=batch, prompt_len=prompt_len,
                       new_tokens=self.new_tokens, seconds=self.compile_s,
@@ -248,13 +250,19 @@ class DecodeEngine:
             self._said_eager = True
             self.on_event("compile", message, fallback="eager")
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Drop the cache, buffers and graphs (their memory returns to torch's allocator); the next step
+        rebuilds them. Call it in OOM recovery."""
         self._st.clear()
         self._key = None
 
     def _build(self, batch: int, prompt_len: int) -> None:
         m, dev, st = self.model, self.device, self._st
         cfg = m.config
+        graph_prefill = batch * prompt_len <= self.prefill_graph_tokens
+        if not self.new_tokens and not (graph_prefill and self.want_graphs):
+            self.mode = "eager"  # a large prefill is compute-bound: step_prefill, no cache to fill
+            return
         if getattr(cfg, "_experts_implementation", "eager") == "eager" and self.want_graphs:
             m.set_experts_implementation("grouped_mm")  # the eager expert loop syncs on nonzero()
         with torch.inference_mode():
@@ -263,7 +271,6 @@ class DecodeEngine:
             st["tok"] = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             st["logits"] = torch.zeros(batch, 1, cfg.vocab_size, dtype=torch.float32, device=dev)
             st["out"] = torch.zeros(batch, max(1, self.new_tokens), dtype=torch.long, device=dev)
-            graph_prefill = batch * prompt_len <= self.prefill_graph_tokens
             if not self.want_graphs:
                 self.mode = "static"
                 return
