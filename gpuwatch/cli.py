@@ -137,6 +137,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any DeepseekV3Config field, e.g. --set num_hidden_layers=4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="static KV cache + CUDA graphs: auto = decode, on = decode and small prefills, off = eager")
     p.add_argument("--guard", choices=MODES, default="on",
                    help="act on the risk before a failure (on, default), only log what it would do (observe), or off")
     p.add_argument("--guard-rule", choices=RULES, default="model",
@@ -173,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH")
     t.add_argument("--stride", type=_pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
     t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
+    t.add_argument("--threshold", type=float, default=None,
+                   help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
+    t.add_argument("--horizon", type=_dur, default=None, metavar="DUR",
+                   help="predict failures this far ahead (default 10s)")
     sc = sub.add_parser("score", help="the risk timeline of a recorded session")
     sc.add_argument("session", type=Path)
     sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
@@ -214,7 +220,8 @@ def _workload_spec(args):
         seq_len=args.seq_len, max_batch=args.max_batch, device=args.device, gpus=args.gpus,
         memory_limit_bytes=args.gpu_memory_limit, leak_mib=args.leak_mib, fragment=args.fragment,
         fp16_overflow=args.fp16_overflow, integrity_every=args.integrity_every,
-        overrides=parse_overrides(args.set), seed=args.seed, max_steps=getattr(args, "steps", None))
+        overrides=parse_overrides(args.set), seed=args.seed, max_steps=getattr(args, "steps", None),
+        graphs=args.graphs)
 
 
 # -- commands -----------------------------------------------------------------------------------------
@@ -270,7 +277,7 @@ def cmd_record(args) -> int:
     # Nothing reads the ticks here but the recorder, which writes once a second: take them a second at
     # a time (one wake-up a second in this process instead of ten).
     cfg = session_config(args, workload=False, deliver_s=1.0)
-    with Session(cfg) as s:
+    with Session(cfg, on_status=_status if args.prometheus else None) as s:
         _status(s.gpu_note)
         if s.recorder:
             _status(f"recording to {s.recorder.dir}")
@@ -282,7 +289,7 @@ def cmd_stress(args) -> int:
     from gpuwatch.runtime import Session
 
     cfg = session_config(args, workload=True)
-    with Session(cfg) as s:
+    with Session(cfg, on_status=_status if args.prometheus else None) as s:
         _status(f"{s.gpu_note}; {s.model_note}")
         if s.recorder:
             _status(f"recording to {s.recorder.dir}")
@@ -301,7 +308,10 @@ def cmd_train(args) -> int:
     for p in sessions:
         if not p.exists():
             raise UsageError(f"{p}: no such session")
-    rep = train(sessions, args.output, progress=_status, stride=args.stride, evaluate=not args.no_eval)
+    from gpuwatch.predict.dataset import HORIZON_S
+
+    rep = train(sessions, args.output, progress=_status, stride=args.stride, evaluate=not args.no_eval,
+                horizon_s=args.horizon or HORIZON_S, threshold=args.threshold)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "

@@ -71,8 +71,11 @@ class Session:
     threads; `wait()` blocks the caller until a deadline, a signal or the workloads finish."""
 
     def __init__(self, config: SessionConfig | None = None, bus: Bus | None = None,
-                 on_status: Callable[[str], None] | None = None) -> None:
+                 on_status: Callable[[str], None] | None = None, workload_factory: Callable | None = None) -> None:
+        """`workload_factory(spec, bus, nvml_index) -> [Workload]` replaces the default
+        (`gpuwatch.workload.factory.make_workloads`): benchmarks reuse one built model across runs."""
         self.config = cfg = config or SessionConfig()
+        self._workload_factory = workload_factory
         self.bus = bus or Bus()
         self._say = on_status or (lambda _msg: None)
         self.workloads: list = []
@@ -102,7 +105,7 @@ class Session:
             self._say("loading torch and building the workload...")
             from gpuwatch.workload.factory import make_workloads
 
-            self.workloads = make_workloads(cfg.workload, self.bus, self._nvml_index)
+            self.workloads = (self._workload_factory or make_workloads)(cfg.workload, self.bus, self._nvml_index)
         self.source = LiveSource(self.bus, self.gpu_meta(), getattr(self.gpu, "label", None) or "CPU-only",
                                  interval_s=cfg.interval_s)
         if cfg.record_dir is not None:
@@ -117,7 +120,8 @@ class Session:
             from gpuwatch.export.prometheus import PrometheusExporter
 
             host, port = cfg.prometheus
-            self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port)
+            self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port,
+                                               interval_s=cfg.interval_s)
 
     def _make_scorer(self, cfg: SessionConfig) -> None:
         """The risk model scores every GPU of every session that has one; the guard acts on it."""
@@ -205,6 +209,7 @@ class Session:
             self.recorder.start()
         if self.exporter:
             self.exporter.start()
+            self._say(f"Prometheus metrics at {self.exporter.url}")
         self.bus.emit("session_start", f"session started: {self.gpu_note}; {self.model_note}")
         self.sampler.start()
         if self.scorer:

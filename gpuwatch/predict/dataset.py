@@ -25,7 +25,7 @@ from gpuwatch.errors import RecordingError
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.recording.source import ReplaySource
 
-HORIZON_S = 10.0
+HORIZON_S = 5.0
 KIND = "oom"
 
 

@@ -3,9 +3,9 @@
 - an OOM is *caught* when an alarm (score >= threshold) is raised between `horizon` before it and
   the last moment a guard could act (the end of the step before the failing one);
 - lead time: from the first such alarm to the failure, in seconds and in finished steps;
-- an alarm *onset* (score crossing up, among scored moments) is true when an OOM follows within the
-  horizon, else a false alarm; false alarms per healthy hour divide by the time not within a
-  horizon before a failure nor in a recovery;
+- an alarm *onset* (score crossing up, among scored moments; an alarm held on counts again every
+  horizon) is true when an OOM follows within the next two horizons, else a false alarm; false
+  alarms per healthy hour divide by the time not within a horizon before a failure nor in a recovery;
 - event precision = true onsets / all onsets; PR-AUC is over windows (positives vs negatives).
 Recall is reported over all OOMs and over *episodes* (OOMs with no other OOM in the horizon before
 them: a cascade of retries after one failure counts once).
@@ -53,7 +53,7 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
     healthy_s = 0.0
     leads_s, leads_steps = [], []
     for tl, sc in zip(timelines, scores):
-        alarm = sc >= threshold
+        alarm = alarm_state(sc, threshold)
         valid = tl.y != -1
         healthy_s += float(((tl.y == 0)).sum()) * _stride_s(tl)
         prev_f = None
@@ -69,10 +69,9 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
                 t0 = tl.ts_us[np.argmax(win)]
                 leads_s.append((tf - t0) / 1e6)
                 leads_steps.append(int(((tl.step_ts > t0) & (tl.step_ts < tf)).sum()) + 1)
-        on = _onsets(alarm, valid)
-        for t in tl.ts_us[on]:
+        for t in _alarm_starts(tl.ts_us, alarm & valid, h):
             onsets += 1
-            if not ((tl.failures >= t) & (tl.failures <= t + h)).any():
+            if not ((tl.failures >= t) & (tl.failures <= t + 2 * h)).any():
                 false += 1
     hours = healthy_s / 3600
     return Metrics(
@@ -85,15 +84,42 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
         pr_auc=pr_auc(timelines, scores) if with_auc else None)
 
 
+CLEAR_RATIO = 0.5  # an alarm, once raised, holds until the score falls below threshold x this
+
+
+def alarm_state(scores: np.ndarray, threshold: float, clear_ratio: float = CLEAR_RATIO) -> np.ndarray:
+    """The alarm as the live scorer raises it: on at >= threshold, off again only below
+    threshold x clear_ratio (hysteresis: a score hovering at the threshold is one alarm, not many)."""
+    out = np.zeros(scores.size, dtype=bool)
+    on = False
+    lo = threshold * clear_ratio
+    for i, v in enumerate(scores.tolist()):
+        on = v >= threshold or (on and v >= lo)
+        out[i] = on
+    return out
+
+
 def _stride_s(tl: Timeline) -> float:
     return float(np.median(np.diff(tl.ts_us))) / 1e6 if tl.ts_us.size > 1 else tl.interval_s
 
 
-def _onsets(alarm: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Indices where the alarm turns on (over the valid moments; a dropped stretch re-arms it)."""
-    a = alarm & valid
-    prev = np.r_[False, a[:-1]]
-    return np.where(a & ~prev)[0]
+def _alarm_starts(ts: np.ndarray, on: np.ndarray, h: int) -> list[int]:
+    """The alarm's starts, counting an alarm that stays on as a new one every horizon (an alarm held
+    through an hour of healthy running is not one false alarm but many: otherwise a rule that is
+    always on would look best). A start is true when a failure follows within the horizon after the
+    block it covers."""
+    out = []
+    prev = np.r_[False, on[:-1]]
+    for i in np.where(on & ~prev)[0]:
+        j = i
+        while j < on.size and on[j]:
+            j += 1
+        t = int(ts[i])
+        end = int(ts[j - 1])
+        while t <= end:
+            out.append(t)
+            t += h
+    return out
 
 
 def _pct(v: list, q: float) -> float | None:
@@ -113,8 +139,12 @@ def pr_auc(timelines: list[Timeline], scores: list[np.ndarray]) -> float | None:
 
 def _candidates(scores: list[np.ndarray], n: int = 60) -> np.ndarray:
     allv = np.concatenate(scores) if scores else np.array([0.5])
-    allv = allv[np.isfinite(allv) & (allv > 0.005) & (allv < 0.9995)]
-    return np.unique(np.round(np.quantile(allv, np.linspace(0, 1, n)), 4)) if allv.size else np.array([0.5])
+    allv = allv[np.isfinite(allv) & (allv > 0.0) & (allv < 1.0)]
+    if not allv.size:
+        return np.array([0.5])
+    # dense where the scores are (quantiles) and evenly over 0..1, so neither end is missed
+    grid = np.r_[np.quantile(allv, np.linspace(0, 1, n)), np.linspace(0.02, 0.98, 49)]
+    return np.unique(np.round(grid, 4))
 
 
 def pick_threshold(timelines: list[Timeline], scores: list[np.ndarray], max_fa_per_hour: float = 1.0,

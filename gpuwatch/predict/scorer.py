@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
+from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.predict.model import RiskModel
 from gpuwatch.recording import schema
@@ -87,7 +88,7 @@ class LiveScorer:
                 continue
             plan = self.plan(g)
             r, why, f = self.scorer.score(w, plan)
-            alarm = r >= self.model.threshold
+            alarm = r >= self.model.threshold or (self._alarm.get(g, False) and r >= self.model.threshold * CLEAR_RATIO)
             onset = alarm and not self._alarm.get(g, False)
             self.bus.risk.append({"ts": w.end_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
                                   "threshold": self.model.threshold, "model": self.model.label,
@@ -137,9 +138,10 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
         if not X.size:
             continue
         risk = sc._predict(X)[:, 1]
-        for t, r in zip(ts[::stride], risk):
+        on = alarm_state(risk, model.threshold)
+        for t, r, a in zip(ts[::stride], risk, on):
             rows.append({"ts": int(t), "gpu": g, "kind": model.kind, "risk": float(r),
-                         "alarm": bool(r >= model.threshold), "threshold": model.threshold,
+                         "alarm": bool(a), "threshold": model.threshold,
                          "model": model.label, "reasons": "[]"})
         if progress:
             progress(f"GPU {g}: {len(ts[::stride])} windows scored")

@@ -27,14 +27,76 @@ MAX_FA_PER_HOUR = 1.0
 SESSION_FOLDS = 5
 
 
-def make_estimator(seed: int = 0):
-    """Gradient-boosted trees: handle NaN (missing telemetry) natively, monotone in nothing we must
-    hand-tune, fast to score one row. Balanced classes: positives are a few % of windows."""
+# More memory pressure never lowers the risk, more room never raises it: monotone constraints keep
+# the trees from learning a session's quirks (+1 rising, -1 falling, 0 free).
+MONOTONE = {"mem_used_frac": 1, "mem_max_frac_30s": 1, "mem_slope_5s": 1, "mem_slope_30s": 1, "mem_accel": 1,
+            "torch_peak_frac": 1, "torch_peak_max_frac": 1, "alloc_growth_frac_per_step": 1,
+            "next_peak_est_frac": 1, "plan_vs_max_fit": 1, "plan_growth": 1, "ooms_60s": 1,
+            "mem_headroom_gib": -1, "time_to_full_s": -1, "secs_since_oom": -1}
+
+
+CORE = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "next_peak_est_frac", "plan_vs_max_fit",
+        "alloc_growth_frac_per_step", "torch_peak_frac", "secs_since_oom")
+
+
+def make_estimator(seed: int = 0, kind: str | None = None):
+    import os
+
+    kind = kind or os.environ.get("GPUWATCH_MODEL_KIND", "hgb-core")
+    if kind == "hgb-core":  # the trees over the physical core of the features only
+        from sklearn.compose import ColumnTransformer
+        from sklearn.pipeline import make_pipeline
+
+        cols = [NAMES.index(n) for n in CORE]
+        from sklearn.ensemble import HistGradientBoostingClassifier
+
+        return make_pipeline(ColumnTransformer([("core", "passthrough", cols)]),
+                             HistGradientBoostingClassifier(max_iter=100, learning_rate=0.1, max_leaf_nodes=7,
+                                                            max_bins=63, min_samples_leaf=200, l2_regularization=1.0,
+                                                            monotonic_cst=[MONOTONE.get(n, 0) for n in CORE],
+                                                            random_state=seed))
+    if kind == "logistic":
+        from sklearn.impute import SimpleImputer
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        return make_pipeline(SimpleImputer(strategy="median", add_indicator=False), StandardScaler(),
+                             LogisticRegression(C=0.3, max_iter=2000))
+    return _hgb(seed)
+
+
+def _hgb(seed: int = 0):
+    """Gradient-boosted trees: handle NaN (missing telemetry) natively, fast to score one row,
+    monotone where physics says so; large leaves so that no single session can be memorized."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     return HistGradientBoostingClassifier(max_iter=120, learning_rate=0.1, max_leaf_nodes=15, max_bins=63,
-                                          min_samples_leaf=40, l2_regularization=1.0,
-                                          class_weight="balanced", random_state=seed)
+                                          min_samples_leaf=100, l2_regularization=1.0,
+                                          monotonic_cst=[MONOTONE.get(n, 0) for n in NAMES], random_state=seed)
+
+
+def _fit(est, X, y, w) -> None:
+    steps = getattr(est, "steps", None)
+    if steps:  # a Pipeline: the weights go to its last step
+        est.fit(X, y, **{f"{steps[-1][0]}__sample_weight": w})
+    else:
+        est.fit(X, y, sample_weight=w)
+
+
+def weights(tls: list[Timeline]) -> np.ndarray:
+    """Every session weighs the same (a long one must not drown the rest), and positives as much as
+    negatives in total (they are a few % of windows)."""
+    parts = []
+    for t in tls:
+        y = t.y[t.y != -1]
+        parts.append(np.full(y.size, 1.0 / max(1, y.size)))
+    w = np.concatenate(parts) if parts else np.array([])
+    y = np.concatenate([t.y[t.y != -1] for t in tls]) if tls else np.array([])
+    pos, neg = w[y == 1].sum(), w[y == 0].sum()
+    if pos > 0 and neg > 0:
+        w[y == 1] *= neg / pos
+    return w / w.mean() if w.size else w
 
 
 def one_thread():
@@ -56,7 +118,7 @@ def fit(tls: list[Timeline], seed: int = 0):
     if len(set(y.tolist())) < 2:
         raise UsageError("training data needs both failures and healthy running (found one class only)")
     est = make_estimator(seed)
-    est.fit(X, y)
+    _fit(est, X, y, weights(tls))
     return est
 
 
@@ -84,7 +146,7 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
                 out[j] = np.zeros(tls[j].y.size)
             continue
         est = make_estimator()
-        est.fit(X, y)
+        _fit(est, X, y, weights(train))
         for j in held:
             out[j] = est.predict_proba(tls[j].X)[:, 1]
         if progress:
@@ -106,10 +168,11 @@ class Report:
     per_scenario: dict[str, E.Metrics]
     seconds: float
     warnings: list[str]
+    horizon_s: float = HORIZON_S
 
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
-          horizon_s: float = HORIZON_S, evaluate: bool = True) -> Report:
+          horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None) -> Report:
     t0 = time.perf_counter()
     progress(f"reading {len(sessions)} session(s) and cutting windows (every {stride} sample(s))...")
     tls, warnings = load_sessions(sessions, stride, progress, horizon_s)
@@ -121,12 +184,12 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
     progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
              f"{data['sessions']} sessions, scenarios: {', '.join(data['scenarios'])}")
     with one_thread():
-        return _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0)
+        return _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold)
 
 
-def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0) -> Report:
+def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None) -> Report:
     by_session = by_scenario = None
-    threshold, why = 0.5, "no evaluation run"
+    threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
     at_fa: dict[str, E.Metrics | None] = {}
     per_scen: dict[str, E.Metrics] = {}
@@ -159,7 +222,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0) -> Repor
     }
     path = save_model(est, manifest, out)
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
-                 per_scen, time.perf_counter() - t0, warnings)
+                 per_scen, time.perf_counter() - t0, warnings, horizon_s)
     from gpuwatch.predict.card import write_card
 
     write_card(rep)

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -36,14 +37,15 @@ class Channel(Generic[T]):
         with self._lock:
             first = self._next - len(self._items)
             start = max(seq, first)
-            items = list(self._items)[start - first:] if start < self._next else []
+            # only the new items, from the right end: a reader that keeps up copies a few, not the ring
+            items = list(islice(reversed(self._items), self._next - start))[::-1] if start < self._next else []
             return items, self._next, start - seq if seq < first else 0
 
     def latest(self, n: int = 1) -> list[T]:
         with self._lock:
             if n >= len(self._items):
                 return list(self._items)
-            return list(self._items)[-n:]
+            return list(islice(reversed(self._items), n))[::-1]
 
     def __len__(self) -> int:
         return len(self._items)

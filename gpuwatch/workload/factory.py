@@ -30,6 +30,7 @@ class WorkloadSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     max_steps: int | None = None
+    graphs: str = "auto"
 
 
 def _devices(spec: WorkloadSpec) -> list:
@@ -92,7 +93,7 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
             seq_len=spec.seq_len, max_batch=spec.max_batch, device=str(dev), gpu_index=index,
             overrides=overrides, faults=Faults(spec.leak_mib, spec.fragment, spec.fp16_overflow, spec.memory_limit_bytes),
             integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
-            gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"))
+            gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs)
         try:
             out.append(Workload(bus, cfg))
         except (TypeError, ValueError) as e:

@@ -33,6 +33,7 @@ class Faults:
     fragment: bool = False  # random sequence lengths (1/4..1 of the set length)
     fp16_overflow: bool = False  # scale embeddings so fp16 overflows
     memory_limit_bytes: int | None = None  # behave like a smaller card
+    oom_above_tokens: int | None = None  # tests/CPU dry runs: a (micro-)batch over this many tokens raises OOM
 
 
 @dataclass
@@ -56,6 +57,7 @@ class WorkloadConfig:
     gpu_uuid: str | None = None  # how this workload was matched to its NVML GPU
     gpu_pci_bus_id: str | None = None
     accumulate: bool = True  # train: a ceiling below the schedule's batch -> gradient accumulation
+    graphs: str = "auto"  # static KV cache + CUDA graphs: auto = decode only, on = decode and prefill, off
 
 
 class Workload:
@@ -86,6 +88,7 @@ class Workload:
         self._baseline_blocks = None
         self._gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._prebuilt = model
+        self.decoder = None
         self.manual = False  # a user's batch/precision change overrides the guard until handed back
         self.last_ok_batch: int | None = None  # the micro-batch of the last step that ran
         self.retries = 0  # OOMs retried in place (reactive rules); the step was not lost
@@ -233,6 +236,13 @@ class Workload:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5) if self.cfg.mode == "train" else None
         self.scaler = M.LossScaler() if self.cfg.mode == "train" and self.precision == "fp16" else None
+        self.decoder = None
+        g, mode = self.cfg.graphs, self.cfg.mode
+        if g != "off" and (mode == "decode" or (mode == "prefill" and g == "on")):
+            self.decoder = M.DecodeEngine(
+                self.model, self.schedule.batch, self.schedule.seq_len,
+                self.cfg.decode_tokens if mode == "decode" else 0, self.device,
+                lambda kind, msg, **d: self.bus.emit(kind, msg, gpu=self.cfg.gpu_index, **d))
         self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "
                       f"{self.device_name} in {secs:.2f} s", gpu=self.cfg.gpu_index,
                       build_s=secs, **self.describe(), **M.memory(self.device))
@@ -333,13 +343,20 @@ class Workload:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         ids = M.random_ids(self.fields["vocab_size"], batch, seq, dev, self._gen)
+        if self.decoder is not None:  # capture (if any) happens here, outside the timed step
+            self.decoder.prepare(batch, seq)
         M.synchronize(dev)
         t0 = time.perf_counter()
         mode = self.cfg.mode
+        lim = self.cfg.faults.oom_above_tokens
+        if lim and (micro or batch) * seq > lim:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {(micro or batch) * seq} tokens > {lim})")
         if mode == "train" and k > 1:
             loss, max_logit = _train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler)
         elif mode == "train":
             loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler)
+        elif self.decoder is not None:
+            loss, max_logit = self.decoder.step(ids)
         elif mode == "decode":
             loss, max_logit = M.step_decode(self.model, ids, self.cfg.decode_tokens)
         else:
@@ -368,6 +385,8 @@ class Workload:
                       batch=micro, seq_len=seq, precision=self.precision, error=message, effective_batch=batch,
                       allocated_before=before, phase=self.schedule.plan()[2] if not self.schedule.finished else None)
         self._leak.clear()  # the leak fault's memory is what a real leak fix would release
+        if getattr(self, "decoder", None) is not None:
+            self.decoder.release()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
