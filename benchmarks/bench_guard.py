@@ -53,9 +53,10 @@ def scenarios(cpu: bool) -> list[Scenario]:
                 Scenario("ramp-prefill", replace(base, mode="prefill", schedule="ramp", batch=8), 2)]
     v2 = WorkloadSpec(preset="v2-lite", integrity_every=0)
     return [
-        Scenario("ramp-train", replace(v2, mode="train", schedule="ramp", batch=32, seq_len=512,
+        # ramps start at batch/4, a level (6 steps) below the edge the first call found (20 and 12)
+        Scenario("ramp-train", replace(v2, mode="train", schedule="ramp", batch=64, seq_len=512,
                                        memory_limit_bytes=100 * GiB), 8),
-        Scenario("ramp-prefill", replace(v2, mode="prefill", schedule="ramp", batch=16, seq_len=4096,
+        Scenario("ramp-prefill", replace(v2, mode="prefill", schedule="ramp", batch=40, seq_len=4096,
                                          memory_limit_bytes=40 * GiB), 4),
         Scenario("leak", replace(v2, preset="small", mode="prefill", batch=8, seq_len=512, leak_mib=512,
                                  memory_limit_bytes=40 * GiB), 8),

@@ -58,8 +58,11 @@ def cpu_seconds(p: psutil.Process) -> float:
 
 def cost(seconds: float, warmup: float = 5.0) -> dict:
     rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
+    dur = f"{seconds + warmup + 3}s"
     procs = {"gpuwatch record (sampler+recorder, all fields)": [
-        sys.executable, "-m", "gpuwatch", "record", "--duration", f"{seconds + warmup + 3}s", "-o", str(rec_dir)]}
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)],
+             "gpuwatch record + risk scoring (2 Hz)": [
+        sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")]}
     if shutil.which("nvidia-smi"):
         procs["nvidia-smi --query-gpu (8 fields) -lms 100"] = ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv", "-lms", "100"]
         procs["bare pynvml loop, 6 fields"] = [sys.executable, "-c", PYNVML_LOOP]
@@ -76,7 +79,9 @@ def cost(seconds: float, warmup: float = 5.0) -> dict:
     for k, p in running.items():
         if not k.startswith("gpuwatch"):
             os.killpg(p.pid, 9)
-    running[next(iter(procs))].wait(timeout=60)
+    for k, p in running.items():
+        if k.startswith("gpuwatch"):
+            p.wait(timeout=60)
     result = {"measure": "cpu_pct_of_one_core", "seconds": round(dt, 1), "cpu_pct": out}
     result.update(disk_usage(rec_dir))
     shutil.rmtree(rec_dir, ignore_errors=True)
@@ -86,7 +91,7 @@ def cost(seconds: float, warmup: float = 5.0) -> dict:
 def disk_usage(rec_dir: Path) -> dict:
     from gpuwatch.recording.reader import open_recording
 
-    sessions = [p for p in rec_dir.iterdir() if p.is_dir()]
+    sessions = [p for p in rec_dir.iterdir() if (p / "meta.json").exists()]
     if not sessions:
         return {}
     rec = open_recording(sessions[0])

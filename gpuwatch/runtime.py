@@ -63,7 +63,7 @@ class SessionConfig:
     model: ModelChoice = field(default_factory=ModelChoice)
     guard: GuardConfig = field(default_factory=GuardConfig)
     prometheus: tuple[str, int] | None = None
-    score_hz: float = 10.0
+    score_hz: float | None = None  # default: 5 Hz with a workload (the guard reads it), else 2 Hz
 
 
 class Session:
@@ -139,7 +139,8 @@ class Session:
             self.model_note = f"no risk model ({e})"
             return
         self.model_note = f"risk model {model.label}"
-        self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=cfg.score_hz)
+        hz = cfg.score_hz or (5.0 if self.workloads else 2.0)
+        self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=hz)
         if self.workloads and cfg.guard.mode != "off":
             from gpuwatch.control.guard import Guard
 

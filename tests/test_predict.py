@@ -71,6 +71,11 @@ def test_live_and_replay_cut_the_same_window():
     for row in rec.steps_df.filter(pl.col("ts").dt.epoch("us") <= end).to_dicts():
         row["ts"] = int(row["ts"].timestamp() * 1e6)
         bus.steps.append(row)
+    from gpuwatch.telemetry.bus import Event
+
+    for row in rec.events_df.filter(pl.col("ts").dt.epoch("us") <= end).to_dicts():
+        bus.events.append(Event(row["kind"], row["message"], row["severity"], row["gpu"], json.loads(row["detail"]),
+                                int(row["ts"].timestamp() * 1e6)))
     live = LiveSource(bus, rec.gpus, interval_s=rec.interval_s)
     lw, rw = live.window(g), rec.window_at(g, end)
     assert lw.samples.schema == rw.samples.schema and lw.steps.schema == rw.steps.schema

@@ -90,30 +90,55 @@ class LiveSource:
         self._lock = threading.Lock()
         self._cur = {"ticks": bus.ticks.next_seq - len(bus.ticks), "steps": bus.steps.next_seq - len(bus.steps),
                      "events": bus.events.next_seq - len(bus.events)}
-        self._frames: dict[str, pl.DataFrame] = {t: schema.empty(t) for t in ("samples", "steps", "events")}
+        self._per: dict[str, dict[Any, tuple[pl.DataFrame, np.ndarray]]] = {}
 
     def _catch_up(self) -> None:
+        """Convert only the rows that arrived since the last call; keep them per GPU (samples, steps)
+        with a numpy time index, trimmed to the last KEEP_S, so a window is two binary searches."""
         from gpuwatch.recording.writer import to_frame
 
         ticks, self._cur["ticks"], _ = self.bus.ticks.since(self._cur["ticks"])
         steps, self._cur["steps"], _ = self.bus.steps.since(self._cur["steps"])
         events, self._cur["events"], _ = self.bus.events.since(self._cur["events"])
-        new = {"samples": [r for t in ticks for r in t.rows], "steps": steps, "events": [e.row() for e in events]}
-        for table, rows in new.items():
-            if rows:
-                df = pl.concat([self._frames[table], to_frame(rows, table)], how="vertical_relaxed")
-                cut = df["ts"].dt.epoch("us") > df["ts"].dt.epoch("us").max() - int(self.KEEP_S * 1e6)
-                self._frames[table] = df.filter(cut) if not cut.all() else df
+        if ticks:
+            self._append("samples", to_frame([r for t in ticks for r in t.rows], "samples"))
+        if steps:
+            self._append("steps", to_frame(steps, "steps"))
+        if events:
+            self._append("events", to_frame([e.row() for e in events], "events"), by_gpu=False)
+
+    def _append(self, table: str, df: pl.DataFrame, by_gpu: bool = True) -> None:
+        parts = df.partition_by("gpu", as_dict=True, maintain_order=True) if by_gpu else {(None,): df}
+        for key, part in parts.items():
+            g = key[0]
+            old = self._per.setdefault(table, {}).get(g)
+            new = part if old is None else pl.concat([old[0], part], how="vertical_relaxed")
+            ts = new["ts"].dt.epoch("us").to_numpy()
+            keep = int(np.searchsorted(ts, ts[-1] - int(self.KEEP_S * 1e6), side="right"))
+            if keep > new.height // 2:  # trim rarely (a copy), not on every call
+                new, ts = new.slice(keep), ts[keep:]
+            self._per[table][g] = (new.rechunk() if new.n_chunks() > 16 else new, ts)
+
+    def _get(self, table: str, g) -> tuple[pl.DataFrame, np.ndarray]:
+        return self._per.get(table, {}).get(g) or (schema.empty(table), np.array([], dtype=np.int64))
 
     def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
                events_s: float = WINDOW_EVENTS_S) -> Window:
         with self._lock:
             self._catch_up()
-            f = self._frames
+            (sm, sts), (st, stts), (ev, evts) = self._get("samples", gpu), self._get("steps", gpu), self._get("events", None)
         last = self.bus.ticks.latest(1)
         end = last[0].ts_us if last else time.time_ns() // 1000
-        return _cut(f["samples"], f["steps"], f["events"], gpu, end, seconds, n_steps, events_s,
-                    self.interval_s, _meta_of(self.gpus, gpu))
+        hi = int(np.searchsorted(sts, end, side="right"))
+        lo = int(np.searchsorted(sts, end - seconds * 1e6, side="right"))
+        shi = int(np.searchsorted(stts, end, side="right"))
+        ehi = int(np.searchsorted(evts, end, side="right"))
+        elo = int(np.searchsorted(evts, end - events_s * 1e6, side="right"))
+        events = ev.slice(elo, ehi - elo)
+        if gpu is not None and events.height:
+            events = events.filter(events["gpu"].is_null() | (events["gpu"] == gpu))
+        return Window(gpu, end, self.interval_s, sm.slice(lo, hi - lo), st.slice(max(0, shi - n_steps), min(shi, n_steps)),
+                      events, _meta_of(self.gpus, gpu))
 
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
         return [r for r in self.bus.risk.latest(n * max(1, len(self.gpus))) if r.get("gpu") == gpu][-n:]
