@@ -98,11 +98,23 @@ def test_every_schedule_honours_the_ceiling(kind):
     assert seen and max(seen) <= 5, (kind, seen[:20])
 
 
+def test_refusal_after_the_ramp_stepped_holds_the_last_batch_that_ran():
+    """Found on the H200 (call 7): the ramp had already moved to 20 when the guard refused it; the hold
+    set the ceiling to 20 (overriding the guard's 16) and the step ran out of memory."""
+    s = Schedule("ramp", batch=64, seq_len=64, per_level=1)
+    s.done()  # ran at 16, the ramp now wants 20
+    assert s.plan()[0] == 20
+    s.hold()
+    assert s.plan()[0] == 16 and s.ceiling == 16
+    s.done()
+    assert s.plan()[0] == 16
+
+
 def test_hold_stops_a_ramp_and_the_ceiling_can_be_lifted():
     s = Schedule("ramp", batch=16, seq_len=64, per_level=2)
     for _ in range(4):
+        b = s.plan()[0]  # the last batch that ran
         s.done()
-    b = s.plan()[0]
     s.hold()
     for _ in range(20):
         s.done()

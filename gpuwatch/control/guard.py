@@ -107,9 +107,8 @@ class Guard:
             w.set_ceiling(act.value, who="guard", why=act.why)
         elif act.kind == "clear_ceiling":
             w.set_ceiling(None, who="guard", why=act.why)
-        elif act.kind == "refuse_step":
-            w.set_ceiling(act.value, who="guard", why=act.why)
-            w.hold(who="guard", why=act.why)
+        elif act.kind == "refuse_step":  # one control: a separate ceiling would be overridden by the hold
+            w.hold(who="guard", why=act.why, batch=act.value)
         elif act.kind == "precision":
             w.set_precision(act.value, who="guard", why=act.why)
 

@@ -114,9 +114,9 @@ class Workload:
     def set_ceiling(self, n: int | None, who: str = "user", why: str = "") -> None:
         self._put("ceiling", None if n is None else max(1, int(n)), who, why)
 
-    def hold(self, who: str = "guard", why: str = "") -> None:
-        """Refuse the schedule's next step up (a ramp stays at its batch)."""
-        self._put("hold", True, who, why)
+    def hold(self, who: str = "guard", why: str = "", batch: int | None = None) -> None:
+        """Refuse the schedule's next step up: stay at `batch` (default: the last batch that ran)."""
+        self._put("hold", batch or 0, who, why)
 
     def set_seq_len(self, n: int, who: str = "user", why: str = "") -> None:
         self._put("seq_len", max(1, int(n)), who, why)
@@ -256,7 +256,7 @@ class Workload:
             elif key == "ceiling":
                 self.schedule.set_ceiling(value)
             elif key == "hold":
-                self.schedule.hold()
+                self.schedule.hold(value or None)
                 value = self.schedule.ceiling
             elif key == "seq_len":
                 self.schedule.set_seq_len(value)

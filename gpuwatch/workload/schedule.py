@@ -110,9 +110,13 @@ class Schedule:
     def set_ceiling(self, b: int | None) -> None:
         self.ceiling = None if b is None else max(1, int(b))
 
-    def hold(self) -> None:
-        """Refuse the next step up: a ramp stays at its current batch (the ceiling is set to it)."""
-        self.set_ceiling(self.batch if self.kind != "sweep" else self.levels[min(self._level, len(self.levels) - 1)])
+    def hold(self, batch: int | None = None) -> None:
+        """Refuse the next step up: the schedule stays at `batch` (default: the last batch that ran),
+        a ramp goes back to it if it had already stepped past, and the ceiling is set to it."""
+        b = batch or self._last_ok or self.batch
+        if self.kind == "ramp":
+            self.batch = min(self.batch, b)
+        self.set_ceiling(b)
 
     def set_seq_len(self, s: int) -> None:
         self.seq_len = max(1, s)
