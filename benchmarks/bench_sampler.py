@@ -118,12 +118,12 @@ def _interval_stats(df) -> dict:
 def jitter(seconds: float) -> dict:
     """In-process: the real Session (sampler + recorder), idle, then beside busy work."""
     from gpuwatch.recording.reader import open_recording
-    from gpuwatch.runtime import Session
+    from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 
     out = {}
     for phase in ("idle", "busy"):
         rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-jitter-"))
-        s = Session(interval=0.1, record_dir=rec_dir)
+        s = Session(SessionConfig(interval_s=0.1, record_dir=rec_dir, model=ModelChoice(enabled=False)))
         stop = threading.Event()
         workers = []
         if phase == "busy":

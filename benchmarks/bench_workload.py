@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 # Heavy imports (torch, transformers) stay inside the functions: the sampler's child process is
 # spawned, and spawn re-imports this script as __mp_main__; module-level torch imports made every
 # Session start take seconds (the overhead stage ran past its limit on the H200 because of it).
-from gpuwatch.runtime import Session  # noqa: E402
+from gpuwatch.runtime import ModelChoice, Session, SessionConfig  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
 
 
@@ -42,7 +42,8 @@ def summarize(w, bus):
 
 
 def _session(record: Path | None, name: str) -> Session:
-    return Session(interval=0.1, record_dir=record or Path(tempfile.mkdtemp()), name=name)
+    return Session(SessionConfig(interval_s=0.1, record_dir=record or Path(tempfile.mkdtemp()), name=name,
+                                 model=ModelChoice(enabled=False)))
 
 
 def _power(session: Session) -> dict:
@@ -82,7 +83,7 @@ def overhead(a) -> dict:
     for kind in order:
         s = None
         if kind == "watched":
-            s = Session(interval=0.1, record_dir=Path(tempfile.mkdtemp()))
+            s = Session(SessionConfig(interval_s=0.1, record_dir=Path(tempfile.mkdtemp()), model=ModelChoice(enabled=False)))
             s.start()
         time.sleep(2.0)  # the sampler child has started and settled
         start = bus.steps.next_seq

@@ -213,14 +213,14 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
 
 def _workload_spec(args):
     from gpuwatch.workload.factory import WorkloadSpec
-    from gpuwatch.workload.presets import parse_overrides
+    from gpuwatch.workload.presets import parse_overrides, validate_overrides
 
     return WorkloadSpec(
         preset=args.preset, mode=args.mode, schedule=args.schedule, precision=args.precision, batch=args.batch,
         seq_len=args.seq_len, max_batch=args.max_batch, device=args.device, gpus=args.gpus,
         memory_limit_bytes=args.gpu_memory_limit, leak_mib=args.leak_mib, fragment=args.fragment,
         fp16_overflow=args.fp16_overflow, integrity_every=args.integrity_every,
-        overrides=parse_overrides(args.set), seed=args.seed, max_steps=getattr(args, "steps", None),
+        overrides=validate_overrides(parse_overrides(args.set)), seed=args.seed, max_steps=getattr(args, "steps", None),
         graphs=args.graphs)
 
 
@@ -262,9 +262,11 @@ def _finish(session, why: str) -> int:
         print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
     r = session.recorder
     if r is not None:
+        why_incomplete = getattr(r, "incomplete_reason", None)
         print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
-              f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else ""))
-        code |= 1 if r.error else 0
+              f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else "")
+              + (f"; INCOMPLETE {why_incomplete}" if why_incomplete and not r.error else ""))
+        code |= 1 if (r.error or why_incomplete) else 0
     if why in SIGNAL_EXIT:
         print(f"stopped by {why}", file=sys.stderr)
         return SIGNAL_EXIT[why]

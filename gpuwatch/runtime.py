@@ -101,6 +101,8 @@ class Session:
         else:
             self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s)
+        if self.gpu is None:
+            self.bus.emit("no_gpu", self.gpu_note, "warning")
         if cfg.workload is not None:
             self._say("loading torch and building the workload...")
             from gpuwatch.workload.factory import make_workloads
@@ -188,6 +190,14 @@ class Session:
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": config,
         }
+
+    def attach_workload(self, w) -> None:
+        """Add a Workload built elsewhere (benchmarks) before start(); it is recorded in meta.json."""
+        if self._started:
+            raise RuntimeError("attach workloads before start()")
+        self.workloads.append(w)
+        if self.recorder:
+            self.recorder.meta["config"]["workloads"] = [x.describe() for x in self.workloads]
 
     @property
     def workload(self):

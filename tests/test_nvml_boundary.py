@@ -157,9 +157,9 @@ def test_no_driver_means_cpu_only(monkeypatch, err):
     monkeypatch.setattr(pynvml, "nvmlInit", boom)
     with pytest.raises(nvml.NvmlUnavailable):
         nvml.NvmlBackend()
-    from gpuwatch.runtime import Session
+    from gpuwatch.runtime import Session, SessionConfig
 
-    s = Session(sampler="thread")
+    s = Session(SessionConfig(sampler="thread"))
     assert s.gpu is None and "CPU-only" in s.gpu_note
     assert [e.kind for e in s.bus.events.latest(5)] == ["no_gpu"]
     assert s.sampler.tick().rows[0]["gpu"] is None

@@ -221,9 +221,10 @@ def test_two_sessions_in_the_same_second_do_not_collide(tmp_path):
 def test_headless_recording_takes_ticks_a_second_at_a_time_and_loses_none(tmp_path):
     """`gpuwatch record`'s path: the sampler child hands ten ticks over per message and the recorder
     writes each batch as it lands (one segment per second of ten rows), with no tick missing."""
-    from gpuwatch.runtime import Session
+    from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 
-    s = Session(interval=0.1, record_dir=tmp_path, source=str(RAMP), deliver_s=1.0, name="batched")
+    s = Session(SessionConfig(interval_s=0.1, record_dir=tmp_path, source=str(RAMP), deliver_s=1.0, name="batched",
+                              model=ModelChoice(enabled=False)))
     assert s.recorder.wait_s == 2.0 and s.sampler.on_delivery == s.recorder.kick
     s.start()
     try:
