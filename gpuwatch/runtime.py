@@ -92,6 +92,7 @@ class Session:
 
     # -- assembly ---------------------------------------------------------------------------------------
     def _assemble(self, cfg: SessionConfig) -> None:
+        model = self._load_model(cfg)  # before the sampler starts: loading scikit-learn takes a second
         self.host = HostSampler()
         if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
@@ -117,7 +118,7 @@ class Session:
             if cfg.sampler == "process" and cfg.deliver_s > 0:
                 self.sampler.on_delivery = self.recorder.kick
                 self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
-        self._make_scorer(cfg)
+        self._make_scorer(cfg, model)
         if cfg.prometheus is not None:
             from gpuwatch.export.prometheus import PrometheusExporter
 
@@ -125,21 +126,29 @@ class Session:
             self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port,
                                                interval_s=cfg.interval_s)
 
-    def _make_scorer(self, cfg: SessionConfig) -> None:
-        """The risk model scores every GPU of every session that has one; the guard acts on it."""
-        if not cfg.model.enabled or not self.source.gpus:
-            self.model_note = "risk scoring off" if not cfg.model.enabled else "no GPU: nothing to score"
-            return
+    def _load_model(self, cfg: SessionConfig):
+        if not cfg.model.enabled:
+            self.model_note = "risk scoring off"
+            return None
         from gpuwatch.predict.model import ModelError, load_model
-        from gpuwatch.predict.scorer import LiveScorer
 
         try:
-            model = load_model(cfg.model.path, trust=cfg.model.trust)
+            return load_model(cfg.model.path, trust=cfg.model.trust)
         except ModelError as e:
             if cfg.model.path is not None:
                 raise  # the user asked for this model: a one-line fatal error
             self.model_note = f"no risk model ({e})"
+            return None
+
+    def _make_scorer(self, cfg: SessionConfig, model) -> None:
+        """The risk model scores every GPU of every session that has one; the guard acts on it."""
+        if model is None:
             return
+        if not self.source.gpus:
+            self.model_note = "no GPU: nothing to score"
+            return
+        from gpuwatch.predict.scorer import LiveScorer
+
         self.model_note = f"risk model {model.label}"
         hz = cfg.score_hz or (5.0 if self.workloads else 2.0)
         self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=hz)
