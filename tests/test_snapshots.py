@@ -32,5 +32,22 @@ def test_live_layout(snap_compare, size):
     assert snap_compare(make_app(src), terminal_size=size)
 
 
+GUARDED = RAMP.parent / "sample-h200-guard-ramp-train"
+
+
+def _guarded_at_first_refusal():
+    """A real guarded H200 session: the risk that was live, the alarm and the guard's refusal."""
+    src = ReplaySource(GUARDED)
+    ev = src.events_df
+    i = ev["kind"].to_list().index("guard_action")
+    src.seek_to(int(ev["ts"][i].timestamp() * 1e6) + 400_000)
+    return make_app(src)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_guarded_replay_layout(snap_compare, size):
+    assert snap_compare(_guarded_at_first_refusal(), terminal_size=size)
+
+
 def test_help_screen(snap_compare):
     assert snap_compare(_replay_at_first_oom(), terminal_size=(80, 24), press=["question_mark"])

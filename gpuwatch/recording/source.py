@@ -262,6 +262,15 @@ class ReplaySource:
             self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
         return True
 
+    risk_note: str | None = None  # where the risk rows came from when not recorded with the session
+
+    def set_risk(self, df: pl.DataFrame, note: str) -> None:
+        """Risk rows computed after the fact (an older session scored on the fly)."""
+        self.risk_df = _sorted(df)
+        self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
+        self.risk_note = note
+        self._changed = True
+
     def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
                events_s: float = WINDOW_EVENTS_S) -> Window:
         """The window at the cursor (the same cut as live; `ts` columns are datetimes in both)."""

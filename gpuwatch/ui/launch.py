@@ -36,11 +36,38 @@ def _run_app(app, log_folder: Path | None, status) -> int:
     return app.return_code or 0
 
 
-def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None) -> int:
+MAX_ON_THE_FLY = 1500  # windows scored when replaying a session recorded without risk (~3 s)
+
+
+def score_on_the_fly(source: ReplaySource, model_path: Path | None, trust: bool, status) -> None:
+    """A session recorded before risk was recorded (or without a model): score it now with the
+    model at hand, every k-th sample so that it takes seconds, and say so in the panel."""
+    if source.follow or not source.risk_df.is_empty() or not source.gpus:
+        return
+    from gpuwatch.predict.model import ModelError, load_model
+    from gpuwatch.predict.scorer import score_source
+
+    try:
+        model = load_model(model_path, trust=trust)
+    except ModelError as e:
+        if model_path is not None:
+            raise
+        status(f"no risk shown: {e}")
+        return
+    n = int(source.ticks_ts.size)
+    stride = max(1, -(-n // MAX_ON_THE_FLY))
+    status(f"scoring risk on the fly with {model.label} (every {stride} sample(s))...")
+    source.set_risk(score_source(source, model, stride=stride), f"scored on the fly by {model.label}")
+
+
+def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None, model: Path | None = None,
+               trust: bool = False, no_model: bool = False) -> int:
     from gpuwatch.ui.app import make_app
 
     status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
     source = ReplaySource(path, follow=follow, speed=speed)
+    if not no_model:
+        score_on_the_fly(source, model, trust, status)
     for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
         status(f"warning: {w}")
     app = make_app(source)

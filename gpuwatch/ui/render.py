@@ -214,6 +214,10 @@ def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
     return t
 
 
+def risk_source_note(kind: str, note: str | None) -> str:
+    return note or ("recorded live" if kind != "live" else "")
+
+
 def _dur(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
