@@ -263,6 +263,7 @@ class ReplaySource:
         return True
 
     risk_note: str | None = None  # where the risk rows came from when not recorded with the session
+    writer_done = False  # follow: the recording process closed the session (session_end seen)
 
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
         """Risk rows computed after the fact (an older session scored on the fly)."""
@@ -373,6 +374,7 @@ class ReplaySource:
             edge = self.at_edge
             if self._load(self.reader.load_new()):
                 self._changed = True
+                self.writer_done = bool(self.events_df.height) and "session_end" in self.events_df["kind"].to_list()[-8:]
                 if edge:
                     self._t = self.end_us
         if self.playing:

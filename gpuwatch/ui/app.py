@@ -161,7 +161,10 @@ class GpuwatchApp(App):
             state = "▶" if src.playing else "‖"
             extra = f"{state} {src.speed:g}x  {pos / 1e6:,.1f}/{total / 1e6:,.1f} s" + ("  loop" if src.loop else "")
             if src.follow:
-                extra += "  at live edge" if src.at_edge else "  f: to live edge"
+                if src.writer_done:
+                    extra += "  writer finished"
+                else:
+                    extra += "  at live edge" if src.at_edge else "  f: to live edge"
         elif self.session is not None and self.session.recorder is not None:
             r = self.session.recorder
             extra = (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
@@ -215,7 +218,7 @@ class GpuwatchApp(App):
                 out.append(Text("  ").join(b[r] for b in group))
         if not self.wide:
             return Text("\n").join(out), risk
-        title = Text(f"history GPU{g}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
+        title = Text(f"history {'GPU' + str(g) if g is not None else 'host'}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
         return Text("\n").join([title, *out]), risk
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
@@ -319,7 +322,8 @@ class GpuwatchApp(App):
             self.refresh_data(force=True)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.mode))
+        self.push_screen(HelpScreen(self.mode, workload=self.workload is not None,
+                                    guard=self.session is not None and getattr(self.session, "guard", None) is not None))
 
     def action_request_quit(self) -> None:
         w = self.workload

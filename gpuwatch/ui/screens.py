@@ -10,21 +10,32 @@ from textual.widgets import Input, Static
 
 LIVE_HELP = """[b]Live[/b]
   space      pause / resume the view (recording goes on)
-  + / -      batch size up / down (applied before the next step)
-  p          precision: cycle bf16 → fp16 → fp32 → tf32
-  w          pause / resume the workload
-  G          guard: on → observe (log only) → off
-  a          hand control back to the guard after a manual change
   m          mark this moment (an event in the recording)
   s          show the plots of the next GPU
   q          quit (asks first while a workload runs)"""
 
+WORKLOAD_HELP = """
+[b]Workload[/b]
+  + / -      batch size up / down (applied before the next step)
+  p          precision: cycle bf16 → fp16 → fp32 → tf32
+  w          pause / resume the workload"""
+
+GUARD_HELP = """
+[b]Guard[/b]
+  G          guard: on → observe (log only) → off
+  a          hand control back to the guard after a manual +/-/p"""
+
 REPLAY_HELP = """[b]Replay[/b]
-  space      play / pause            , / .      one sample back / forward
-  ← / →      seek -1 s / +1 s        [ / ]      seek -10 s / +10 s (also shift+←/→)
-  - / +      speed 0.25x … 16x       n / N      next / previous event
-  home / end start / end             g          go to a time (12:03:04, +90s, -5m, 50%)
-  l          loop on/off             f          back to the live edge (follow)
+  space      play / pause
+  , / .      one sample back / forward
+  ← / →      seek -1 s / +1 s
+  [ / ]      seek -10 s / +10 s (also shift+← / shift+→)
+  - / +      speed 0.25x … 16x
+  n / N      next / previous event
+  home / end start / end
+  g          go to a time (12:03:04, +90s, -5m, 50%)
+  l          loop on / off
+  f          back to the live edge (follow)
   s          show the plots of the next GPU
   q          quit"""
 
@@ -32,12 +43,14 @@ REPLAY_HELP = """[b]Replay[/b]
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, workload: bool = False, guard: bool = False) -> None:
         super().__init__()
-        self.mode = mode
+        self.mode, self.workload, self.guard = mode, workload, guard
 
     def compose(self) -> ComposeResult:
-        body = LIVE_HELP if self.mode == "live" else REPLAY_HELP
+        body = REPLAY_HELP
+        if self.mode == "live":  # only the keys that do something in this run
+            body = LIVE_HELP + (WORKLOAD_HELP if self.workload else "") + (GUARD_HELP if self.guard else "")
         yield Vertical(Static(body + "\n\n  ?          this help   (esc closes)"), id="dialog")
 
 
