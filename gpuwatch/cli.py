@@ -68,6 +68,16 @@ def _nonneg(text: str) -> float:
     return v
 
 
+def _unit(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < v < 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
+    return v
+
+
 def _speed(text: str) -> float:
     try:
         v = float(text)
@@ -83,6 +93,24 @@ def _interval(text: str) -> float:
     if not 0.01 <= v <= 60:
         raise argparse.ArgumentTypeError(f"interval {text!r} out of range 10ms..60s")
     return v
+
+
+def _progress(text: str) -> float:
+    if text.strip() in ("0", "0s", "off"):
+        return 0.0
+    return _dur(text)
+
+
+def _fail_on(text: str):
+    from gpuwatch.ci import parse_fail_on
+
+    return _typed(parse_fail_on)(text)
+
+
+def _fail_on_help() -> str:
+    from gpuwatch.ci import FAIL_ON_HELP
+
+    return FAIL_ON_HELP
 
 
 def _listen(text: str):
@@ -112,6 +140,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-model", action="store_true", help="no risk scoring")
     p.add_argument("--trust-model", action="store_true",
                    help="load a model whose sha256 does not match its manifest (a joblib file runs code)")
+    p.add_argument("--risk-threshold", type=_unit, default=None, metavar="P",
+                   help="alarm at this risk instead of the model's threshold (0..1; lower = earlier, more false alarms)")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -168,8 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stress", help="headless DeepSeek workload, recorded")
     _common(s, record_default=True)
     _workload_args(s)
-    s.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="stop after DUR")
-    s.add_argument("--steps", type=_pos_int, default=None, help="stop after N steps")
+    s.add_argument("--duration", type=_dur, default=None, metavar="DUR",
+                   help="stop after DUR (a resumed run counts the time its session already ran)")
+    s.add_argument("--steps", type=_pos_int, default=None, help="stop after N steps (a resumed run: N in all)")
+    s.add_argument("--progress", type=_progress, default=None, metavar="DUR",
+                   help="one progress line on stderr every DUR (default 60s when stdout is not a terminal, "
+                        "10s when it is; 0 = none)")
+    s.add_argument("--summary-json", type=Path, metavar="PATH",
+                   help="write the run's summary as JSON: workloads, recording, guard, health rows, exit code and why")
+    s.add_argument("--junit", type=Path, metavar="PATH",
+                   help="write JUnit XML: one test case per check (no unrecovered failure and integrity checks "
+                        "per workload, the recording, each health-matrix row)")
+    s.add_argument("--fail-on", type=_fail_on, action="append", metavar="CHECKS", help=_fail_on_help())
+    s.add_argument("--resume", type=Path, metavar="SESSION",
+                   help="continue an interrupted stress session in its folder (step, schedule, batch ceiling, "
+                        "run time); the workload flags are the recorded ones and may not contradict them")
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH")
@@ -208,7 +251,7 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
         check_output_dir(out)
     return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
                          deliver_s=deliver_s, workload=spec, guard=guard, prometheus=args.prometheus,
-                         model=ModelChoice(args.model, not args.no_model, args.trust_model))
+                         model=ModelChoice(args.model, not args.no_model, args.trust_model, args.risk_threshold))
 
 
 def _workload_spec(args):
@@ -246,17 +289,33 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _finish(session, why: str) -> int:
-    """The summary line of a headless run, and its exit code (a signal: 128 + its number)."""
+def _finish(session, why: str, run=None) -> int:
+    """The summary line of a headless run, and its exit code (a signal: 128 + its number). With `run`
+    (a `gpuwatch.ci.RunInfo`: stress's CI flags or a resumed session) the recording is read back for
+    whole-session summaries and the health matrix, `--summary-json`/`--junit` are written, and a health
+    row that fails a `--fail-on` threshold makes the exit code 1."""
     from gpuwatch.runtime import SIGNAL_EXIT
 
+    rec = rec_note = None
+    if run is not None and run.wanted:
+        from gpuwatch import ci
+
+        rec, rec_note = ci.open_session_recording(session)
+        steps_from = ci.step_source(session, rec)
+    else:
+        steps_from = session.bus
     code = 0
+    summaries = []
     for w in session.workloads:
         from gpuwatch.workload.summary import format_summary, summarize
 
-        s = summarize(w, session.bus)
+        s = summarize(w, steps_from)
+        summaries.append(s)
         print(format_summary(s))
         code |= 1 if s["unrecovered"] else 0
+    if run is not None and run.previous_unrecovered:
+        print(f"  UNRECOVERED before the resume: {run.previous_unrecovered[0]}")
+        code |= 1
     if session.guard is not None:
         g = session.guard
         print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
@@ -267,6 +326,17 @@ def _finish(session, why: str) -> int:
               f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else "")
               + (f"; INCOMPLETE {why_incomplete}" if why_incomplete and not r.error else ""))
         code |= 1 if (r.error or why_incomplete) else 0
+    if run is not None and run.wanted:
+        summary = ci.verdict(session, why, run, summaries, rec, rec_note)
+        for line in ci.health_lines(summary):
+            print(line)
+        if run.summary_json:
+            ci.write_summary_json(summary, run.summary_json)
+        if run.junit:
+            ci.write_junit(summary, run.junit)
+        code |= summary["exit"]["code"] if why not in SIGNAL_EXIT else 0
+        if code and why not in SIGNAL_EXIT:
+            print("exit 1: " + "; ".join(summary["exit"]["why"]), file=sys.stderr)
     if why in SIGNAL_EXIT:
         print(f"stopped by {why}", file=sys.stderr)
         return SIGNAL_EXIT[why]
@@ -287,16 +357,77 @@ def cmd_record(args) -> int:
     return _finish(s, why)
 
 
-def cmd_stress(args) -> int:
-    from gpuwatch.runtime import Session
+# flags a resumed run takes from the recorded command line; given again, they must agree with it
+_RESUME_FIXED = ("preset", "mode", "schedule", "precision", "batch", "seq_len", "max_batch", "device", "gpus",
+                 "gpu_memory_limit", "leak_mib", "fragment", "fp16_overflow", "integrity_every", "set", "seed",
+                 "graphs", "guard", "guard_rule", "interval", "sampler", "source")
 
-    cfg = session_config(args, workload=True)
+
+def _resumed_args(args, point):
+    """The recorded `gpuwatch stress` flags of `point`'s session, with this command's run flags (duration,
+    steps, progress, outputs, model) on top. A workload flag given here that differs from the recorded
+    one is a UsageError; one left at its default takes the recorded value."""
+    parser = build_parser()
+    try:
+        orig = parser.parse_args(_fix_negative_values(point.argv))
+    except UsageError as e:
+        raise UsageError(f"--resume {point.dir}: its recorded command line no longer parses ({e})") from None
+    defaults = parser.parse_args(["stress"])
+    first = point.meta["config"]["workloads"][0]
+    orig.preset = orig.preset or first.get("preset")  # "largest that fits" was decided once, at the start
+    orig.precision = orig.precision or first.get("precision")
+    for f in _RESUME_FIXED:
+        new, was = getattr(args, f), getattr(orig, f)
+        if new != getattr(defaults, f) and new != was:
+            flag = "--" + f.replace("_", "-")
+            raise UsageError(f"--resume {point.dir}: {flag} {new} contradicts the recorded run ({flag} {was})")
+    for f in ("progress", "summary_json", "junit", "fail_on", "model", "no_model", "trust_model", "prometheus",
+              "resume"):
+        setattr(orig, f, getattr(args, f))
+    orig.duration = args.duration if args.duration is not None else orig.duration
+    orig.steps = args.steps if args.steps is not None else orig.steps
+    orig.record, orig.output = True, point.dir.parent
+    return orig
+
+
+def cmd_stress(args) -> int:
+    from dataclasses import replace
+
+    from gpuwatch import ci
+    from gpuwatch.runtime import Session, load_resume
+
+    fail_on = ci.merge_fail_on(args.fail_on)
+    if fail_on and not args.record:
+        raise UsageError("--fail-on needs the recording to check (drop --no-record)")
+    ci.check_output_file(args.summary_json, "--summary-json")
+    ci.check_output_file(args.junit, "--junit")
+    point = None
+    if args.resume is not None:
+        if not args.record:
+            raise UsageError("--resume continues the session's recording (drop --no-record)")
+        point = load_resume(args.resume)
+        args = _resumed_args(args, point)
+        cfg = replace(session_config(args, workload=True), record_dir=point.dir.parent, name=point.dir.name,
+                      resume=point)
+    else:
+        cfg = session_config(args, workload=True)
+    every = args.progress if args.progress is not None else (10.0 if sys.stdout.isatty() else 60.0)
+    run = ci.RunInfo(fail_on=fail_on, summary_json=args.summary_json, junit=args.junit, duration_s=args.duration,
+                     previous_unrecovered=point.unrecovered if point else [], resumed=point is not None)
     with Session(cfg, on_status=_status if args.prometheus else None) as s:
         _status(f"{s.gpu_note}; {s.model_note}")
-        if s.recorder:
+        run.offset_s = s.resumed_after_s
+        if point is not None:
+            _status(f"resuming {point.dir} ({point.previous_close}) after {ci.hms(point.elapsed_s)} of run time, "
+                    f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
+        elif s.recorder:
             _status(f"recording to {s.recorder.dir}")
-        why = s.wait(args.duration, until_done=True)
-    return _finish(s, why)
+        left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
+        progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
+        t0 = time.monotonic()
+        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every)
+        run.ran_s = time.monotonic() - t0
+    return _finish(s, why, run)
 
 
 def cmd_train(args) -> int:
@@ -330,6 +461,8 @@ def cmd_score(args) -> int:
     if args.no_model:
         raise UsageError("score needs a model (drop --no-model)")
     model = load_model(args.model, trust=args.trust_model)
+    if args.risk_threshold is not None:
+        model.manifest = {**model.manifest, "threshold": args.risk_threshold}
     src = ReplaySource(args.session)
     t0 = time.perf_counter()
     tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
@@ -355,7 +488,8 @@ def cmd_tui(args) -> int:
     from gpuwatch.ui.launch import run_replay, run_tui
 
     if args.command == "replay":
-        return run_replay(args.path, follow=args.follow, speed=args.speed)
+        return run_replay(args.path, follow=args.follow, speed=args.speed, model=args.model, trust=args.trust_model,
+                          no_model=args.no_model)
     cfg = session_config(args, workload=args.command in (None, "live"))
     return run_tui(cfg, duration_s=args.duration, status=_status)
 

@@ -467,19 +467,30 @@ def load_resume(path: Path | str) -> ResumePoint:
         raise UsageError(f"--resume {path}: this session ran no workload (a watch or record session)")
     if "stress" not in argv[1:2]:
         raise UsageError(f"--resume {path}: not started by `gpuwatch stress` (argv {' '.join(argv[1:3])!r})")
+    from gpuwatch.recording.writer import session_locked
+
+    if session_locked(folder):
+        raise UsageError(f"--resume {path}: another gpuwatch process is still recording this session")
     steps, events = _read_table(folder, "steps"), _read_table(folder, "events")
 
-    # run time: the earlier parts (meta.resumed) plus this last part, from its start to its last data
+    # run time: the earlier parts (meta.resumed) plus the last part, from its session_start event (the
+    # wait for --duration begins right after it) to its session_end event, or its last data after a kill
     resumed = [r for r in meta.get("resumed") or [] if isinstance(r, dict)]
     part_start = _iso_us(resumed[-1].get("at")) if resumed else _iso_us(meta.get("start"))
     before = float(resumed[-1].get("after_s") or 0) if resumed else 0.0
-    last = [_last_sample_us(folder)]
-    for df in (steps, events):
-        if df.height:
-            last.append(int(df["ts"].max().timestamp() * 1e6))
-    if meta.get("end"):
-        last.append(_iso_us(meta["end"]))
-    last_us = max((x for x in last if x is not None), default=None)
+    starts = events.filter(pl.col("kind") == "session_start")["ts"]
+    if starts.len():
+        part_start = max(part_start or 0, int(starts.max().timestamp() * 1e6))
+    ends = events.filter(pl.col("kind") == "session_end")["ts"]
+    ends = [int(t.timestamp() * 1e6) for t in ends if part_start is None or int(t.timestamp() * 1e6) >= part_start]
+    if ends:
+        last_us = max(ends)
+    else:
+        last = [_last_sample_us(folder)]
+        for df in (steps, events):
+            if df.height:
+                last.append(int(df["ts"].max().timestamp() * 1e6))
+        last_us = max((x for x in last if x is not None), default=None)
     part = (last_us - part_start) / 1e6 if last_us is not None and part_start is not None else 0.0
     elapsed = before + max(0.0, part)
     if not math.isfinite(elapsed):

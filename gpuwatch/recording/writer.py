@@ -80,6 +80,51 @@ def write_json_atomic(obj: dict, path: Path) -> None:
         raise
 
 
+LOCK_NAME = ".gpuwatch.lock"  # held (flock) by the process recording the session; the reader skips dot files
+
+
+def lock_session(folder: Path) -> int | None:
+    """Take the session's lock (non-blocking); returns the fd to keep, None where the file system has no
+    locks. Raises BlockingIOError when another live process holds it (`stress --resume` of a session
+    still being recorded). The kernel drops the lock when its process dies, kill -9 included."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def session_locked(folder: Path) -> bool:
+    """Whether a live process holds the session's lock (creates nothing: no lock file, no recorder)."""
+    if not (Path(folder) / LOCK_NAME).exists():
+        return False
+    try:
+        unlock_session(lock_session(Path(folder)))
+    except BlockingIOError:
+        return True
+    return False
+
+
+def unlock_session(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def session_name(start: datetime, host: str | None = None) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())[:40]
     return f"{start:%Y%m%dT%H%M%SZ}-{host}"
@@ -154,7 +199,10 @@ class Recorder:
     """Drains the bus into a session folder every `flush_interval` seconds."""
 
     def __init__(self, bus: Bus, root: Path | str, meta: dict[str, Any], flush_interval: float = 1.0,
-                 roll_every: int = 300, name: str | None = None, retry_s: float = 5.0) -> None:
+                 roll_every: int = 300, name: str | None = None, retry_s: float = 5.0,
+                 resume: dict[str, Any] | None = None) -> None:
+        """`resume`: continue the existing session folder `root/name` (see `_reopen`); the dict is
+        appended to its meta.json's `resumed` list (at, after_s, ...)."""
         self.bus, self.flush_interval, self.roll_every = bus, flush_interval, roll_every
         self.retry_s = retry_s
         start = datetime.now(timezone.utc)
@@ -181,9 +229,21 @@ class Recorder:
         self._kick = threading.Event()
         self.wait_s = flush_interval  # longest wait between flushes; see kick()
         self._thread: threading.Thread | None = None
+        self._resume = resume
+        self._lock_fd: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Recorder":
+        if self._resume is not None:
+            try:
+                self._lock_fd = lock_session(self.dir)
+                self._reopen(self._resume)
+            except Exception as e:
+                self._fatal = True
+                self._fail(e, "recording stopped (the session folder could not be reopened)")
+                return self
+            self._thread = start_thread(self._run, "gpuwatch-recorder")
+            return self
         try:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
             base, n = self.dir, 1
@@ -195,12 +255,52 @@ class Recorder:
                     n += 1
                     self.dir = base.with_name(f"{base.name}-{n}")
             write_json_atomic(self.meta, self.dir / "meta.json")
+            self._lock_fd = lock_session(self.dir)
         except Exception as e:
             self._fatal = True
             self._fail(e, "recording stopped (the session folder could not be created)")
             return self
         self._thread = start_thread(self._run, "gpuwatch-recorder")
         return self
+
+    def _reopen(self, entry: dict[str, Any]) -> None:
+        """Continue writing an existing session folder (`gpuwatch stress --resume`). Its meta.json is kept
+        (start, config, the first command line) and gets `complete: false` and `entry` appended to
+        `resumed`. A compacted table (`samples.parquet`, a clean stop) is renamed to the chunk name
+        `samples-c000000-000000.parquet` (it covers no segment number; any segments or chunks it already
+        holds are removed), because the reader prefers a compacted file over every segment of its table.
+        New segments are numbered after the highest one on disk, so nothing is overwritten or read twice;
+        a clean stop compacts everything again."""
+        old = json.loads((self.dir / "meta.json").read_text())
+        if not isinstance(old, dict):
+            raise ValueError(f"{self.dir / 'meta.json'}: not a JSON object")
+        for tmp in self.dir.glob(".*.tmp"):  # a write a crash interrupted (never read)
+            _unlink_quietly(tmp)
+        names = sorted(n for n in os.listdir(self.dir) if n.endswith(".parquet") and not n.startswith("."))
+        for table in schema.TABLES:
+            mine = [n for n in names if (m := SEGMENT_RE.match(n) or CHUNK_RE.match(n)) and m.group(1) == table]
+            if f"{table}.parquet" in names:
+                for n in mine:  # a crash during compaction: the compacted file holds them
+                    (self.dir / n).unlink()
+                os.replace(self.dir / f"{table}.parquet", self.dir / f"{table}-c000000-000000.parquet")
+                mine = [f"{table}-c000000-000000.parquet"]
+            top = 0
+            for n in mine:
+                m = SEGMENT_RE.match(n)
+                top = max(top, int(m.group(2)) if m else int(CHUNK_RE.match(n).group(3)))
+            self._seg[table] = top
+            for n in mine:
+                path = self.dir / n
+                self.bytes += path.stat().st_size
+                if table == "samples":
+                    self.rows += pl.scan_parquet(path).select(pl.len()).collect().item()
+        previous = "closed cleanly" if old.get("complete") else (old.get("incomplete_reason") or "interrupted")
+        entry = {**entry, "previous_close": previous}
+        for key in ("end", "rows", "bytes", "dropped", "lost_rows", "incomplete_reason"):
+            old.pop(key, None)
+        old.update(complete=False, resumed=[*(old.get("resumed") or []), entry])
+        self.meta = old
+        write_json_atomic(self.meta, self.dir / "meta.json")
 
     def _run(self) -> None:
         while True:
@@ -237,6 +337,8 @@ class Recorder:
         if self._thread:
             self._thread.join(timeout=10)
         if self._fatal:
+            unlock_session(self._lock_fd)
+            self._lock_fd = None
             return
         try:
             self.flush()
@@ -269,6 +371,11 @@ class Recorder:
                     write_json_atomic(self.meta, self.dir / "meta.json")
         except Exception as e:  # meta.json could not be rewritten: it still says complete: false
             self._fail(e, "could not close the session")
+        finally:
+            if self._lock_fd is not None:
+                _unlink_quietly(self.dir / LOCK_NAME)  # the folder holds what it held before locks
+            unlock_session(self._lock_fd)
+            self._lock_fd = None
 
     # -- writing ------------------------------------------------------------------------------------
     def _drain(self) -> None:

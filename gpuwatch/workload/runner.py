@@ -185,6 +185,32 @@ class Workload:
                 "integrity_every": c.integrity_every, "seed": c.seed, "gpu_index": c.gpu_index,
                 "gpu_uuid": c.gpu_uuid, "gpu_pci_bus_id": c.gpu_pci_bus_id}
 
+    # -- resume (before start) --------------------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """What a resumed run continues from: the step counter, precision, counters and the schedule."""
+        return {"step": self._step, "precision": self.precision, "ooms": self.ooms, "recovered": self.recovered,
+                "nonfinite": self.nonfinite, "integrity_failures": self.integrity_failures,
+                "retries": self.retries, "lost_steps": self.lost_steps, "last_ok_batch": self.last_ok_batch,
+                "schedule": self.schedule.state()}
+
+    def restore_state(self, state: dict[str, Any], history=None) -> None:
+        """Continue an interrupted run: `state` as `export_state()` gives it (its "schedule" may be left
+        out when `history` is given: the schedule is then rebuilt by `Schedule.replay(history)`).
+        Step numbers go on from `state["step"]`; the model is built again (fresh random weights)."""
+        if self._thread is not None:
+            raise RuntimeError("restore a workload before start()")
+        if state.get("schedule"):
+            self.schedule.restore(state["schedule"])
+        elif history is not None:
+            self.schedule.replay(history)
+        self._step = int(state.get("step") or 0)
+        if state.get("precision") in PRECISIONS:
+            self.precision = state["precision"]
+        for k in ("ooms", "recovered", "nonfinite", "integrity_failures", "retries", "lost_steps"):
+            setattr(self, k, int(state.get(k) or 0))
+        self.last_ok_batch = state.get("last_ok_batch")
+        self._gen.manual_seed(self.cfg.seed * 1_000_003 + self._step)  # new inputs, not the first run's again
+
     # -- thread ----------------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = start_thread(self.run, "gpuwatch-workload")

@@ -121,6 +121,47 @@ class Schedule:
     def set_seq_len(self, s: int) -> None:
         self.seq_len = max(1, s)
 
+    # -- resume: export the state, or rebuild it by replaying what was recorded ---------------------------
+    def state(self) -> dict:
+        """Everything the next step depends on (JSON-able): for the CI summary and for tests."""
+        out = {"kind": self.kind, "step": self.step, "batch": self.batch, "seq_len": self.seq_len,
+               "ceiling": self.ceiling, "finished": self.finished, "edges": list(self.edges),
+               "oom_levels": list(self.oom_levels), "level": self._level, "in_level": self._in_level,
+               "base": self._base, "last_ok": self._last_ok}
+        p = self.wanted()
+        out["phase"] = p[2] if p else None
+        return out
+
+    def restore(self, state: dict) -> None:
+        """Put back what `state()` exported (same kind of schedule, built from the same flags)."""
+        if state.get("kind") != self.kind:
+            raise ValueError(f"schedule state of a {state.get('kind')!r} schedule, this one is {self.kind!r}")
+        self.step, self.batch, self.seq_len = int(state["step"]), int(state["batch"]), int(state["seq_len"])
+        self.ceiling, self.finished = state.get("ceiling"), bool(state.get("finished"))
+        self.edges, self.oom_levels = list(state.get("edges") or []), list(state.get("oom_levels") or [])
+        self._level, self._in_level = int(state.get("level", 0)), int(state.get("in_level", 0))
+        self._base, self._last_ok = int(state.get("base", self.batch)), int(state.get("last_ok", 0))
+
+    def replay(self, history) -> None:
+        """Rebuild the state of an interrupted run from its recorded history, in time order: ("done",)
+        for each step that ran, ("oom", micro_batch) for an OOM the schedule recovered from, and the
+        controls that were applied (("batch", n), ("ceiling", n | None), ("hold", n), ("seq_len", n)).
+        The schedule is pure, so the same calls give the same state as the run had."""
+        for op, *arg in history:
+            v = arg[0] if arg else None
+            if op == "done":
+                self.done()
+            elif op == "oom":
+                self.oom(int(v or self.batch))
+            elif op == "batch":
+                self.set_batch(int(v))
+            elif op == "ceiling":
+                self.set_ceiling(v)
+            elif op == "hold":
+                self.hold(int(v) if v else None)
+            elif op == "seq_len":
+                self.set_seq_len(int(v))
+
 
 def _pow2(top: int) -> list[int]:
     out, b = [], 1

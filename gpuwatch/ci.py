@@ -1,0 +1,381 @@
+"""`gpuwatch stress` as a CI job: one-line progress, `--fail-on` thresholds, `--summary-json` and `--junit`.
+
+No terminal UI here (no Textual): a progress line every `--progress` seconds on stderr, and at the end
+the verdict of the run as checks - no unrecovered failure and the integrity checks per workload, the
+recording, and one check per row of the health matrix (`gpuwatch.report.health`, the same rows as the
+HTML report). A health row fails the run only when its threshold was given with `--fail-on`; without
+one it is reported (pass / fail against the report's default) and the exit code says only what it
+said before (an unrecovered failure, a recording that failed, a signal).
+
+Imported by `gpuwatch.cli` only; imports `gpuwatch.runtime` and below, and `gpuwatch.report.health`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+from xml.etree import ElementTree as ET
+
+from gpuwatch import __version__
+from gpuwatch.errors import UsageError
+
+# --fail-on KEY: (the comparison that fails the run, the Thresholds field it sets, the health row it
+# gates, the range a value may take, whether a trailing % divides by 100)
+FAIL_ON: dict[str, tuple[str, str, str, float, float, bool]] = {
+    "util": ("<", "min_util_pct", "GPU utilization", 0.0, 100.0, False),
+    "mfu": ("<", "min_mfu", "Compute (TFLOP/s vs peak)", 0.0, 1.0, True),
+    "mem_peak": (">", "max_mem_frac", "Memory (peak vs limit)", 0.0, 1.0, True),
+    "temp_margin": ("<", "temp_margin_c", "Temperature", 0.0, 200.0, False),
+    "throttled": (">", "max_throttle_frac", "Throttling", 0.0, 1.0, True),
+}
+FAIL_ON_HELP = ("fail the run (exit 1) when a health row crosses VALUE; comma-separated, repeatable: "
+                "util<PCT (mean GPU utilization while the workload ran, 0-100), mfu<FRAC (median MFU, 0-1 or N%%), "
+                "mem_peak>FRAC (peak memory / limit, 0-1 or N%%), temp_margin<C (degrees below the slowdown "
+                "temperature), throttled>FRAC (share of samples with a limiting clock reason, 0-1 or N%%). "
+                "E.g. --fail-on util<85,mfu<0.6,temp_margin<5,throttled>0.05,mem_peak>0.95. Without it the rows "
+                "are reported but never fail the run; a row with no data (no GPU) is skipped")
+_ITEM = re.compile(r"^\s*([a-z_]+)\s*([<>])\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
+
+
+def parse_fail_on(text: str) -> dict[str, float]:
+    """`"util<85,mfu<0.6"` -> {"util": 85.0, "mfu": 0.6}. UsageError (one line) for anything else."""
+    out: dict[str, float] = {}
+    for item in str(text).split(","):
+        m = _ITEM.match(item)
+        if not m:
+            key = re.match(r"\s*([a-z_]+)", item)
+            if key and key.group(1) not in FAIL_ON:
+                raise UsageError(f"--fail-on: unknown check {key.group(1)!r} (one of {', '.join(FAIL_ON)})")
+            raise UsageError(f"--fail-on: bad item {item.strip()[:40]!r}: use KEY<VALUE or KEY>VALUE, e.g. util<85")
+        key, op, num, pct = m.groups()
+        if key not in FAIL_ON:
+            raise UsageError(f"--fail-on: unknown check {key!r} (one of {', '.join(FAIL_ON)})")
+        want, _field, _row, lo, hi, frac = FAIL_ON[key]
+        if op != want:
+            raise UsageError(f"--fail-on: {key} fails {'below' if want == '<' else 'above'} a value: use {key}{want}{num}{pct}")
+        value = float(num)
+        if pct and frac:
+            value /= 100
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise UsageError(f"--fail-on: {key}{op}{num}{pct} out of range ({lo:g}..{hi:g}{' or 0..100%' if frac else ''})")
+        if key in out:
+            raise UsageError(f"--fail-on: {key} given twice")
+        out[key] = value
+    return out
+
+
+def merge_fail_on(parts: list[dict[str, float]] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in parts or []:
+        for k, v in p.items():
+            if k in out:
+                raise UsageError(f"--fail-on: {k} given twice")
+            out[k] = v
+    return out
+
+
+def check_output_file(path: Path | None, flag: str) -> None:
+    """Before a long run: the file's folder must exist and be writable (else exit 2 now, not in 72 h)."""
+    if path is None:
+        return
+    parent = Path(path).parent
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path}: is a folder")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: no folder {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {parent}")
+
+
+def hms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(max(0, seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+# -- progress --------------------------------------------------------------------------------------------
+class Progress:
+    """Called every `--progress` seconds from the session's wait: one line on stderr with elapsed/duration,
+    steps, tokens/s (median of the steps since the last line), OOMs, the latest risk, guard actions and
+    recorded rows. `offset_s`: run time of the earlier parts of a resumed session."""
+
+    def __init__(self, session, duration_s: float | None, offset_s: float = 0.0, out=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.s, self.duration_s, self.offset_s = session, duration_s, offset_s
+        self.out, self.clock = out, clock
+        self.t0 = clock()
+        bus = session.bus
+        self._steps_at, self._risk_at = bus.steps.next_seq, bus.risk.next_seq
+        self._risk: dict[Any, float] = {}
+        self._tps: float | None = None
+
+    def elapsed(self) -> float:
+        return self.offset_s + self.clock() - self.t0
+
+    def line(self) -> str:
+        s, bus = self.s, self.s.bus
+        rows, self._steps_at, _ = bus.steps.since(self._steps_at)
+        tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]
+        self._tps = statistics.median(tps) if tps else None
+        risk, self._risk_at, _ = bus.risk.since(self._risk_at)
+        for r in risk:
+            if r.get("risk") is not None:
+                self._risk[r.get("gpu")] = float(r["risk"])
+        el = self.elapsed()
+        parts = [f"{hms(el)}/{hms(self.duration_s)}" + (f" ({100 * el / self.duration_s:.0f} %)" if self.duration_s else "")]
+        steps = [w.export_state()["step"] for w in s.workloads]
+        parts.append(f"step {'/'.join(map(str, steps)) or '-'}" + (f" (+{len(rows)})" if s.workloads else ""))
+        parts.append(f"{self._tps:.0f} tok/s" if self._tps is not None else "- tok/s")
+        ooms = sum(w.ooms for w in s.workloads)
+        rec = sum(w.recovered for w in s.workloads)
+        parts.append(f"OOM {ooms} ({rec} recovered)")
+        failed = [w for w in s.workloads if w.unrecovered]
+        if failed:
+            parts.append(f"FAILED {len(failed)}")
+        parts.append(f"risk {max(self._risk.values()):.2f}" if self._risk else "risk -")
+        g = s.guard
+        parts.append(f"guard {g.actions} action(s), {g.misses} miss(es)" if g is not None else "guard off")
+        r = s.recorder
+        if r is not None:
+            parts.append(f"{r.rows} rows" + (" RECORDER ERROR" if r.error else ""))
+        else:
+            parts.append("not recording")
+        return "gpuwatch: " + " | ".join(parts)
+
+    def __call__(self) -> None:
+        print(self.line(), file=self.out or sys.stderr, flush=True)
+
+
+# -- the verdict ----------------------------------------------------------------------------------------
+@dataclass
+class RunInfo:
+    """What cmd_stress knows besides the session: the CI flags, and time (this part and earlier ones)."""
+
+    fail_on: dict[str, float] = field(default_factory=dict)
+    summary_json: Path | None = None
+    junit: Path | None = None
+    duration_s: float | None = None
+    ran_s: float = 0.0  # this process's wait
+    offset_s: float = 0.0  # earlier parts of a resumed session
+    previous_unrecovered: list[str] = field(default_factory=list)
+    resumed: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the run's end needs the recording read back (health rows, whole-session summaries)."""
+        return bool(self.fail_on or self.summary_json or self.junit or self.resumed)
+
+
+class _Rows:
+    """A stand-in for `bus.steps` holding a recording's step rows (summaries of a whole resumed session)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self._rows = rows
+
+    def latest(self, n: int) -> list[dict]:
+        return self._rows[-n:] if n else []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class _StepsBus:
+    def __init__(self, rows: list[dict]) -> None:
+        self.steps = _Rows(rows)
+
+
+def open_session_recording(session):
+    """The session's recording after stop (compacted), or (None, why not)."""
+    r = session.recorder
+    if r is None:
+        return None, "not recorded (--no-record): health checks skipped"
+    from gpuwatch.errors import RecordingError
+    from gpuwatch.recording.reader import open_recording
+
+    try:
+        return open_recording(r.dir), None
+    except RecordingError as e:
+        return None, f"recording unreadable: {e}"
+
+
+def step_source(session, rec):
+    """What `summarize(w, bus)` should read: the recording's steps (all parts of a resumed session) when
+    there is a recording, else the live bus."""
+    if rec is None:
+        return session.bus
+    rows = rec.steps.sort("ts").to_dicts()
+    for row in rows:  # the bus holds ts as UTC microseconds
+        row["ts"] = int(row["ts"].timestamp() * 1e6) if row.get("ts") is not None else None
+    return _StepsBus(rows)
+
+
+def health_rows(rec, fail_on: dict[str, float]) -> list[dict[str, Any]]:
+    """The health matrix of `rec` with the given thresholds (defaults elsewhere), as JSON-able rows."""
+    from gpuwatch.report.health import Thresholds, health_matrix
+
+    th = Thresholds(**{FAIL_ON[k][1]: v for k, v in fail_on.items()})
+    key_of = {row: k for k, (_op, _f, row, *_r) in FAIL_ON.items()}
+    out = []
+    for row in health_matrix(rec, th):
+        key = key_of.get(row.name)
+        enforced = key in fail_on
+        out.append({"name": row.name, "key": key, "value": row.value, "threshold": row.threshold, "op": row.op,
+                    "unit": row.unit, "status": row.status, "enforced": enforced,
+                    "verdict": "n/a" if row.passed is None else ("fail" if enforced and not row.passed else "pass"),
+                    "value_text": row.value_text, "threshold_text": row.threshold_text, "detail": row.detail})
+    return out
+
+
+def _label(w) -> str:
+    where = f"GPU {w.cfg.gpu_index}" if w.cfg.gpu_index is not None else str(w.device_name)
+    return f"{w.cfg.preset} {w.cfg.mode} on {where}"
+
+
+def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_note: str | None) -> dict[str, Any]:
+    """The whole summary of the run (what --summary-json writes), checks and exit code included."""
+    from gpuwatch.runtime import SIGNAL_EXIT
+
+    checks: list[dict[str, Any]] = []
+    reasons: list[str] = []
+    workloads = []
+    for w, s in zip(session.workloads, summaries):
+        st = w.export_state()
+        earlier = list(info.previous_unrecovered)
+        s = {**s, "steps_total": st["step"], "schedule": st["schedule"], "precision": st["precision"],
+             "previous_unrecovered": earlier}
+        workloads.append(s)
+        label = _label(w)
+        bad = s["unrecovered"] or (earlier[0] if earlier else None)
+        checks.append({"name": f"no unrecovered failure ({label})", "status": "fail" if bad else "pass",
+                       "message": f"unrecovered: {bad}" if bad else f"{s['ooms']} OOM(s), {s['recovered']} recovered"})
+        if bad:
+            reasons.append(f"{label}: unrecovered failure: {bad}")
+        every = w.cfg.integrity_every
+        ran = st["step"] // every if every else 0
+        if s["integrity_failures"]:
+            checks.append({"name": f"integrity checks ({label})", "status": "fail",
+                           "message": f"{s['integrity_failures']} of {ran} integrity check(s) differed"})
+        elif ran == 0:
+            checks.append({"name": f"integrity checks ({label})", "status": "skipped",
+                           "message": f"no integrity check ran ({st['step']} steps, one every {every})"})
+        else:
+            checks.append({"name": f"integrity checks ({label})", "status": "pass",
+                           "message": f"{ran} integrity check(s), outputs identical"})
+    r = session.recorder
+    recording = None
+    if r is not None:
+        incomplete = getattr(r, "incomplete_reason", None)
+        recording = {"dir": str(r.dir), "rows": r.rows, "bytes": r.bytes, "dropped": r.dropped,
+                     "late_ticks": getattr(session.sampler, "late_ticks", None), "error": r.error,
+                     "incomplete_reason": incomplete, "complete": bool(r.meta.get("complete")),
+                     "resumed": r.meta.get("resumed") or []}
+        bad = r.error or incomplete
+        checks.append({"name": "recording", "status": "fail" if bad else "pass",
+                       "message": f"{r.error or 'INCOMPLETE ' + str(incomplete)}" if bad else f"{r.rows} sample rows in {r.dir}"})
+        if bad:
+            reasons.append(f"recording: {r.error or incomplete}")
+    rows = health_rows(rec, info.fail_on) if rec is not None else []
+    for row in rows:
+        name = f"health: {row['name']}"
+        if row["status"] == "n/a":
+            checks.append({"name": name, "status": "skipped", "message": row["detail"]})
+        elif row["verdict"] == "fail":
+            msg = f"{row['value_text']}, needs {row['threshold_text']} ({row['detail']})"
+            checks.append({"name": name, "status": "fail", "message": msg})
+            reasons.append(f"health: {row['name']} {row['value_text']}, needs {row['threshold_text']}")
+        else:
+            note = f"{row['value_text']} ({row['threshold_text']}): {row['detail']}"
+            if row["status"] == "fail":
+                note += f" - fails the report's default threshold, not enforced (--fail-on {row['key']}...)"
+            checks.append({"name": name, "status": "pass", "message": note})
+    if rec is None:
+        checks.append({"name": "health checks", "status": "skipped", "message": rec_note or "no recording"})
+    code = 1 if reasons else 0
+    if why in SIGNAL_EXIT:
+        code = SIGNAL_EXIT[why]
+        reasons.insert(0, f"stopped by {why}")
+    g = session.guard
+    return {
+        "gpuwatch": __version__, "argv": sys.argv, "session": str(r.dir) if r is not None else None,
+        "stopped_by": why, "elapsed_s": round(info.offset_s + info.ran_s, 3), "this_run_s": round(info.ran_s, 3),
+        "duration_s": info.duration_s, "resumed": bool(info.resumed),
+        "workloads": workloads, "recording": recording,
+        "guard": {"mode": g.cfg.mode, "rule": g.cfg.rule, "actions": g.actions, "misses": g.misses} if g else None,
+        "model": getattr(session, "model_note", None),
+        "thresholds": dict(info.fail_on),
+        "health": {"checked": rec is not None, "note": rec_note, "rows": rows},
+        "checks": checks,
+        "exit": {"code": code, "why": reasons or ["all checks passed" if code == 0 else ""]},
+    }
+
+
+def health_lines(summary: dict[str, Any]) -> list[str]:
+    h = summary["health"]
+    if not h["checked"]:
+        return [f"health: {h['note']}"]
+    out = []
+    for row in h["rows"]:
+        mark = {"pass": "pass", "fail": "FAIL", "n/a": "n/a"}[row["verdict"]]
+        extra = " (default threshold: fails, not enforced)" if row["verdict"] == "pass" and row["status"] == "fail" else ""
+        out.append(f"health: {row['name']}: {row['value_text']} ({row['threshold_text']}) {mark}{extra}")
+    return out
+
+
+def _write_atomic(text: str, path: Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+def write_summary_json(summary: dict[str, Any], path: Path) -> None:
+    _write_atomic(json.dumps(summary, indent=2, default=str) + "\n", path)
+
+
+def junit_xml(summary: dict[str, Any]) -> str:
+    """One <testsuite name="gpuwatch stress"> (inside <testsuites>), one <testcase> per check: a failed
+    check has <failure message=...>, a check with no data <skipped message=.../>."""
+    checks = summary["checks"]
+    fails = sum(c["status"] == "fail" for c in checks)
+    skips = sum(c["status"] == "skipped" for c in checks)
+    t = f"{summary['this_run_s']:.3f}"
+    root = ET.Element("testsuites", name="gpuwatch", tests=str(len(checks)), failures=str(fails),
+                      errors="0", skipped=str(skips), time=t)
+    suite = ET.SubElement(root, "testsuite", name="gpuwatch stress", tests=str(len(checks)), failures=str(fails),
+                          errors="0", skipped=str(skips), time=t,
+                          timestamp=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()))
+    props = ET.SubElement(suite, "properties")
+    for k in ("session", "stopped_by", "elapsed_s", "duration_s", "resumed"):
+        ET.SubElement(props, "property", name=k, value=str(summary.get(k)))
+    ET.SubElement(props, "property", name="exit_code", value=str(summary["exit"]["code"]))
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname="gpuwatch.stress", name=c["name"], time="0")
+        if c["status"] == "fail":
+            ET.SubElement(case, "failure", message=c["message"][:500], type="threshold" if c["name"].startswith("health")
+                          else "check").text = c["message"]
+        elif c["status"] == "skipped":
+            ET.SubElement(case, "skipped", message=c["message"][:500])
+        else:
+            ET.SubElement(case, "system-out").text = c["message"]
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def write_junit(summary: dict[str, Any], path: Path) -> None:
+    _write_atomic(junit_xml(summary), path)
