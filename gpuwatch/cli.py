@@ -381,9 +381,10 @@ def _resumed_args(args, point):
         if new != getattr(defaults, f) and new != was:
             flag = "--" + f.replace("_", "-")
             raise UsageError(f"--resume {point.dir}: {flag} {new} contradicts the recorded run ({flag} {was})")
-    for f in ("progress", "summary_json", "junit", "fail_on", "model", "no_model", "trust_model", "prometheus",
-              "resume"):
-        setattr(orig, f, getattr(args, f))
+    for f in ("progress", "summary_json", "junit", "fail_on", "model", "no_model", "trust_model", "risk_threshold",
+              "prometheus", "resume"):
+        if hasattr(args, f):
+            setattr(orig, f, getattr(args, f))
     orig.duration = args.duration if args.duration is not None else orig.duration
     orig.steps = args.steps if args.steps is not None else orig.steps
     orig.record, orig.output = True, point.dir.parent
