@@ -88,6 +88,18 @@ def _speed(text: str) -> float:
     return v
 
 
+def _nonempty_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(text)
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value")
+    return text
+
+
 def _interval(text: str) -> float:
     v = _dur(text)
     if not 0.01 <= v <= 60:
@@ -122,13 +134,13 @@ def _listen(text: str):
 def _common(p: argparse.ArgumentParser, record_default: bool) -> None:
     p.add_argument("--interval", type=_interval, default=0.1, metavar="DUR",
                    help="sampling interval (default 100ms)")
-    p.add_argument("-o", "--output", type=Path, default=Path("recordings"), metavar="DIR",
+    p.add_argument("-o", "--output", type=_nonempty_path, default=Path("recordings"), metavar="DIR",
                    help="where session folders are written (default recordings/)")
     p.add_argument("--record", action=argparse.BooleanOptionalAction, default=record_default,
                    help=f"write a recording (default: {'on' if record_default else 'off'})")
     p.add_argument("--sampler", choices=["process", "thread"], default="process",
                    help="sample in a child process (default; keeps 100 ms under a busy GIL) or a thread")
-    p.add_argument("--source", metavar="SESSION",
+    p.add_argument("--source", type=_nonempty, metavar="SESSION",
                    help="replay a recorded session as if it were live (demo/tests; labelled REPLAY)")
     p.add_argument("--prometheus", type=_listen, metavar="[HOST:]PORT",
                    help="serve live metrics for Prometheus (binds 127.0.0.1 unless a host is given)")
@@ -156,7 +168,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_pos_int, help="sequence length (default from preset)")
     p.add_argument("--max-batch", type=_pos_int, help="upper batch for sweep/ramp")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--gpus", default=None, help="'all' = one workload per GPU, or a list like 0,1")
+    p.add_argument("--gpus", type=_nonempty, default=None, help="'all' = one workload per GPU, or a list like 0,1")
     p.add_argument("--gpu-memory-limit", type=_size, metavar="SIZE",
                    help="make the GPU behave like a smaller card, e.g. 40GiB")
     p.add_argument("--leak-mib", type=_nonneg, default=0.0, help="fault: keep N MiB per step")
@@ -187,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (live, w):
         q.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="quit after DUR (benchmarks)")
     r = sub.add_parser("replay", help="replay a recorded session")
-    r.add_argument("path", type=Path)
+    r.add_argument("path", type=_nonempty_path)
     r.add_argument("--follow", action="store_true", help="attach to a session still being recorded")
     r.add_argument("--speed", type=_speed, default=1.0, help=f"playback speed {SPEED_MIN:g}..{SPEED_MAX:g} (default 1)")
     _model_args(r)
@@ -218,12 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH")
     t.add_argument("--stride", type=_pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
     t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
-    t.add_argument("--threshold", type=float, default=None,
+    t.add_argument("--threshold", type=_unit, default=None,
                    help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
     t.add_argument("--horizon", type=_dur, default=None, metavar="DUR",
-                   help="predict failures this far ahead (default 10s)")
+                   help="predict failures this far ahead (default 5s)")
     sc = sub.add_parser("score", help="the risk timeline of a recorded session")
-    sc.add_argument("session", type=Path)
+    sc.add_argument("session", type=_nonempty_path)
     sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
     sc.add_argument("-o", "--output", type=Path, metavar="PATH", help="write the timeline as Parquet")
     sc.add_argument("--stride", type=_pos_int, default=1)
@@ -461,6 +473,8 @@ def cmd_score(args) -> int:
 
     if args.no_model:
         raise UsageError("score needs a model (drop --no-model)")
+    if args.output is not None:
+        _check_output_file(args.output)
     model = load_model(args.model, trust=args.trust_model)
     if args.risk_threshold is not None:
         model.manifest = {**model.manifest, "threshold": args.risk_threshold}
@@ -493,6 +507,17 @@ def cmd_tui(args) -> int:
                           no_model=args.no_model)
     cfg = session_config(args, workload=args.command in (None, "live"))
     return run_tui(cfg, duration_s=args.duration, status=_status)
+
+
+def _check_output_file(path: Path) -> None:
+    """A file we are told to write: its folder must exist and it must not be a folder (checked first,
+    not after minutes of work)."""
+    if str(path) in ("", "."):
+        raise UsageError("-o: give a file name")
+    if path.is_dir():
+        raise UsageError(f"{path}: is a folder; give a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path.parent}: no such folder")
 
 
 def _status(msg: str) -> None:

@@ -16,7 +16,7 @@ CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.control.guard", "gpuwatch.
         "gpuwatch.recording.writer", "gpuwatch.recording.replay_backend", "gpuwatch.recording.backends",
         "gpuwatch.predict.features", "gpuwatch.predict.model", "gpuwatch.workload.presets",
         "gpuwatch.workload.flops", "gpuwatch.workload.schedule", "gpuwatch.workload.factory",
-        "gpuwatch.workload.summary", "gpuwatch.export.prometheus"]
+        "gpuwatch.workload.summary", "gpuwatch.export.prometheus", "gpuwatch.ci", "gpuwatch.predict.scorer"]
 
 
 def test_import_contracts_hold():

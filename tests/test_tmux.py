@@ -65,7 +65,7 @@ def test_replay_in_a_real_terminal(py, env):
         screen = wait_for(name, "40.5/81.0 s")
         tmux("send-keys", "-t", name, "]")
         screen = wait_for(name, "50.5/81.0 s")
-        assert "throttle:" in screen and "headroom" in screen
+        assert "throttle:" in screen and "risk" in screen and "alarm 0.94" in screen  # scored on the fly
         tmux("send-keys", "-t", name, "q")
         wait_for(name, "EXITED 0")
     finally:
@@ -102,5 +102,29 @@ def test_no_color_is_honoured(py, env):
         for r, g, b in re.findall(r"[34]8;2;(\d+);(\d+);(\d+)", styled):
             assert r == g == b
         tmux("send-keys", "-t", name, "q")
+    finally:
+        tmux("kill-session", "-t", name)
+
+
+@pytest.mark.parametrize("sig", ["TERM", "HUP"])
+def test_dashboard_closes_its_recording_on_sigterm_and_sighup(py, tmp_path, sig):
+    """A dropped SSH link (SIGHUP) or a kill (SIGTERM) ends the dashboard like `q`: the session is
+    stopped and its recording compacted and marked complete; the exit code says which signal."""
+    from gpuwatch.recording.reader import open_recording
+
+    name = f"gw-{sig.lower()}"
+    pidfile = tmp_path / "pid"
+    cmd = (f"cd {ROOT} && echo $$ > {pidfile} && exec {py} -m gpuwatch watch --source {RAMP} --record "
+           f"-o {tmp_path / 'rec'} --no-model")
+    new_session(name, f"bash -c '{cmd}; echo EXITED $?; sleep 30'")
+    try:
+        wait_for(name, "REPLAY", timeout=30)
+        time.sleep(2.0)
+        subprocess.run(["kill", f"-{sig}", pidfile.read_text().strip()], check=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not list((tmp_path / "rec").glob("*/samples.parquet")):
+            time.sleep(0.2)
+        rec = open_recording(next((tmp_path / "rec").iterdir()))
+        assert rec.complete and rec.samples.height >= 10
     finally:
         tmux("kill-session", "-t", name)

@@ -153,7 +153,7 @@ async def test_live_panels_show_real_values():
         gpus = text(app, "gpus")
         assert "GPU0 H200" in gpus and "/140 GiB" in gpus and "/700 W" in gpus
         assert "LIVE" in text(app, "header") and "not recording" in text(app, "header")
-        assert "no risk model loaded" in text(app, "risk") and "headroom" in text(app, "risk")
+        assert "no risk scored" in text(app, "risk") and "headroom" in text(app, "risk")
         assert "tok/s" in text(app, "work")
 
 

@@ -95,36 +95,54 @@ class LiveScorer:
         self._thread: threading.Thread | None = None
         self.cost_us: list[int] = []  # CPU per scoring round (the last 600)
         self._why: dict[int | None, tuple[float, list]] = {}  # reasons, recomputed at most once a second
+        self._publish_lock = threading.Lock()  # the scorer thread and the workload thread (rescore) both publish
 
     def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
-        return self.scorer.score(self.source.window(gpu), plan)
+        """Score a plan that stepped up since the last round (the guard asks, between steps); the result
+        is published like any other scoring, so the recorded risk holds what the guard acted on."""
+        with self._publish_lock:
+            w = self.source.window(gpu)
+            f = features(w, plan)
+            x = vector(f)
+            r = self.scorer.score_vector(x)
+            why = self.scorer.reasons(x, r) if r >= self.model.threshold * REASONS_FROM else []
+            self._publish(gpu, w.end_us, r, why, plan="rescored")
+            return r, why, f
 
     def score_once(self) -> None:
         c0 = time.thread_time_ns()
         for g in [m.index for m in self.source.gpus]:
-            w = self.source.window(g)
-            if not w.samples.height:
-                continue
-            plan = self.plan(g)
-            f = features(w, plan)
-            x = vector(f)
-            r = self.scorer.score_vector(x)
-            why = self._reasons(g, x, r)
-            alarm = r >= self.model.threshold or (self._alarm.get(g, False) and r >= self.model.threshold * CLEAR_RATIO)
-            onset = alarm and not self._alarm.get(g, False)
-            self.bus.risk.append({"ts": w.end_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
+            with self._publish_lock:
+                w = self.source.window(g)
+                if not w.samples.height:
+                    continue
+                plan = self.plan(g)
+                f = features(w, plan)
+                x = vector(f)
+                r = self.scorer.score_vector(x)
+                why = self._reasons(g, x, r)
+                onset = self._publish(g, w.end_us, r, why)
+            if self.on_risk is not None:
+                self.on_risk(g, r, why, f, plan, onset)
+        self.cost_us = (self.cost_us + [(time.thread_time_ns() - c0) // 1000])[-600:]
+
+    def _publish(self, g, ts_us: int, r: float, why: list, plan: str | None = None) -> bool:
+        """One risk row; the alarm's onset and end as events (hysteresis). Returns True at the onset."""
+        alarm = r >= self.model.threshold or (self._alarm.get(g, False) and r >= self.model.threshold * CLEAR_RATIO)
+        onset = alarm and not self._alarm.get(g, False)
+        if True:  # noqa: SIM108 - kept as a block for readability
+            self.bus.risk.append({"ts": ts_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
                                   "threshold": self.model.threshold, "model": self.model.label,
                                   "reasons": json.dumps(why)})
             if onset:
-                self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}: "
+                self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}"
+                              + (" (the next step's plan)" if plan else "") + ": "
                               + (", ".join(n for n, _ in why) or "no single feature stands out"), "warning",
                               gpu=g, risk=r, threshold=self.model.threshold, model=self.model.label, reasons=why)
             elif not alarm and self._alarm.get(g, False):
                 self.bus.emit("risk_clear", f"OOM risk back to {r:.2f}", gpu=g, risk=r)
             self._alarm[g] = alarm
-            if self.on_risk is not None:
-                self.on_risk(g, r, why, f, plan, onset)
-        self.cost_us = (self.cost_us + [(time.thread_time_ns() - c0) // 1000])[-600:]
+        return onset
 
     def _reasons(self, g, x, r: float) -> list:
         """Occlusion reasons cost one batched prediction: only near the alarm, at most once a second

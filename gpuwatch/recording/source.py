@@ -198,6 +198,7 @@ class ReplaySource:
 
             raise RecordingError(self.reader.warnings[0] if self.reader.warnings else f"{self.reader.path}: no samples")
         self.playing = follow
+        self.writer_done = follow and bool(self.reader.meta.get("complete"))  # followed after it ended
         self.speed = speed
         self.loop = False
         self.at_edge = follow

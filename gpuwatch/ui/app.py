@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import polars as pl
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -237,6 +238,8 @@ class GpuwatchApp(App):
             return R.risk_model_line(rows[-1], self._guard_status(), self.size.width), free
         if self.session is not None:
             line = Text(f"{self.session.model_note}; ", style="yellow") + line
+        elif not getattr(self.source, "risk_df", pl.DataFrame()).is_empty():
+            line = Text("risk: not scored yet at this moment; ", style="dim") + line
         return line, free
 
     def _guard_status(self) -> str:

@@ -27,7 +27,24 @@ def crash_log(exc: BaseException, folder: Path | None = None) -> Path:
 
 
 def _run_app(app, log_folder: Path | None, status) -> int:
-    app.run()
+    """Run the app; SIGTERM and SIGHUP (the SSH link dropped) end it like `q` does, so the session
+    behind it is stopped and its recording closed, and the exit code says which signal it was."""
+    import signal
+
+    got: dict[str, int] = {}
+
+    def on_signal(signum, _frame):
+        got["code"] = 128 + signum
+        app.exit(return_code=128 + signum)
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        app.run()
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    if "code" in got:
+        status(f"stopped by {signal.Signals(got['code'] - 128).name}")
+        return got["code"]
     exc = getattr(app, "crashed", None)
     if exc is not None:
         path = crash_log(exc, log_folder)

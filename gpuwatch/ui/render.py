@@ -181,7 +181,7 @@ def risk_line(mem_series: list, total: int | None, interval_s: float, model_load
     free_frac_series = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem_series]
     label = Text("risk ", style="bold")
     if not model_loaded:
-        label.append("no risk model loaded; ", style="yellow")
+        label.append("no risk scored; ", style="yellow")
     if h is None:
         return label + Text("memory headroom unknown"), free_frac_series
     trend = "flat" if h.slope_bytes_per_s is None or abs(h.slope_bytes_per_s) < 1e6 else \

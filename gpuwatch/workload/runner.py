@@ -293,7 +293,8 @@ class Workload:
                 self.precision = value
                 if self.cfg.mode == "train":
                     self.scaler = M.LossScaler() if value == "fp16" else None
-            self.bus.emit("control", f"{key} -> {value} ({who}{': ' + why if why else ''})", gpu=self.cfg.gpu_index,
+            shown = "none (lifted)" if value is None else value
+            self.bus.emit("control", f"{key} -> {shown} ({who}{': ' + why if why else ''})", gpu=self.cfg.gpu_index,
                           control=key, value=value, who=who, why=why)
 
     def request_snapshot(self, directory, reason: str) -> None:
