@@ -122,9 +122,13 @@ def test_dashboard_closes_its_recording_on_sigterm_and_sighup(py, tmp_path, sig)
         time.sleep(2.0)
         subprocess.run(["kill", f"-{sig}", pidfile.read_text().strip()], check=True)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not list((tmp_path / "rec").glob("*/samples.parquet")):
+        def closed() -> bool:  # compaction ends by rewriting meta.json with complete: true
+            metas = list((tmp_path / "rec").glob("*/meta.json"))
+            return bool(metas) and '"complete": true' in metas[0].read_text()
+        while time.monotonic() < deadline and not closed():
             time.sleep(0.2)
+        screen = tmux("capture-pane", "-t", name, "-p")
         rec = open_recording(next((tmp_path / "rec").iterdir()))
-        assert rec.complete and rec.samples.height >= 10
+        assert rec.complete and rec.samples.height >= 10, screen
     finally:
         tmux("kill-session", "-t", name)
