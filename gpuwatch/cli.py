@@ -58,34 +58,23 @@ def _pos_int(text: str) -> int:
     return v
 
 
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
-    return v
+def _float_in(ok, what: str):
+    """An argparse type: a float for which `ok(v)` holds (comparisons with nan are false, so nan is
+    refused too), else `what` in the one-line error."""
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+        return v
+    return conv
 
 
-def _unit(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < v < 1.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
-    return v
-
-
-def _speed(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (SPEED_MIN <= v <= SPEED_MAX):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"speed {text!r} out of range {SPEED_MIN:g}..{SPEED_MAX:g}")
-    return v
+_nonneg = _float_in(lambda v: 0 <= v < math.inf, "must be a finite number >= 0")
+_unit = _float_in(lambda v: 0.0 < v < 1.0, "must be between 0 and 1")
+_speed = _float_in(lambda v: SPEED_MIN <= v <= SPEED_MAX, f"speed out of range {SPEED_MIN:g}..{SPEED_MAX:g}")
 
 
 def _nonempty_path(text: str) -> Path:
@@ -479,6 +468,9 @@ def cmd_score(args) -> int:
     if args.risk_threshold is not None:
         model.manifest = {**model.manifest, "threshold": args.risk_threshold}
     src = ReplaySource(args.session)
+    if src.reader.meta.get("single_file"):
+        _status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "
+                "from what the file holds alone (score the session folder for the full picture)")
     t0 = time.perf_counter()
     tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
     if args.output:
@@ -536,8 +528,22 @@ def _fix_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame):
+    raise _Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     argv = sys.argv[1:] if argv is None else argv
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # train/score/report: a clean one-line stop too
+        signal.signal(sig, _raise_stopped)  # (a running session installs its own handlers while it waits)
     try:
         if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
             argv = ["live", *argv]
@@ -552,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpuwatch: interrupted", file=sys.stderr)
         return 130
+    except _Stopped as e:
+        print(f"gpuwatch: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except OSError as e:  # a fault outside any session (a file we were told to write, say)
         print(f"gpuwatch: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 1

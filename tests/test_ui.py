@@ -113,6 +113,7 @@ async def test_live_keys_reach_the_workload_and_the_bus():
 
     src, bus = live_source()
     w = Workload(bus, WorkloadConfig(batch=8, seq_len=8, overrides={"num_hidden_layers": 2}, integrity_every=0))
+    w.guard = object()  # a guard is attached (never called: the workload is not started)
 
     class S:  # the part of a Session the App uses
         workload, recorder, guard, model_note = w, None, None, "no risk model"

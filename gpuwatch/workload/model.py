@@ -139,7 +139,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    """A CUDA OOM, or the CPU allocator's equivalent ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
 # -- fast decode: a static KV cache and CUDA graphs ------------------------------------------------------

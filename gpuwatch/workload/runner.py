@@ -103,7 +103,7 @@ class Workload:
             raise ValueError(f"who must be one of {WHO}")
         with self._lock:
             self._pending[key] = (value, who, why)
-        if who == "user" and key in ("batch", "precision", "ceiling") and not self.manual:
+        if who == "user" and key in ("batch", "precision", "ceiling") and not self.manual and self.guard is not None:
             self.manual = True
             self.bus.emit("guard_override", f"manual {key} change: the guard leaves this workload alone until handed back",
                           gpu=self.cfg.gpu_index, who=who)
@@ -128,7 +128,7 @@ class Workload:
 
     def hand_back(self) -> None:
         """The user hands control back to the guard."""
-        if self.manual:
+        if self.manual and self.guard is not None:
             self.manual = False
             self.bus.emit("guard_override", "control handed back to the guard", gpu=self.cfg.gpu_index, who="user")
 
@@ -156,10 +156,14 @@ class Workload:
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
         return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff}
 
-    def pause(self) -> None:
+    def pause(self, who: str = "user") -> None:
+        if self._resume.is_set():
+            self.bus.emit("control", f"workload paused ({who})", gpu=self.cfg.gpu_index, control="pause", who=who)
         self._resume.clear()
 
-    def resume(self) -> None:
+    def resume(self, who: str = "user") -> None:
+        if not self._resume.is_set():
+            self.bus.emit("control", f"workload resumed ({who})", gpu=self.cfg.gpu_index, control="resume", who=who)
         self._resume.set()
 
     def stop(self, join: bool = True) -> None:
