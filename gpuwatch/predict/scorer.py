@@ -95,7 +95,8 @@ class LiveScorer:
         self._thread: threading.Thread | None = None
         self.cost_us: list[int] = []  # CPU per scoring round (the last 600)
         self._why: dict[int | None, tuple[float, list]] = {}  # reasons, recomputed at most once a second
-        self._publish_lock = threading.Lock()  # the scorer thread and the workload thread (rescore) both publish
+        self._publish_lock = threading.Lock()
+        self.paused = False  # benchmarks switch scoring off and on to measure what it costs  # the scorer thread and the workload thread (rescore) both publish
 
     def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
         """Score a plan that stepped up since the last round (the guard asks, between steps); the result
@@ -161,7 +162,8 @@ class LiveScorer:
         nxt = time.monotonic()
         while not self._stop.is_set():
             try:
-                self.score_once()
+                if not self.paused:
+                    self.score_once()
             except Exception as e:  # noqa: BLE001 - scoring must never take the run down
                 self.bus.emit("risk_clear", f"risk scoring stopped: {type(e).__name__}: {e}", "error")
                 return
