@@ -457,7 +457,7 @@ def cmd_train(args) -> int:
 
 def cmd_score(args) -> int:
     from gpuwatch.predict.model import load_model
-    from gpuwatch.predict.scorer import alarms, score_source
+    from gpuwatch.predict.scorer import alarms, guard_actions, score_source
     from gpuwatch.recording.source import ReplaySource
 
     if args.no_model:
@@ -478,9 +478,11 @@ def cmd_score(args) -> int:
 
         write_atomic(tl, args.output)
     al = alarms(tl)
+    actions = guard_actions(src.events_df)
     summary = {"session": str(args.session), "model": model.label, "threshold": model.threshold,
                "windows": tl.height, "seconds": round(time.perf_counter() - t0, 3),
-               "max_risk": round(float(tl["risk"].max()), 4) if tl.height else None, "alarms": al}
+               "max_risk": round(float(tl["risk"].max()), 4) if tl.height else None, "alarms": al,
+               "actions": actions}
     if args.json:
         print(json.dumps(summary))
     else:
@@ -488,6 +490,10 @@ def cmd_score(args) -> int:
               f"max risk {summary['max_risk']}; {len(al)} alarm(s)")
         for a in al:
             print(f"  {a['ts']}  GPU{a['gpu']}  {a['kind']}  risk {a['risk']:.2f}")
+        if actions:
+            print(f"{len(actions)} guard action(s) recorded in the session:")
+            for a in actions:
+                print(f"  {a['ts']}  GPU{a['gpu']}  {a['action']}  (risk {a['risk']})  {a['message']}")
     return 0
 
 

@@ -308,3 +308,18 @@ def test_unreadable_files_without_permission(session):
             d.chmod(m)
     assert any("steps.parquet: cannot read (Permission denied" in w for w in rec.warnings), rec.warnings
     assert rec.samples.height > 100
+
+
+def test_watch_source_of_an_unreadable_session_is_the_replay_error(py, env, tmp_path):
+    """`watch --source` a session whose samples are truncated used to show LIVE ... CPU-only."""
+    import shutil
+    import subprocess
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ROOT / "recordings" / "sample-h200-oom-inject", bad)
+    with open(bad / "samples.parquet", "r+b") as fh:
+        fh.truncate(100)
+    r = subprocess.run([py, "-m", "gpuwatch", "watch", "--source", str(bad), "--duration", "2s"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("gpuwatch: error:") and "samples.parquet" in r.stderr

@@ -209,3 +209,12 @@ def test_scoring_one_window_is_cheap(small_model):
     for _ in range(20):
         sc.score(w)
     assert (time.perf_counter() - t0) / 20 < 0.05  # a loose ceiling for a loaded CI box; the figure is in BENCHMARKS
+
+
+def test_score_shows_the_guards_actions_beside_the_risk(py, env):
+    guarded = ROOT / "recordings" / "sample-h200-guard-ramp-train"
+    r = subprocess.run([py, "-m", "gpuwatch", "score", str(guarded), "--json"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["actions"] and out["actions"][0]["action"] == "refuse_step" and out["actions"][0]["risk"] >= 0.9

@@ -216,3 +216,16 @@ def alarms(timeline: pl.DataFrame) -> list[dict[str, Any]]:
             out.append({"ts": r["ts"].isoformat().replace("+00:00", "Z"), "gpu": r["gpu"], "kind": r["kind"],
                         "risk": round(float(r["risk"]), 4)})
     return sorted(out, key=lambda x: x["ts"])
+
+
+def guard_actions(events: pl.DataFrame) -> list[dict[str, Any]]:
+    """The guard's recorded actions, for `gpuwatch score` to show beside the risk."""
+    out = []
+    for r in events.filter(pl.col("kind") == "guard_action").to_dicts():
+        try:
+            d = json.loads(r.get("detail") or "{}")
+        except ValueError:
+            d = {}
+        out.append({"ts": r["ts"].isoformat().replace("+00:00", "Z"), "gpu": r["gpu"], "action": d.get("action"),
+                    "risk": None if d.get("risk") is None else round(float(d["risk"]), 4), "message": r["message"]})
+    return out

@@ -17,6 +17,10 @@ class ReplayGpuBackend:
 
     def __init__(self, path: Path | str, loop: bool = True) -> None:
         rec = open_recording(path)
+        if not rec.gpus:  # nothing to replay as a GPU: the same one-line error `replay` gives
+            from gpuwatch.errors import RecordingError
+
+            raise RecordingError(rec.warnings[0] if rec.warnings else f"{rec.path}: no GPU samples to replay")
         self.label = f"REPLAY of {rec.path.name} (not live)"
         self.driver_version = rec.meta.get("driver_version")
         self.loop = loop
