@@ -137,15 +137,8 @@ def eager_phases(model, ids, new_tokens, dev) -> tuple[float, float]:
 
 def eager_tokens(model, ids, new_tokens):
     """step_decode's loop, keeping each argmax: (tokens (batch, new), max |logit| of the last step)."""
-    kw = M._cache_kw(model)
-    toks = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        for _ in range(new_tokens):
-            past = getattr(out, "cache", None) or out.past_key_values
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{kw: past})
-            toks.append(out.logits[:, -1].argmax(-1))
-        return torch.stack(toks, 1), out.logits.float().abs().max().item()
+    toks, last = M.decode_eager(model, ids, new_tokens, keep_tokens=True)
+    return toks, last.abs().max().item()
 
 
 def engine_phases(eng, ids, dev) -> tuple[float, float]:

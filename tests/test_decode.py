@@ -13,16 +13,7 @@ from gpuwatch.workload.presets import config_fields  # noqa: E402
 
 def _reference(model, ids, new_tokens):
     """Eager decode with transformers' dynamic cache (step_decode's loop), recording each argmax."""
-    kw = M._cache_kw(model)
-    toks = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        for _ in range(new_tokens):
-            past = getattr(out, "cache", None) or out.past_key_values
-            nxt = out.logits[:, -1:].argmax(-1)
-            out = model(input_ids=nxt, use_cache=True, **{kw: past})
-            toks.append(out.logits[:, -1].argmax(-1))
-        return torch.stack(toks, 1), out.logits[:, -1].float()
+    return M.decode_eager(model, ids, new_tokens, keep_tokens=True)
 
 
 def _build(device="cpu", precision="fp32", preset="tiny"):

@@ -92,16 +92,27 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def step_decode(model, ids, new_tokens: int):
-    """Prefill the prompt with a KV cache, then generate `new_tokens` tokens greedily."""
+def decode_eager(model, ids, new_tokens: int, keep_tokens: bool = False):
+    """Prefill the prompt with transformers' dynamic KV cache, then generate `new_tokens` greedily.
+    Returns (the generated tokens (batch, new) if `keep_tokens` else None, the last logits (batch, vocab)).
+    The reference the fast decode path is checked against (tests, bench_decode)."""
     kw = _cache_kw(model)
+    toks = []
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         for _ in range(new_tokens):
             past = getattr(out, "cache", None) or out.past_key_values
             nxt = out.logits[:, -1:].argmax(-1)
             out = model(input_ids=nxt, use_cache=True, **{kw: past})
-        return None, out.logits.float().abs().max().item()
+            if keep_tokens:
+                toks.append(out.logits[:, -1].argmax(-1))
+        return (torch.stack(toks, 1) if keep_tokens and toks else None), out.logits[:, -1].float()
+
+
+def step_decode(model, ids, new_tokens: int):
+    """Prefill the prompt with a KV cache, then generate `new_tokens` tokens greedily."""
+    _, last = decode_eager(model, ids, new_tokens)
+    return None, last.abs().max().item()
 
 
 def step_train(model, ids, optimizer, scaler: LossScaler | None):
