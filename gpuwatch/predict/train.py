@@ -169,6 +169,7 @@ class Report:
     seconds: float
     warnings: list[str]
     horizon_s: float = HORIZON_S
+    stride: int = 1
 
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
@@ -184,10 +185,11 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
     progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
              f"{data['sessions']} sessions, scenarios: {', '.join(data['scenarios'])}")
     with one_thread():
-        return _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold)
+        rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride)
+    return rep
 
 
-def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None) -> Report:
+def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1) -> Report:
     by_session = by_scenario = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
@@ -222,7 +224,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
     }
     path = save_model(est, manifest, out)
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
-                 per_scen, time.perf_counter() - t0, warnings, horizon_s)
+                 per_scen, time.perf_counter() - t0, warnings, horizon_s, stride)
     from gpuwatch.predict.card import write_card
 
     write_card(rep)
