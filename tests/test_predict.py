@@ -218,3 +218,28 @@ def test_score_shows_the_guards_actions_beside_the_risk(py, env):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["actions"] and out["actions"][0]["action"] == "refuse_step" and out["actions"][0]["risk"] >= 0.9
+
+
+def test_a_failing_scoring_round_is_skipped_not_fatal():
+    from gpuwatch.predict.scorer import LiveScorer
+    from gpuwatch.predict.model import load_model
+
+    bus = Bus()
+    rec = ReplaySource(CAPPED)
+    src = LiveSource(bus, rec.gpus, interval_s=0.1)
+    calls = {"n": 0}
+
+    def plan(_g):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise IndexError("sweep level read mid-change")
+        return None
+    row = rec._by_gpu[rec.gpus[0].index].row(100, named=True)
+    row["ts"] = int(row["ts"].timestamp() * 1e6)
+    bus.ticks.append(Tick(0, row["ts"], [row]))
+    ls = LiveScorer(src, load_model(), bus, plan, hz=50)
+    ls.start()
+    time.sleep(0.5)
+    ls.stop()
+    assert calls["n"] > 5  # kept scoring after the failed round
+    assert [e.kind for e in bus.events.latest(10)].count("risk_clear") == 1

@@ -159,14 +159,23 @@ class LiveScorer:
         return why
 
     def _run(self) -> None:
+        """Score until stopped. A round that fails (a workload's plan read mid-change, say) is skipped
+        and said once a minute at most; ten failures in a row stop scoring, and that is said too."""
         nxt = time.monotonic()
+        failed, said = 0, -1e9
         while not self._stop.is_set():
             try:
                 if not self.paused:
                     self.score_once()
+                failed = 0
             except Exception as e:  # noqa: BLE001 - scoring must never take the run down
-                self.bus.emit("risk_clear", f"risk scoring stopped: {type(e).__name__}: {e}", "error")
-                return
+                failed += 1
+                if failed >= 10:
+                    self.bus.emit("risk_clear", f"risk scoring stopped after 10 failures: {type(e).__name__}: {e}", "error")
+                    return
+                if time.monotonic() - said > 60:
+                    said = time.monotonic()
+                    self.bus.emit("risk_clear", f"a risk scoring round failed: {type(e).__name__}: {e}", "warning")
             nxt += self.period
             self._stop.wait(max(0.0, nxt - time.monotonic()))
 
