@@ -90,7 +90,8 @@ def _parse_goto(v: str, start: int, end: int, cursor: int) -> float | None:
     v = v.strip()
     if end < start:
         return None
-    clamp = lambda t: float(min(max(t, start), end))  # noqa: E731
+    # whole microseconds, compared exactly (a float of a time past 2**53 us would not be)
+    clamp = lambda t: int(min(max(t, start), end))  # noqa: E731
     if m := re.fullmatch(r"(\d{1,3}(?:\.\d{1,6})?)\s*%", v, flags=re.ASCII):
         pct = float(m.group(1))
         if not 0 <= pct <= 100:
