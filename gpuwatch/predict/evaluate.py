@@ -92,11 +92,14 @@ def alarm_state(scores: np.ndarray, threshold: float, clear_ratio: float = CLEAR
     threshold x clear_ratio (hysteresis: a score hovering at the threshold is one alarm, not many)."""
     out = np.zeros(scores.size, dtype=bool)
     on = False
-    lo = threshold * clear_ratio
     for i, v in enumerate(scores.tolist()):
-        on = v >= threshold or (on and v >= lo)
-        out[i] = on
+        on = out[i] = alarm_next(on, v, threshold, clear_ratio)
     return out
+
+
+def alarm_next(on: bool, score: float, threshold: float, clear_ratio: float = CLEAR_RATIO) -> bool:
+    """One step of that hysteresis (the live scorer's alarm, score by score)."""
+    return score >= threshold or (on and score >= threshold * clear_ratio)
 
 
 def _stride_s(tl: Timeline) -> float:

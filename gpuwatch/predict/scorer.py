@@ -1,6 +1,6 @@
-"""Scoring: the model over one window (`Scorer.score`), the live loop that scores every GPU about ten
-times a second and publishes the risk (`LiveScorer`), and a whole recording at once (`score_recording`,
-for `gpuwatch score`, replay of older sessions and reports). All three call the one feature function.
+"""Scoring: the model over one window (`Scorer.score`), the live loop that scores every GPU a few times
+a second and publishes the risk (`LiveScorer`), and a whole recording at once (`score_source`, for
+`gpuwatch score` and replay of older sessions). All three call the one feature function.
 
 Reasons are occlusion effects: each feature in turn set to its healthy median (from the training
 data, in the manifest) and how far the risk falls; computed only when the risk is within reach of the
@@ -17,11 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_state
+from gpuwatch.predict.evaluate import alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.predict.model import RiskModel
 from gpuwatch.recording import schema
-from gpuwatch.recording.source import ReplaySource, Window
+from gpuwatch.recording.source import ReplaySource, Window, event_detail
 from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
@@ -95,18 +95,15 @@ class LiveScorer:
         self._thread: threading.Thread | None = None
         self.cost_us: list[int] = []  # CPU per scoring round (the last 600)
         self._why: dict[int | None, tuple[float, list]] = {}  # reasons, recomputed at most once a second
-        self._publish_lock = threading.Lock()
-        self.paused = False  # benchmarks switch scoring off and on to measure what it costs  # the scorer thread and the workload thread (rescore) both publish
+        self._publish_lock = threading.Lock()  # the scorer thread and the workload thread (rescore) both publish
+        self.paused = False  # benchmarks switch scoring off and on to measure what it costs
 
     def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
         """Score a plan that stepped up since the last round (the guard asks, between steps); the result
         is published like any other scoring, so the recorded risk holds what the guard acted on."""
         with self._publish_lock:
             w = self.source.window(gpu)
-            f = features(w, plan)
-            x = vector(f)
-            r = self.scorer.score_vector(x)
-            why = self.scorer.reasons(x, r) if r >= self.model.threshold * REASONS_FROM else []
+            r, why, f = self.scorer.score(w, plan)
             self._publish(gpu, w.end_us, r, why, plan="rescored")
             return r, why, f
 
@@ -129,21 +126,20 @@ class LiveScorer:
 
     def _publish(self, g, ts_us: int, r: float, why: list, plan: str | None = None) -> bool:
         """One risk row; the alarm's onset and end as events (hysteresis). Returns True at the onset."""
-        alarm = r >= self.model.threshold or (self._alarm.get(g, False) and r >= self.model.threshold * CLEAR_RATIO)
-        onset = alarm and not self._alarm.get(g, False)
-        if True:  # noqa: SIM108 - kept as a block for readability
-            self.bus.risk.append({"ts": ts_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
-                                  "threshold": self.model.threshold, "model": self.model.label,
-                                  "reasons": json.dumps(why)})
-            if onset:
-                self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}"
-                              + (" (the next step's plan)" if plan else "") + ": "
-                              + (", ".join(n for n, _ in why) or "no single feature stands out"), "warning",
-                              gpu=g, risk=r, threshold=self.model.threshold, model=self.model.label, reasons=why)
-            elif not alarm and self._alarm.get(g, False):
-                self.bus.emit("risk_clear", f"OOM risk back to {r:.2f}", gpu=g, risk=r)
-            self._alarm[g] = alarm
-        return onset
+        was = self._alarm.get(g, False)
+        alarm = alarm_next(was, r, self.model.threshold)
+        self.bus.risk.append({"ts": ts_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
+                              "threshold": self.model.threshold, "model": self.model.label,
+                              "reasons": json.dumps(why)})
+        if alarm and not was:
+            self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}"
+                          + (" (the next step's plan)" if plan else "") + ": "
+                          + (", ".join(n for n, _ in why) or "no single feature stands out"), "warning",
+                          gpu=g, risk=r, threshold=self.model.threshold, model=self.model.label, reasons=why)
+        elif was and not alarm:
+            self.bus.emit("risk_clear", f"OOM risk back to {r:.2f}", gpu=g, risk=r)
+        self._alarm[g] = alarm
+        return alarm and not was
 
     def _reasons(self, g, x, r: float) -> list:
         """Occlusion reasons cost one batched prediction: only near the alarm, at most once a second
@@ -231,10 +227,7 @@ def guard_actions(events: pl.DataFrame) -> list[dict[str, Any]]:
     """The guard's recorded actions, for `gpuwatch score` to show beside the risk."""
     out = []
     for r in events.filter(pl.col("kind") == "guard_action").to_dicts():
-        try:
-            d = json.loads(r.get("detail") or "{}")
-        except ValueError:
-            d = {}
+        d = event_detail(r)
         out.append({"ts": r["ts"].isoformat().replace("+00:00", "Z"), "gpu": r["gpu"], "action": d.get("action"),
                     "risk": None if d.get("risk") is None else round(float(d["risk"]), 4), "message": r["message"]})
     return out
