@@ -464,9 +464,7 @@ def cmd_score(args) -> int:
         raise UsageError("score needs a model (drop --no-model)")
     if args.output is not None:
         _check_output_file(args.output)
-    model = load_model(args.model, trust=args.trust_model)
-    if args.risk_threshold is not None:
-        model.manifest = {**model.manifest, "threshold": args.risk_threshold}
+    model = load_model(args.model, trust=args.trust_model, threshold=args.risk_threshold)
     src = ReplaySource(args.session)
     if src.reader.meta.get("single_file"):
         _status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "

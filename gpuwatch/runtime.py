@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
@@ -156,10 +156,7 @@ class Session:
         from gpuwatch.predict.model import ModelError, load_model
 
         try:
-            m = load_model(cfg.model.path, trust=cfg.model.trust)
-            if cfg.model.threshold is not None:
-                m.manifest = {**m.manifest, "threshold": cfg.model.threshold}
-            return m
+            return load_model(cfg.model.path, trust=cfg.model.trust, threshold=cfg.model.threshold)
         except ModelError as e:
             if cfg.model.path is not None:
                 raise  # the user asked for this model: a one-line fatal error
@@ -314,7 +311,7 @@ def _bus_id(s: str) -> str:
     return s.strip().lower()
 
 
-SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+SIGNAL_EXIT = {s.name: 128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # 130, 143, 129
 
 
 def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: Callable[[], None] | None = None,
@@ -360,10 +357,6 @@ def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def with_record_dir(cfg: SessionConfig, record: bool, output: Path) -> SessionConfig:
-    return replace(cfg, record_dir=output if record else None)
 
 
 class SessionFailed(GpuwatchError):

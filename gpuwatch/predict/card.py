@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from gpuwatch.predict import evaluate as E
-from gpuwatch.predict.dataset import HORIZON_S
 
 
 def _f(v, fmt="{:.2f}") -> str:

@@ -132,8 +132,9 @@ def check_manifest(path: Path, man: dict[str, Any], trust: bool) -> None:
                              "(a joblib file runs code when loaded; --trust-model overrides)")
 
 
-def load_model(path: Path | str | None = None, trust: bool = False) -> RiskModel:
-    """Load and check a model (default: models/risk.joblib). Raises ModelError (one line)."""
+def load_model(path: Path | str | None = None, trust: bool = False, threshold: float | None = None) -> RiskModel:
+    """Load and check a model (default: models/risk.joblib). Raises ModelError (one line).
+    `threshold` replaces the manifest's alarm threshold (`--risk-threshold`)."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     if not path.exists():
         raise ModelError(f"{path}: no such model file" + (" (train one with `gpuwatch train`)" if path == DEFAULT_MODEL else ""))
@@ -149,4 +150,6 @@ def load_model(path: Path | str | None = None, trust: bool = False) -> RiskModel
         raise ModelError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
     if not hasattr(est, "predict_proba"):
         raise ModelError(f"{path}: not a classifier with predict_proba")
+    if threshold is not None:
+        man = {**man, "threshold": threshold}
     return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)))

@@ -17,7 +17,7 @@ import polars as pl
 from gpuwatch.recording.reader import Recording
 from gpuwatch.report.health import (
     Row, Thresholds, active_window, effective_limits, measured_steps, mem_used_expr,
-    slowdown_temps, throttle_breakdown, workloads,
+    throttle_breakdown, workloads,
 )
 from gpuwatch.units import fmt_bytes
 
