@@ -84,11 +84,12 @@ class Guard:
         act_frac = 0.0
         if limit and last.get("torch_peak_bytes") is not None and last.get("torch_allocated_bytes") is not None:
             act_frac = max(0.0, last["torch_peak_bytes"] - last["torch_allocated_bytes"]) / limit
+        wanted = w.schedule.wanted()
         return Observation(
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
-            planned_batch=w.schedule.wanted()[0] if w.schedule.wanted() else plan["batch"],
+            planned_batch=wanted[0] if wanted else plan["batch"],
             last_batch=getattr(w, "last_ok_batch", None), ceiling=w.ceiling, precision=w.precision,
-            bf16_ok=_bf16_ok(w), act_frac=act_frac, features=latest.get("features") or {},
+            bf16_ok=getattr(w, "bf16_supported", True), act_frac=act_frac, features=latest.get("features") or {},
             reasons=latest.get("reasons") or [])
 
     def _apply(self, w, act: Action, obs: Observation) -> None:
@@ -128,11 +129,6 @@ class Guard:
 
 def _tokens(plan: dict) -> float:
     return float(plan.get("batch") or 0) * float(plan.get("seq_len") or 0)
-
-
-def _bf16_ok(w) -> bool:
-    ok = getattr(w, "bf16_supported", None)
-    return True if ok is None else bool(ok)
 
 
 __all__ = ["Guard", "GuardConfig", "NONE"]

@@ -137,6 +137,11 @@ class Workload:
         return not self._resume.is_set()
 
     @property
+    def bf16_supported(self) -> bool:
+        """Whether this device runs bf16 (the guard falls back to fp16 where it does not)."""
+        return self.device.type != "cuda" or bool(torch.cuda.is_bf16_supported())
+
+    @property
     def ceiling(self) -> int | None:
         return self.schedule.ceiling
 
