@@ -524,9 +524,10 @@ def load_resume(path: Path | str) -> ResumePoint:
                 state["recovered"] += 1
                 if d.get("retried"):
                     state["retries"] += 1
-                    m = re.search(r"\b(batch|ceiling) -> (\d+)", str(d.get("decision") or ""))
-                    if m:
-                        history.append((m.group(1), int(m.group(2))))
+                    if d.get("retry_control") in ("batch", "ceiling") and d.get("retry_value") is not None:
+                        history.append((d["retry_control"], int(d["retry_value"])))
+                    elif m := re.search(r"\b(batch|ceiling) -> (\d+)", str(d.get("decision") or "")):
+                        history.append((m.group(1), int(m.group(2))))  # sessions recorded before the fields
                 else:
                     state["lost_steps"] += 1
                     history.append(("oom", oom_batch))

@@ -441,7 +441,8 @@ class Workload:
         self.recovered += 1
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
                       allocated_after=after, allocated_before=before, decision=decision, who="recovery",
-                      retried=react is not None,
+                      retried=react is not None, retry_control=react[0] if react else None,
+                      retry_value=react[1] if react else None,
                       back_to_pre_step=(after is not None and before is not None and after <= before))
         return react is not None
 
