@@ -13,7 +13,6 @@ Labels (per GPU, kind "oom"): a window ending at t is
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -148,7 +147,3 @@ def describe(timelines: list[Timeline]) -> dict[str, Any]:
             "positives": int(sum((t.y == 1).sum() for t in timelines)),
             "failures": int(sum(t.failures.size for t in timelines)),
             "scenarios": sorted({t.scenario for t in timelines}), "features": list(NAMES)}
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))

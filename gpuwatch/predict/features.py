@@ -10,7 +10,6 @@ model handles it), never a made-up value.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -188,7 +187,3 @@ def _health(out: dict[str, float], w: Window) -> None:
     out["throttled"] = NAN if mask is None else float(bool(mask & LIMITING))
     util = last.get("gpu_util_pct")
     out["util_pct"] = NAN if util is None else float(util)
-
-
-def finite_or_none(v: float) -> float | None:
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v

@@ -430,18 +430,6 @@ def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:
     return next((m for m in gpus if m.index == gpu), None)
 
 
-def _cut(samples: pl.DataFrame, steps: pl.DataFrame, events: pl.DataFrame, gpu: int | None, end_us: int,
-         seconds: float, n_steps: int, events_s: float, interval_s: float, meta: GpuMeta | None) -> Window:
-    """A window from whole (time-ordered) frames: what LiveSource keeps; replay slices by index."""
-    us = pl.col("ts").dt.epoch("us")
-    g = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
-    s = samples.filter(g & (us > end_us - int(seconds * 1e6)) & (us <= end_us))
-    st = steps.filter((pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu) & (us <= end_us)).tail(n_steps)
-    ev = events.filter((pl.col("gpu").is_null() | (pl.col("gpu") == gpu) if gpu is not None else pl.lit(True))
-                       & (us > end_us - int(events_s * 1e6)) & (us <= end_us))
-    return Window(gpu, end_us, interval_s, s, st, ev, meta)
-
-
 def recorded_interval(meta: dict[str, Any]) -> float:
     """The sampling interval a session was recorded with (meta's config), 0.1 s if it does not say."""
     v = (meta.get("config") or {}).get("interval_s") if isinstance(meta.get("config"), dict) else None

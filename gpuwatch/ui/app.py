@@ -235,7 +235,8 @@ class GpuwatchApp(App):
             line.append(f" (of the {R.fmt_bytes(cap)} --gpu-memory-limit)", style="dim")
         rows = self.source.risk(meta.index, 1)
         if rows:
-            return R.risk_model_line(rows[-1], self._guard_status(), self.size.width), free
+            note = self._guard_status() or getattr(self.source, "risk_note", None) or ""  # e.g. scored on the fly
+            return R.risk_model_line(rows[-1], note, self.size.width), free
         if self.session is not None:
             line = Text(f"{self.session.model_note}; ", style="yellow") + line
         elif not getattr(self.source, "risk_df", pl.DataFrame()).is_empty():

@@ -214,10 +214,6 @@ def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
     return t
 
 
-def risk_source_note(kind: str, note: str | None) -> str:
-    return note or ("recorded live" if kind != "live" else "")
-
-
 def _dur(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
@@ -246,4 +242,3 @@ def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: boo
         t.append("  " + extra)
     t.append("  " + label, style="bold")  # last: the first thing a narrow terminal cuts
     return t
-
