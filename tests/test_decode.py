@@ -78,7 +78,7 @@ def test_small_prefill_through_the_static_cache_matches_step_prefill(tiny):
     eng = M.DecodeEngine(tiny, 4, 32, 1, "cpu", graphs=False)
     eng.prepare(4, 32)
     with torch.inference_mode():
-        eng._st["cache"].reset()
+        eng._reset()
         eng._st["ids"].copy_(ids)
         eng._prefill_body()
     assert eng._st["logits"].abs().max().item() == pytest.approx(ref, rel=1e-4)
@@ -196,3 +196,92 @@ def test_cuda_graph_small_prefill_matches_step_prefill():
     assert got == pytest.approx(ref, rel=0.02)
     _, big = M.DecodeEngine(model, 64, 512, 0, "cuda:0").step(_ids(64, 512, "cuda:0"))  # compute-bound: eager
     assert big > 0
+
+
+# -- the fast path (absorbed MLA over a latent cache, dense experts): same logits as transformers ----------------
+
+def _variant(**over):
+    fields = {**config_fields("tiny"), **over}
+    model, _ = M.build_model(fields, torch.device("cpu"), "fp32", seed=0)
+    with torch.no_grad():  # a non-zero router bias, so the group/bias routing is really exercised
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
+VARIANTS = {
+    "tiny": {},
+    # DeepSeek-V3's shape of things: query LoRA, group-limited routing, normalised top-k, scaling 2.5
+    "v3-like": dict(q_lora_rank=48, n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=4,
+                    norm_topk_prob=True, routed_scaling_factor=2.5),
+    "no-interleave": dict(rope_interleave=False, num_hidden_layers=3, first_k_dense_replace=2),
+}
+
+
+@pytest.mark.parametrize("moe", ["dense", "module"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fast_path_computes_what_transformers_computes(variant, moe):
+    from gpuwatch.workload.fastpath import FastDeepseek
+
+    model = _variant(**VARIANTS[variant])
+    ids = _ids(3, 21, seed=7)
+    ref_tokens, ref_logits = _reference(model, ids, 6)
+    events = []
+    eng = M.DecodeEngine(model, 3, 21, 6, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
+                         record_tokens=True, moe=moe)
+    eng.step(ids)
+    assert eng.impl == "fast" and isinstance(eng._st["fast"], FastDeepseek) and eng._st["fast"].moe == moe
+    assert torch.equal(eng.tokens, ref_tokens)
+    assert torch.allclose(eng._st["logits"][:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+    assert "absorbed MLA" in events[0][0] and events[0][1]["impl"] == "fast"
+
+
+def test_fast_path_prefill_logits_match_transformers_at_every_position_of_the_cache():
+    """Prefill writes latents that decode then reads: a decode after a prefill of S tokens must equal a
+    transformers forward over S+1 tokens (checked for the last logits), for several S in one cache."""
+    from gpuwatch.workload.fastpath import FastDeepseek
+
+    model = _variant(**VARIANTS["v3-like"])
+    with torch.inference_mode():
+        fast = FastDeepseek(model, 2, 40, moe="dense")
+        for s in (1, 5, 33):
+            ids = _ids(2, s + 1, seed=s)
+            fast.reset()
+            fast.prefill(ids[:, :s])
+            got = fast.decode(ids[:, s:])
+            ref = model(input_ids=ids).logits[:, -1:]
+            assert int(fast.pos) == s + 1
+            assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_transformers_forward_is_still_there_when_asked_or_when_the_layout_is_unknown(tiny, monkeypatch):
+    from gpuwatch.workload import fastpath
+
+    ids = _ids(2, 16)
+    ref_tokens, _ = _reference(tiny, ids, 4)
+    eng = M.DecodeEngine(tiny, 2, 16, 4, "cpu", graphs=False, record_tokens=True, fast=False)
+    eng.step(ids)
+    assert eng.impl == "transformers" and torch.equal(eng.tokens, ref_tokens)
+
+    def refuse(self, model, *a, **k):
+        raise fastpath.Unsupported("unexpected DeepSeek module layout ('x' has no attribute 'y')")
+    monkeypatch.setattr(fastpath.FastDeepseek, "__init__", refuse)
+    events = []
+    eng = M.DecodeEngine(tiny, 2, 16, 4, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
+                         record_tokens=True)
+    eng.step(ids)
+    eng.step(_ids(3, 16))  # a rebuild: the fall-back is said once
+    assert eng.impl == "transformers"
+    said = [m for m, d in events if d.get("fallback") == "transformers"]
+    assert len(said) == 1 and "fast path unavailable" in said[0] and "layout" in said[0]
+
+
+def test_auto_experts_choice_follows_how_many_experts_a_batch_touches():
+    from gpuwatch.workload.fastpath import choose_moe, expected_touched
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(**config_fields("v2-lite"))
+    assert expected_touched(64, 6, 32) == pytest.approx(61.3, abs=0.1)  # the figure in docs/BENCHMARKS.md
+    assert choose_moe(cfg, 32) == "dense" and choose_moe(cfg, 1) == "module" and choose_moe(cfg, 4) == "module"
+    assert choose_moe(cfg, 1, "dense") == "dense"

@@ -189,8 +189,12 @@ class DecodeEngine:
     """
 
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
-                 graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False) -> None:
+                 graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False,
+                 fast: bool = True, moe: str = "auto") -> None:
         self.model, self.new_tokens = model, int(new_tokens)
+        self.want_fast, self.moe = fast, moe  # fastpath.FastDeepseek (absorbed MLA, dense experts) or transformers'
+        self.impl: str | None = None  # "fast" or "transformers": what the last build runs
+        self.detail: dict[str, Any] = {}
         self.device = torch.device(device)
         self.on_event = on_event or (lambda kind, message, **detail: None)
         self.want_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
@@ -206,6 +210,7 @@ class DecodeEngine:
         self._steps_since_capture = 0
         self._thrash = 0
         self._said_eager = False
+        self._said_unsupported = False
         self.batch, self.prompt_len = batch, prompt_len
 
     # -- what to (re)build -------------------------------------------------------------------------------
@@ -252,10 +257,13 @@ class DecodeEngine:
         self.compile_s = time.perf_counter() - t0
         what = {"graphs": "captured CUDA graphs", "static": "built a static cache (no graphs)",
                 "eager": "compute-bound prefill, runs eager (no graph)"}[self.mode]
+        how = (f" ({self.detail['attention']}, experts: {self.detail['experts']})"
+               if self.impl == "fast" and self.mode != "eager" else "")
         self.on_event("compile", f"decode: {what} for batch {batch} x {prompt_len} (+{self.new_tokens} tokens) "
-                      f"in {self.compile_s:.2f} s", mode=self.mode, batch=batch, prompt_len=prompt_len,
-                      new_tokens=self.new_tokens, seconds=self.compile_s,
-                      prefill_graph=self._st.get("g_prefill") is not None)
+                      f"in {self.compile_s:.2f} s{how}", mode=self.mode, batch=batch, prompt_len=prompt_len,
+                      new_tokens=self.new_tokens, seconds=self.compile_s, impl=self.impl,
+                      prefill_graph=self._st.get("g_prefill") is not None,
+                      **{k: v for k, v in self.detail.items() if k in ("attention", "experts")})
         return self.compile_s
 
     def _say_eager(self, message: str) -> None:
@@ -279,7 +287,9 @@ class DecodeEngine:
         if getattr(cfg, "_experts_implementation", "eager") == "eager" and self.want_graphs:
             m.set_experts_implementation("grouped_mm")  # the eager expert loop syncs on nonzero()
         with torch.inference_mode():
-            st["cache"] = _static_cache(m, prompt_len + self.new_tokens)
+            st["fast"] = self._fast(batch, prompt_len + self.new_tokens)
+            if st["fast"] is None:
+                st["cache"] = _static_cache(m, prompt_len + self.new_tokens)
             st["ids"] = torch.zeros(batch, prompt_len, dtype=torch.long, device=dev)
             st["tok"] = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             st["logits"] = torch.zeros(batch, 1, cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -291,7 +301,7 @@ class DecodeEngine:
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.device(dev), torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside capture: lazy cache allocation, cuBLAS handles, autotuning
-                    st["cache"].reset()
+                    self._reset()
                     self._prefill_body()
                     if self.new_tokens:
                         self._decode_body()
@@ -302,6 +312,34 @@ class DecodeEngine:
             torch.cuda.synchronize(dev)
         self.mode = "graphs"
 
+    def _fast(self, batch: int, max_len: int):
+        """fastpath.FastDeepseek for this shape, or None (asked not to, or the model's layout is unknown:
+        then transformers' forward over its StaticCache runs, and an event says why, once)."""
+        self.impl, self.detail = "transformers", {"attention": "transformers (latents re-expanded each token)",
+                                                  "experts": getattr(self.model.config, "_experts_implementation", None)
+                                                  or "eager"}
+        if not self.want_fast:
+            return None
+        from gpuwatch.workload.fastpath import FastDeepseek, Unsupported
+
+        try:
+            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe)
+        except Unsupported as e:
+            if not self._said_unsupported:
+                self._said_unsupported = True
+                self.on_event("compile", f"decode: fast path unavailable ({e}); using transformers' forward",
+                              fallback="transformers", reason=str(e))
+            return None
+        self.impl, self.detail = "fast", fast.describe()
+        return fast
+
+    def _reset(self) -> None:
+        st = self._st
+        if st.get("fast") is not None:
+            st["fast"].reset()
+        else:
+            st["cache"].reset()
+
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device), torch.cuda.graph(g, capture_error_mode="thread_local"):
@@ -311,15 +349,21 @@ class DecodeEngine:
     # -- the two bodies (what a graph holds) ---------------------------------------------------------------
     def _prefill_body(self) -> None:
         st = self._st
-        out = _forward(self.model, st["ids"], st["cache"], logits_to_keep=1)
-        st["logits"].copy_(out.logits[:, -1:])
-        st["tok"].copy_(out.logits[:, -1:].argmax(-1))
+        if st.get("fast") is not None:
+            logits = st["fast"].prefill(st["ids"])
+        else:
+            logits = _forward(self.model, st["ids"], st["cache"], logits_to_keep=1).logits[:, -1:]
+        st["logits"].copy_(logits)
+        st["tok"].copy_(logits.argmax(-1))
 
     def _decode_body(self) -> None:
         st = self._st
-        out = _forward(self.model, st["tok"], st["cache"])
-        st["logits"].copy_(out.logits[:, -1:])
-        st["tok"].copy_(out.logits[:, -1:].argmax(-1))
+        if st.get("fast") is not None:
+            logits = st["fast"].decode(st["tok"])
+        else:
+            logits = _forward(self.model, st["tok"], st["cache"]).logits[:, -1:]
+        st["logits"].copy_(logits)
+        st["tok"].copy_(logits.argmax(-1))
 
     # -- one step ----------------------------------------------------------------------------------------------
     def step(self, ids) -> tuple[None, float]:
@@ -330,7 +374,7 @@ class DecodeEngine:
         st = self._st
         self._steps_since_capture += 1
         with torch.inference_mode():
-            st["cache"].reset()
+            self._reset()
             st["ids"].copy_(ids)
             if st.get("g_prefill") is not None:
                 st["g_prefill"].replay()

@@ -1,0 +1,191 @@
+"""A decode path for transformers' DeepseekV3ForCausalLM that reads what a decode step has to read and
+little more: absorbed multi-head latent attention over a latent KV cache, and the routed experts as two
+batched matmuls over static shapes. It runs the model's own modules and weights (embedding, norms,
+projections, rotary embedding, router, shared experts, lm_head); only the order of the attention's
+matmuls and the experts' dispatch differ from transformers' forward, and tests check it computes the
+same logits (CPU, fp32, several configs).
+
+Why (measured on the H200, docs/BENCHMARKS.md "Issue 10"): transformers' MLA keeps the latent cache but
+re-expands all of it through `kv_b_proj` into full per-head keys and values on every token (v2-lite at
+batch 32: ~8 GB a token, more than all the weights), and its grouped-GEMM experts launch sorting and
+scatter kernels around a GEMM that is tiny per expert.
+
+Attention, absorbed (DeepSeek-V2 paper, section 2.1.3): with kv_b_proj's weight split per head into W_UK
+(nope key) and W_UV (value), q_nope . (W_UK c) = (W_UK^T q_nope) . c, so a query is moved into the latent
+space once per token and the scores are taken against the cached latents c (kv_lora_rank wide) plus the
+shared rotary key; the context stays latent (softmax(.) c) and W_UV maps it out per head. Nothing of size
+cache x heads x head_dim is ever built. Prefill (many queries) uses the expanded form with SDPA, which is
+the cheaper way when the queries are as many as the keys, and writes the latents into the cache.
+
+Experts at decode: when a batch's tokens touch most experts (v2-lite, batch 32, top-6 of 64: 61 of 64
+expected), every expert's weights are read anyway; computing all experts for all tokens as two batched
+matmuls (FLOPs are cheap at these sizes) and weighting them with a dense routing matrix reads each weight
+once, needs no sort, no nonzero() and no data-dependent shape, so it can be captured in a CUDA graph. With
+few tokens (few experts touched) the model's own experts implementation (grouped_mm) reads less; `moe`
+chooses ("auto": dense when >= DENSE_TOUCHED of the experts are expected to be touched).
+
+Everything has static shapes and the position is a device tensor, so a decode step can be captured once
+and replayed for every token.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DENSE_TOUCHED = 0.75  # dense experts when a batch is expected to touch at least this fraction of them
+
+
+class Unsupported(Exception):
+    """The model is not laid out the way this path expects (another architecture or transformers version)."""
+
+
+def expected_touched(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts a batch of `tokens` routes to (uniform routing)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def choose_moe(config, tokens: int, moe: str = "auto") -> str:
+    if moe != "auto":
+        return moe
+    e, k = int(config.n_routed_experts), int(config.num_experts_per_tok)
+    return "dense" if expected_touched(e, k, tokens) >= DENSE_TOUCHED * e else "module"
+
+
+class FastDeepseek:
+    """Prefill and one-token decode over a latent KV cache for `batch` sequences of up to `max_len` tokens.
+
+    `prefill(ids)` (batch, S) fills positions [0, S) and returns the last position's logits (batch, 1, V);
+    `decode(tok)` (batch, 1) appends one position and returns its logits. `pos` is a device tensor."""
+
+    def __init__(self, model, batch: int, max_len: int, moe: str = "auto") -> None:
+        self.model = model
+        cfg = model.config
+        try:
+            inner = model.model
+            self.layers = list(inner.layers)
+            self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+            self.lm_head = model.lm_head
+            a0 = self.layers[0].self_attn
+            self.H = a0.num_heads
+            self.dn, self.dr, self.dv = a0.qk_nope_head_dim, a0.qk_rope_head_dim, a0.v_head_dim
+            self.r = a0.kv_lora_rank
+            self.scaling = float(a0.scaling)
+            mod = sys.modules[type(a0).__module__]
+            self._rope = (mod.apply_rotary_pos_emb_interleave if getattr(cfg, "rope_interleave", False)
+                          else mod.apply_rotary_pos_emb)
+            for layer in self.layers:
+                at = layer.self_attn
+                at.kv_a_proj_with_mqa, at.kv_a_layernorm, at.kv_b_proj, at.o_proj  # noqa: B018
+                mlp = layer.mlp
+                if hasattr(mlp, "experts"):
+                    mlp.gate, mlp.shared_experts, mlp.experts.gate_up_proj, mlp.experts.down_proj  # noqa: B018
+        except AttributeError as e:
+            raise Unsupported(f"unexpected DeepSeek module layout ({e})") from None
+        if any(getattr(lay.self_attn, "q_lora_rank", None) != getattr(a0, "q_lora_rank", None) for lay in self.layers):
+            raise Unsupported("layers differ in their query projection")
+        self.batch, self.max_len = batch, max_len
+        w = a0.kv_a_proj_with_mqa.weight
+        dev, dt = w.device, w.dtype
+        n = len(self.layers)
+        self.ckv = torch.zeros(n, batch, max_len, self.r, device=dev, dtype=dt)  # normed latents
+        self.kpe = torch.zeros(n, batch, max_len, self.dr, device=dev, dtype=dt)  # rotated shared keys
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)  # the next position to write
+        self._ar = torch.arange(max_len, device=dev)
+        self.moe = choose_moe(cfg, batch, moe)
+        # per layer: W_UK (H, dn, r) and W_UV (H, dv, r): views of kv_b_proj's weight (no copy)
+        self._wuk, self._wuv = [], []
+        for layer in self.layers:
+            wkv = layer.self_attn.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.r)
+            self._wuk.append(wkv[:, : self.dn])
+            self._wuv.append(wkv[:, self.dn:])
+
+    # -- pieces --------------------------------------------------------------------------------------------
+    def _q(self, at, h, b: int, s: int):
+        q = at.q_proj(h) if at.q_proj is not None else at.q_b_proj(at.q_a_layernorm(at.q_a_proj(h)))
+        q = q.view(b, s, self.H, self.dn + self.dr).transpose(1, 2)  # (b, H, s, dq)
+        return torch.split(q, [self.dn, self.dr], dim=-1)
+
+    def _latent(self, at, h, b: int, s: int):
+        c = at.kv_a_proj_with_mqa(h)
+        kv, k_rot = torch.split(c, [self.r, self.dr], dim=-1)
+        return at.kv_a_layernorm(kv), k_rot.view(b, 1, s, self.dr)
+
+    def _experts_dense(self, mlp, h2):
+        """All experts for all tokens as two bmm's, weighted by a dense (tokens, experts) routing matrix."""
+        ex = mlp.experts
+        x = h2.reshape(-1, h2.shape[-1])  # (T, D)
+        _, w, idx = mlp.gate(x)
+        route = torch.zeros(x.shape[0], ex.gate_up_proj.shape[0], device=x.device, dtype=torch.float32)
+        route.scatter_(1, idx, w.float())
+        gu = torch.matmul(x.unsqueeze(0), ex.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.bmm(ex.act_fn(gate) * up, ex.down_proj.transpose(1, 2))  # (E, T, D)
+        out = torch.bmm(route.to(y.dtype).unsqueeze(1), y.transpose(0, 1))  # (T,1,E) @ (T,E,D)
+        return out.view_as(h2) + mlp.shared_experts(h2)
+
+    def _mlp(self, layer, h2, decode: bool):
+        mlp = layer.mlp
+        if decode and self.moe == "dense" and hasattr(mlp, "experts"):
+            return self._experts_dense(mlp, h2)
+        return mlp(h2)
+
+    # -- prefill: expanded attention with SDPA, latents written to the cache -----------------------------------
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, torch.arange(s, device=ids.device).unsqueeze(0))
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            q_nope, q_rot = self._q(at, h, b, s)
+            kv, k_rot = self._latent(at, h, b, s)
+            q_rot, k_rot = self._rope(q_rot, k_rot, cos, sin)
+            self.ckv[i, :, :s].copy_(kv)
+            self.kpe[i, :, :s].copy_(k_rot[:, 0])
+            kvx = at.kv_b_proj(kv).view(b, s, self.H, self.dn + self.dv).transpose(1, 2)
+            k_nope, v = torch.split(kvx, [self.dn, self.dv], dim=-1)
+            k = torch.cat((k_nope, k_rot.expand(b, self.H, s, self.dr)), dim=-1)
+            q = torch.cat((q_nope, q_rot), dim=-1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+            x = x + at.o_proj(o.transpose(1, 2).reshape(b, s, self.H * self.dv))
+            x = x + self._mlp(layer, layer.post_attention_layernorm(x), decode=False)
+        self.pos.fill_(s)
+        return self.lm_head(self.norm(x[:, -1:]))
+
+    # -- decode: absorbed attention over the latent cache --------------------------------------------------
+    def decode(self, tok: torch.Tensor) -> torch.Tensor:
+        b = tok.shape[0]
+        x = self.embed(tok)  # (b, 1, D)
+        cos, sin = self.rotary(x, self.pos.view(1, 1))
+        visible = (self._ar <= self.pos).view(1, 1, -1)  # (1, 1, L): positions written so far, this one too
+        at_pos = self.pos.view(1)
+        for i, layer in enumerate(self.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            q_nope, q_rot = self._q(at, h, b, 1)  # (b, H, 1, dn), (b, H, 1, dr)
+            kv, k_rot = self._latent(at, h, b, 1)  # (b, 1, r), (b, 1, 1, dr)
+            q_rot, k_rot = self._rope(q_rot, k_rot, cos, sin)
+            ckv, kpe = self.ckv[i], self.kpe[i]
+            ckv.index_copy_(1, at_pos, kv)
+            kpe.index_copy_(1, at_pos, k_rot[:, 0])
+            q_lat = torch.bmm(q_nope[:, :, 0].transpose(0, 1), self._wuk[i]).transpose(0, 1)  # (b, H, r)
+            scores = torch.bmm(q_lat, ckv.transpose(1, 2)) + torch.bmm(q_rot[:, :, 0], kpe.transpose(1, 2))
+            p = (scores.float() * self.scaling).masked_fill(~visible, float("-inf")).softmax(-1)
+            ctx = torch.bmm(p.to(ckv.dtype), ckv)  # (b, H, r)
+            o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
+            x = x + at.o_proj(o.reshape(b, 1, self.H * self.dv))
+            x = x + self._mlp(layer, layer.post_attention_layernorm(x), decode=True)
+        self.pos.add_(1)
+        return self.lm_head(self.norm(x))
+
+    def reset(self) -> None:
+        self.pos.zero_()
+
+    def describe(self) -> dict[str, Any]:
+        return {"attention": "absorbed MLA (latent cache)",
+                "experts": "dense bmm" if self.moe == "dense" else "model's experts module",
+                "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}
