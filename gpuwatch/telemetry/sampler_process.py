@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 from dataclasses import asdict
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 from gpuwatch.telemetry.bus import Bus, Event, Tick
@@ -38,6 +39,8 @@ class _PipeChannel:
 
     def __init__(self, conn, stop, deliver_n: int = 1) -> None:
         self.conn, self.stop, self.deliver_n = conn, stop, deliver_n
+        self._encode = ForkingPickler.dumps  # what conn.send does, in two steps (the profile times each)
+        self._send_bytes = conn.send_bytes
         self._held: list[Tick] = []
         self._lock = threading.Lock()  # the tick thread, the slow thread and the XID thread all send
 
@@ -63,7 +66,7 @@ class _PipeChannel:
 
     def _send(self, item) -> None:
         try:
-            self.conn.send(item)
+            self._send_bytes(self._encode(item))
         except (BrokenPipeError, EOFError, OSError):  # the parent is gone: stop sampling
             self.stop.set()
 
@@ -101,6 +104,8 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
            pid: int, deliver_s: float = 0.0) -> None:
     _detach_from_terminal_signals()
     set_native_name("gw-sampler-proc")
+    from gpuwatch.telemetry import profile
+    prof = profile.from_env()  # None unless a benchmark asked (bench_sampler.py profile)
     stop = threading.Event()  # set by a broken pipe (the parent is gone) in the child's channel
     from gpuwatch.telemetry.host import HostSampler
     from gpuwatch.telemetry.sampler import Sampler
@@ -115,6 +120,8 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
                          "gpus": [asdict(g) for g in gpu.gpus] if gpu else []}))
     bus = _PipeBus(conn, stop, max(1, round(deliver_s / interval)))
     s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
+    if prof is not None:
+        prof.instrument(s, bus.ticks)
     s.start()
     # The parent says stop by writing to (or closing) the stop pipe; a killed parent closes it too, so
     # poll() returns at once either way. A broken data pipe sets `stop`; a new parent pid is checked.
@@ -127,6 +134,8 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
         if os.getppid() != pid:
             break
     s.stop()
+    if prof is not None:
+        prof.dump()
     bus.ticks.flush()
     bus.ticks.append(("bye", {"late_ticks": s.late_ticks}))
     if gpu is not None:
