@@ -108,11 +108,14 @@ def decode_bytes(c: dict, batch: int, context: int, max_len: int, precision: str
     # transformers expands the whole static cache into per-head K and V every step: read latent + write
     # and read back the expanded K/V (and the logits: batch x vocab fp32, small)
     impl = weights + router + layers * batch * max_len * latent * b + 2 * expanded
+    # fastpath with dense experts reads every expert, and the latent cache over its static length, twice
+    dense_all = (weights + moe * (n - touched) * expert * b + router + 2 * layers * batch * max_len * latent * b)
     return {"experts_touched_per_moe_layer": round(touched, 1), "weight_bytes": int(weights + router),
             "kv_latent_bytes": int(kv_min), "min_bytes": int(weights + router + kv_min),
             "min_time_ms": round(1e3 * (weights + router + kv_min) / HBM_BYTES_PER_S, 3),
             "transformers_mla_bytes": int(impl),
-            "transformers_mla_time_ms": round(1e3 * impl / HBM_BYTES_PER_S, 3)}
+            "transformers_mla_time_ms": round(1e3 * impl / HBM_BYTES_PER_S, 3),
+            "fast_dense_bytes": int(dense_all), "fast_dense_time_ms": round(1e3 * dense_all / HBM_BYTES_PER_S, 3)}
 
 
 def sync(dev) -> None:
@@ -144,7 +147,7 @@ def eager_tokens(model, ids, new_tokens):
 def engine_phases(eng, ids, dev) -> tuple[float, float]:
     st = eng._st
     with torch.inference_mode():
-        st["cache"].reset()
+        eng._reset()
         st["ids"].copy_(ids)
         sync(dev)
         t0 = time.perf_counter()
@@ -158,7 +161,15 @@ def engine_phases(eng, ids, dev) -> tuple[float, float]:
         return t1 - t0, time.perf_counter() - t1
 
 
-def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, events, graphs) -> dict:
+# arms: eager = step_decode/step_prefill (transformers, dynamic cache, no graphs: the issue's baseline);
+# hf = DecodeEngine over transformers' forward and StaticCache with CUDA graphs (call 5's "graphs" arm);
+# fast = DecodeEngine with fastpath.FastDeepseek (absorbed MLA, experts chosen by `auto`), graphs;
+# fast-dense / fast-module = the same with the experts implementation forced.
+ARMS = ("eager", "hf", "fast", "fast-dense", "fast-module")
+
+
+def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, events, graphs, min_steps=3,
+            phase_reps=3) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = M.random_ids(fields["vocab_size"], batch, prompt, dev, gen)
     res: dict = {"arm": arm, "batch": batch, "prompt_len": prompt, "new_tokens": new}
@@ -166,16 +177,19 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
         step = (lambda: M.step_decode(model, ids, new)) if new else (lambda: M.step_prefill(model, ids))
         res["mode"], res["compile_s"] = "eager", 0.0
     else:
-        eng = M.DecodeEngine(model, batch, prompt, new, dev, lambda k, m, **d: events.append(m), graphs=graphs)
+        moe = {"fast-dense": "dense", "fast-module": "module"}.get(arm, "auto")
+        eng = M.DecodeEngine(model, batch, prompt, new, dev, lambda k, m, **d: events.append(m), graphs=graphs,
+                             fast=arm != "hf", moe=moe)
         eng.prepare(batch, prompt)
-        res["mode"], res["compile_s"] = eng.mode, round(eng.compile_s, 2)
+        res["mode"], res["compile_s"], res["impl"] = eng.mode, round(eng.compile_s, 2), eng.impl
+        res["detail"] = {k: v for k, v in eng.detail.items() if k in ("attention", "experts")}
         step = lambda: eng.step(ids)  # noqa: E731
     step()  # warm-up (and, for eager, the allocator's first touch)
     sync(dev)
     times = []
     with meter:
         t_end = time.monotonic() + seconds
-        while time.monotonic() < t_end or len(times) < 3:
+        while time.monotonic() < t_end or len(times) < min_steps:
             t0 = time.perf_counter()
             step()
             sync(dev)
@@ -183,7 +197,7 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
     st = statistics.median(times)
     tokens = batch * (new if new else prompt)
     res.update(steps=len(times), step_s=round(st, 5), tokens_per_s=round(tokens / st, 1), **meter.summary())
-    if new and arm == "fast" and res["mode"] != "eager":  # the fast path must decode what eager decodes
+    if new and arm != "eager" and res["mode"] != "eager":  # the engine must decode what eager decodes
         eng.record_tokens = True
         _, fast_max = eng.step(ids)
         ref_tokens, ref_max = eager_tokens(model, ids, new)
@@ -192,11 +206,45 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
         eng.record_tokens = False
     if new:  # the decode phase alone, timed apart from the prompt
         ph = [eager_phases(model, ids, new, dev) if arm == "eager" or res["mode"] == "eager"
-              else engine_phases(eng, ids, dev) for _ in range(3)]
+              else engine_phases(eng, ids, dev) for _ in range(phase_reps)]
         pre, dec = statistics.median(p[0] for p in ph), statistics.median(p[1] for p in ph)
         res.update(prefill_s=round(pre, 5), decode_ms_per_token=round(1e3 * dec / new, 3),
                    decode_tokens_per_s=round(batch * new / dec, 1))
     return res
+
+
+def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, top=18) -> dict:
+    """Where one decode token's GPU time goes: the one-token body run eagerly (same kernels as the graph)
+    under torch.profiler, CUDA time summed by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = M.DecodeEngine(model, batch, prompt, 8, dev, graphs=False, fast=fast, moe=moe)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ids = M.random_ids(fields["vocab_size"], batch, prompt, dev, gen)
+    eng.step(ids)
+    with torch.inference_mode():
+        eng._reset()
+        eng._st["ids"].copy_(ids)
+        eng._prefill_body()
+        eng._decode_body()
+        sync(dev)
+        cuda = dev.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(4):
+                eng._decode_body()
+            sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        t = ((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda
+             else e.self_cpu_time_total)
+        if t and e.key and not e.key.startswith("ProfilerStep"):
+            rows.append((e.key[:90], t / 4, e.count // 4))
+    rows.sort(key=lambda r: -r[1])
+    kernels = [r for r in rows if not r[0].startswith(("cuda", "Memcpy", "Memset"))] if cuda else rows
+    total = sum(r[1] for r in kernels)
+    return {"impl": eng.impl, "moe": (eng._st.get("fast").moe if eng._st.get("fast") is not None else None),
+            "gpu_us_per_token": round(total, 1), "kernels_per_token": sum(r[2] for r in kernels),
+            "top": [{"kernel": k, "us": round(t, 1), "share": round(t / total, 3), "calls": c} for k, t, c in kernels[:top]]}
 
 
 def main() -> None:
@@ -210,6 +258,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0, help="timed region per arm")
     ap.add_argument("--budget", type=float, default=200.0, help="skip cases that would start after this (s)")
     ap.add_argument("--graphs", type=int, default=None, help="0: fast arm = static cache without graphs")
+    ap.add_argument("--arms", default="eager,hf,fast", help=f"comma list of {ARMS}")
+    ap.add_argument("--eager-reps", type=int, default=3, help="min timed steps and phase reps of the eager arm")
+    ap.add_argument("--profile", default="", help="BATCHxPROMPT: per-kernel profile of one decode token "
+                    "(transformers' forward, fast dense, fast module)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     t_start = time.monotonic()
@@ -252,24 +304,51 @@ def main() -> None:
         case = {"kind": "decode" if new else "prefill", "batch": b, "prompt_len": p, "new_tokens": new}
         if new:
             case["bandwidth"] = decode_bytes(fields, b, p + new // 2, p + new, a.precision)
-        for arm in ("eager", "fast"):
+        for arm in a.arms.split(","):
+            if arm not in ARMS:
+                raise SystemExit(f"unknown arm {arm!r}")
+            reps = a.eager_reps if arm == "eager" else 3
             try:
-                case[arm] = run_arm(arm, model, fields, b, p, new, dev, a.seconds, meter, result["events"], None if a.graphs is None else bool(a.graphs))
+                case[arm] = run_arm(arm, model, fields, b, p, new, dev, a.seconds, meter, result["events"],
+                                    None if a.graphs is None else bool(a.graphs), min_steps=reps, phase_reps=reps)
             except Exception as e:  # noqa: BLE001 - report and go on to the next arm/case
                 case[arm] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 if M.is_oom(e) and dev.type == "cuda":
                     torch.cuda.empty_cache()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        e, f = case.get("eager", {}), case.get("fast", {})
-        if "tokens_per_s" in e and "tokens_per_s" in f:
-            case["speedup_step"] = round(f["tokens_per_s"] / e["tokens_per_s"], 2)
-            if new:
-                case["speedup_decode_phase"] = round(f["decode_tokens_per_s"] / e["decode_tokens_per_s"], 2)
-                bw = case["bandwidth"]
-                for arm in ("eager", "fast"):
-                    case[arm]["bandwidth_fraction"] = round(bw["min_time_ms"] / case[arm]["decode_ms_per_token"], 3)
+        e = case.get("eager", {})
+        for arm in ARMS[1:]:
+            f = case.get(arm, {})
+            if "tokens_per_s" in e and "tokens_per_s" in f:
+                case.setdefault("speedup_step", {})[arm] = round(f["tokens_per_s"] / e["tokens_per_s"], 2)
+                if new:
+                    case.setdefault("speedup_decode_phase", {})[arm] = round(
+                        f["decode_tokens_per_s"] / e["decode_tokens_per_s"], 2)
+        if new:
+            for arm in ARMS:
+                if "decode_ms_per_token" in case.get(arm, {}):
+                    case[arm]["bandwidth_fraction"] = round(
+                        case["bandwidth"]["min_time_ms"] / case[arm]["decode_ms_per_token"], 3)
         result["cases"].append(case)
+        save()
+    if a.profile:
+        b, p = map(int, a.profile.split("x"))
+        prof = {}
+        for name, kw in (("transformers", {"fast": False}), ("fast-dense", {"moe": "dense"}),
+                         ("fast-module", {"moe": "module"})):
+            try:
+                prof[name] = kernel_profile(model, fields, b, p, dev, **kw)
+            except Exception as e:  # noqa: BLE001
+                prof[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        result["profile"] = prof
+        for name, pr in prof.items():
+            print(f"-- profile {name} {a.profile}: {pr.get('gpu_us_per_token')} us GPU per token, "
+                  f"{pr.get('kernels_per_token')} kernels", file=sys.stderr)
+            for k in pr.get("top", [])[:10]:
+                print(f"   {k['us']:>9.1f} us {100 * k['share']:5.1f} % x{k['calls']:<4} {k['kernel']}", file=sys.stderr)
         save()
     print(table(result), file=sys.stderr)
     save()
@@ -282,7 +361,9 @@ def table(r: dict) -> str:
     rows = [cols]
     for c in r["cases"]:
         label = f"{c['kind']} {c['batch']}x{c['prompt_len']}" + (f"+{c['new_tokens']}" if c["new_tokens"] else "")
-        for arm in ("eager", "fast"):
+        for arm in ARMS:
+            if arm not in c:
+                continue
             x = c.get(arm, {})
             if "error" in x:
                 rows.append((label, arm, "ERROR " + x["error"][:60], "", "", "", "", "", "", "", ""))
@@ -290,10 +371,10 @@ def table(r: dict) -> str:
             rows.append((label, arm, x.get("mode"), x.get("tokens_per_s"), x.get("decode_ms_per_token", ""),
                          x.get("decode_tokens_per_s", ""), x.get("gpu_util_pct"), x.get("power_w"),
                          x.get("proc_cpu_pct"), x.get("compile_s"), x.get("bandwidth_fraction", "")))
-        extra = f"speedup step x{c.get('speedup_step')}"
+        extra = f"speedup step vs eager {c.get('speedup_step')}"
         if c["new_tokens"]:
             bw = c["bandwidth"]
-            extra += (f", decode phase x{c.get('speedup_decode_phase')}; bound {bw['min_time_ms']} ms/token "
+            extra += (f", decode phase {c.get('speedup_decode_phase')}; bound {bw['min_time_ms']} ms/token "
                       f"({bw['experts_touched_per_moe_layer']} experts/layer touched; transformers' MLA moves "
                       f"{bw['transformers_mla_bytes'] / 1e9:.1f} GB = {bw['transformers_mla_time_ms']} ms)")
         rows.append((extra,))

@@ -168,6 +168,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any DeepseekV3Config field, e.g. --set num_hidden_layers=4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-tokens", type=_pos_int, default=None, metavar="N",
+                   help="decode: tokens generated per step after the prompt (default 128 on a GPU, 16 on a CPU)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="static KV cache + CUDA graphs: auto = decode, on = decode and small prefills, off = eager")
     p.add_argument("--guard", choices=MODES, default="on",
@@ -265,7 +267,7 @@ def _workload_spec(args):
         memory_limit_bytes=args.gpu_memory_limit, leak_mib=args.leak_mib, fragment=args.fragment,
         fp16_overflow=args.fp16_overflow, integrity_every=args.integrity_every,
         overrides=validate_overrides(parse_overrides(args.set)), seed=args.seed, max_steps=getattr(args, "steps", None),
-        graphs=args.graphs)
+        graphs=args.graphs, new_tokens=args.new_tokens)
 
 
 # -- commands -----------------------------------------------------------------------------------------

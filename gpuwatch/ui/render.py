@@ -165,7 +165,7 @@ def workload_lines(steps: list[dict[str, Any]], status: dict[str, Any] | None, p
         ("work ", "bold"), f"{(status or {}).get('preset', '')} {last.get('mode')} {last.get('precision')}  ",
         f"batch {last.get('batch')}×{last.get('seq_len')}  ", (f"{_f(tps, '{:,.0f}')} tok/s", "bold green"),
         f"  step p50 {_f(p50, '{:.3f}')} p99 {_f(p99, '{:.3f}')} s  ",
-        (state, "bold yellow" if state in ("paused", "building") else "bold red" if state == "failed" else "green"))
+        (state, "bold yellow" if state in ("paused", "building", "compiling") else "bold red" if state == "failed" else "green"))
     mfu = last.get("mfu")
     l2 = Text.assemble(
         f"     {compact(last['tflops']) if last.get('tflops') is not None else '-'} TFLOP/s  MFU {_f(mfu * 100 if mfu is not None else None, '{:.1f}')}%  ",

@@ -9,6 +9,12 @@ from typing import Any
 from gpuwatch.errors import UsageError
 
 
+# Decode: a step is the prompt's prefill and then this many generated tokens. On a GPU 128, so the
+# compute-bound prefill of the prompt is a small part of a step (v2-lite, batch 32 x 512 on the H200:
+# ~0.3 s of prefill against 16 tokens' ~0.2 s, or 128 tokens' ~1.5 s); on a CPU 16 keeps a step short.
+GPU_NEW_TOKENS, CPU_NEW_TOKENS = 128, 16
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """The workload flags of `gpuwatch`/`live`/`stress`, typed. None = the preset's or device's default."""
@@ -31,6 +37,7 @@ class WorkloadSpec:
     seed: int = 0
     max_steps: int | None = None
     graphs: str = "auto"
+    new_tokens: int | None = None  # decode: tokens generated per step (None: 128 on a GPU, 16 on a CPU)
 
 
 def _devices(spec: WorkloadSpec) -> list:
@@ -93,7 +100,8 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
             seq_len=spec.seq_len, max_batch=spec.max_batch, device=str(dev), gpu_index=index,
             overrides=overrides, faults=Faults(spec.leak_mib, spec.fragment, spec.fp16_overflow, spec.memory_limit_bytes),
             integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
-            gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs)
+            gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs,
+            decode_tokens=spec.new_tokens or (GPU_NEW_TOKENS if dev.type == "cuda" else CPU_NEW_TOKENS))
         try:
             out.append(Workload(bus, cfg))
         except (TypeError, ValueError) as e:

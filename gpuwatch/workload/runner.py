@@ -380,7 +380,11 @@ class Workload:
             torch.cuda.reset_peak_memory_stats(dev)
         ids = M.random_ids(self.fields["vocab_size"], batch, seq, dev, self._gen)
         if self.decoder is not None:  # capture (if any) happens here, outside the timed step
-            self.decoder.prepare(batch, seq)
+            was, self.state = self.state, "compiling"  # the TUI shows it; the compile event records it
+            try:
+                self.decoder.prepare(batch, seq)
+            finally:
+                self.state = was
         M.synchronize(dev)
         t0 = time.perf_counter()
         mode = self.cfg.mode
@@ -410,7 +414,22 @@ class Workload:
                 "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
-                **M.memory(dev), "expert_impl": self.expert_impl, "micro_batches": k}
+                **M.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k}
+
+    def _impl_label(self) -> str | None:
+        """What ran the step: the experts implementation, and for the decode engine its path and mode
+        (e.g. "dense-bmm+mla-absorbed/graphs", "grouped_mm/eager" after a fall-back)."""
+        d = self.decoder
+        if self.model is not None:  # the decode engine may have switched it (grouped_mm for graphs)
+            self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
+        if d is None or d.mode is None:
+            return self.expert_impl
+        if d.mode == "eager":
+            return f"{self.expert_impl}/eager"
+        if d.impl == "fast":
+            experts = "dense-bmm" if d.detail.get("experts") == "dense bmm" else self.expert_impl
+            return f"{experts}+mla-absorbed/{d.mode}"
+        return f"{self.expert_impl}/{d.mode}"
 
     def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
         """Free what the failed step held; True = retry the same step (a reactive rule decided so)."""
