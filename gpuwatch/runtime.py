@@ -378,29 +378,15 @@ class ResumePoint:
     unrecovered: list[str] = field(default_factory=list)  # workload_error messages of earlier parts
 
 
-def _table_files(folder: Path, table: str) -> list[Path]:
-    """The files the reader would read for `table`: the compacted file if any, else chunks and the
-    segments no chunk covers (the same rules as gpuwatch.recording.reader)."""
-    from gpuwatch.recording.writer import CHUNK_RE, COMPACT_RE, SEGMENT_RE
-
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".parquet") and not n.startswith("."))
-    if f"{table}.parquet" in names and COMPACT_RE.match(f"{table}.parquet"):
-        return [folder / f"{table}.parquet"]
-    chunks = [(int(m.group(2)), int(m.group(3)), n) for n in names if (m := CHUNK_RE.match(n)) and m.group(1) == table]
-    segs = [(int(m.group(2)), n) for n in names if (m := SEGMENT_RE.match(n)) and m.group(1) == table]
-    keep = [n for i, n in segs if not any(a <= i <= b for a, b, _ in chunks)]
-    return [folder / n for *_, n in chunks] + [folder / n for n in keep]
-
-
 def _read_table(folder: Path, table: str):
     import polars as pl
 
     from gpuwatch.errors import RecordingError
     from gpuwatch.recording import schema
-    from gpuwatch.recording.reader import read_table_file
+    from gpuwatch.recording.reader import read_table_file, table_files
 
     frames = []
-    for p in _table_files(folder, table):
+    for p in table_files(folder, table):
         try:
             frames.append(read_table_file(p, table)[1])
         except RecordingError:  # a segment a crash cut short: the reader skips it too
@@ -409,16 +395,15 @@ def _read_table(folder: Path, table: str):
 
 
 def _last_sample_us(folder: Path) -> int | None:
-    import polars as pl
+    from gpuwatch.recording.reader import max_ts_us, table_files
 
     best = None
-    for p in _table_files(folder, "samples"):
+    for p in table_files(folder, "samples"):
         try:
-            ts = pl.scan_parquet(p).select(pl.col("ts").max()).collect().item()
-        except Exception:  # noqa: BLE001 - a damaged segment: the others still say when data stopped
+            us = max_ts_us(p)
+        except Exception:  # noqa: BLE001 - a damaged file: the others still say when data stopped
             continue
-        if ts is not None:
-            us = int(ts.timestamp() * 1e6)
+        if us is not None:
             best = us if best is None else max(best, us)
     return best
 

@@ -60,18 +60,25 @@ def _kinds(bus: Bus) -> list[str]:
 
 
 class _Disk:
-    """Makes writer.write_atomic fail like a full disk while `full` is set."""
+    """Makes the recorder's writes (the per-flush stream append, and the Parquet files of rolls and
+    compaction) fail like a full disk while `full` is set."""
 
     def __init__(self, monkeypatch, exc=None):
         self.full = False
         self.exc = exc
-        real = writer.write_atomic
+        real, real_append = writer.write_atomic, writer.append_stream
 
         def write(df, path, *a, **k):
             if self.full:
                 raise self.exc or OSError(errno.ENOSPC, "No space left on device", str(path))
             return real(df, path, *a, **k)
+
+        def append(stream, df):
+            if self.full:
+                raise self.exc or OSError(errno.ENOSPC, "No space left on device", str(stream.path))
+            return real_append(stream, df)
         monkeypatch.setattr(writer, "write_atomic", write)
+        monkeypatch.setattr(writer, "append_stream", append)
 
 
 def test_full_disk_is_one_event_then_retried_without_losing_or_duplicating_rows(tmp_path, monkeypatch):

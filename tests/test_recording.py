@@ -45,6 +45,27 @@ def _recorder(tmp_path, flushes=5, ticks_per_flush=10, roll_every=300, compact=T
     return bus, r
 
 
+def _legacy(tmp_path, flushes=4, rows=10):
+    """A session as gpuwatch wrote it before the stream files: one Parquet segment per flush."""
+    d = tmp_path / "legacy"
+    d.mkdir()
+    writer.write_json_atomic({"schema_version": 2, "start": "2026-01-01T00:00:00+00:00", "complete": False},
+                             d / "meta.json")
+    src = open_recording(RAMP).samples.head(flushes * rows)
+    for i in range(flushes):
+        writer.write_atomic(src.slice(i * rows, rows), d / f"samples-{i + 1:06d}.parquet", level=1, fsync=False)
+    return d, src
+
+
+def _batch_heights(path):
+    """Rows of each record batch of a stream file, in order."""
+    data = path.read_bytes()
+    msgs, why = writer.ipc_messages(data)
+    assert why is None and msgs[0][2] == 1
+    head = data[:msgs[0][1]]
+    return [pl.read_ipc_stream(head + data[a:b] + writer.IPC_EOS).height for a, b, _ in msgs[1:]]
+
+
 def test_round_trip_keeps_every_row_and_type(tmp_path):
     bus, r = _recorder(tmp_path)
     rec = open_recording(r.dir)
@@ -61,36 +82,65 @@ def test_round_trip_keeps_every_row_and_type(tmp_path):
 def test_rolled_chunks_and_a_crash_mid_roll_do_not_duplicate(tmp_path):
     bus, r = _recorder(tmp_path, flushes=7, roll_every=3, compact=False)
     names = sorted(p.name for p in r.dir.glob("samples-*"))
-    assert names == ["samples-000007.parquet", "samples-c000001-000003.parquet", "samples-c000004-000006.parquet"]
-    # a crash between writing a chunk and deleting its segments leaves both: read once only
-    df = pl.read_parquet(r.dir / "samples-c000001-000003.parquet").head(10)
-    writer.write_atomic(df, r.dir / "samples-000002.parquet")
+    assert names == ["samples-000007.arrows", "samples-c000001-000003.parquet", "samples-c000004-000006.parquet"]
+    assert _batch_heights(r.dir / "samples-000007.arrows") == [10]
+    # a crash between writing a chunk and deleting its stream (or, in older sessions, its segments)
+    # leaves both: read once only
+    df = pl.read_parquet(r.dir / "samples-c000004-000006.parquet")
+    st = writer.StreamFile(r.dir / "samples-000004.arrows", 4)
+    for i in range(3):
+        st.append(df.slice(i * 10, 10))
+    st.close()
+    writer.write_atomic(pl.read_parquet(r.dir / "samples-c000001-000003.parquet").head(10), r.dir / "samples-000002.parquet")
     rec = open_recording(r.dir)
     assert rec.samples["tick"].to_list() == list(range(70))
-    assert not rec.complete
+    assert not rec.complete and not rec.warnings
 
 
 def test_truncated_and_garbage_segments_are_named_and_skipped(tmp_path):
-    _, r = _recorder(tmp_path, flushes=4, compact=False)
-    seg = r.dir / "samples-000002.parquet"
+    d, _ = _legacy(tmp_path, flushes=4)
+    seg = d / "samples-000002.parquet"
     seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
-    (r.dir / "samples-000009.parquet").write_text("this is not parquet")
-    rec = open_recording(r.dir)
+    (d / "samples-000009.parquet").write_text("this is not parquet")
+    (d / "samples-000010.arrows").write_text("this is not an Arrow stream")
+    rec = open_recording(d)
     assert rec.samples.height == 30  # segments 1, 3 and 4 survive
     assert any("samples-000002.parquet: truncated Parquet file" in w for w in rec.warnings)
     assert any("samples-000009.parquet: not a Parquet file" in w for w in rec.warnings)
+    assert any("samples-000010.arrows: not an Arrow IPC stream" in w for w in rec.warnings)
 
 
 def test_corrupt_pages_with_valid_footer_magic(tmp_path):
-    _, r = _recorder(tmp_path, flushes=2, compact=False)
-    seg = r.dir / "samples-000001.parquet"
+    d, _ = _legacy(tmp_path, flushes=2)
+    seg = d / "samples-000001.parquet"
     data = bytearray(seg.read_bytes())
     for i in range(8, len(data) - 200):
         data[i] = 0xFF if i % 3 else data[i]
     seg.write_bytes(bytes(data))
-    rec = open_recording(r.dir)
+    rec = open_recording(d)
     assert rec.samples.height == 10
     assert any("samples-000001.parquet" in w for w in rec.warnings)
+
+
+def test_legacy_parquet_segments_read_resume_and_compact(tmp_path):
+    """A session written before the stream files (Parquet segments) reads as before, and a recorder
+    resuming it numbers its streams after them and compacts everything into one file."""
+    d, src = _legacy(tmp_path, flushes=3)
+    assert open_recording(d).samples.equals(src)
+    bus = Bus()
+    r = Recorder(bus, tmp_path, {}, name="legacy", resume={"at": "now"}).start()
+    r._stop.set()
+    assert r._seg["samples"] == 3 and r.rows == 30
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    for _ in range(5):
+        s.tick()
+    r.flush()
+    assert (d / "samples-000004.arrows").exists()
+    assert open_recording(d).samples.height == 35
+    r.stop()
+    assert sorted(p.name for p in d.glob("samples*")) == ["samples.parquet"]
+    rec = open_recording(d)
+    assert rec.samples.height == 35 and rec.samples.head(30).equals(src) and rec.complete
 
 
 def test_wrong_schema_version_is_one_line_naming_the_file(tmp_path):
@@ -125,11 +175,11 @@ def test_single_files(tmp_path):
 
 def test_full_disk_stops_recording_with_an_event_and_keeps_what_was_written(tmp_path, monkeypatch):
     bus, r = _recorder(tmp_path, flushes=3, compact=False)
-    real = writer.write_atomic
+    real = writer.append_stream
 
     def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", str(r.dir / "samples-000004.parquet"))
-    monkeypatch.setattr(writer, "write_atomic", full)
+        raise OSError(errno.ENOSPC, "No space left on device", str(r.dir / "samples-000001.arrows"))
+    monkeypatch.setattr(writer, "append_stream", full)
     s = Sampler(bus, ReplayGpuBackend(RAMP), None)
     s.tick()
     r.flush()
@@ -138,7 +188,7 @@ def test_full_disk_stops_recording_with_an_event_and_keeps_what_was_written(tmp_
     assert len(ev) == 1 and ev[0].severity == "error"
     r.flush()  # nothing more is attempted, nothing raises
     r.stop()
-    monkeypatch.setattr(writer, "write_atomic", real)
+    monkeypatch.setattr(writer, "append_stream", real)
     assert open_recording(r.dir).samples.height == 30
 
 
@@ -185,9 +235,9 @@ def test_kill_9_loses_at_most_about_one_second(tmp_path, env, py):
                          env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(list(out.glob("*/samples-*.parquet"))) < 2:
+        while time.monotonic() < deadline and not list(out.glob("*/samples-*.arrows")):
             time.sleep(0.1)
-        assert list(out.glob("*/samples-*.parquet")), p.stderr.read1().decode() if p.poll() is not None else "no segments"
+        assert list(out.glob("*/samples-*.arrows")), p.stderr.read1().decode() if p.poll() is not None else "no stream"
         time.sleep(random.uniform(0.3, 2.0))
         children = psutil.Process(p.pid).children(recursive=True)
         assert children, "the sampler runs in a child process"
@@ -220,7 +270,7 @@ def test_two_sessions_in_the_same_second_do_not_collide(tmp_path):
 
 def test_headless_recording_takes_ticks_a_second_at_a_time_and_loses_none(tmp_path):
     """`gpuwatch record`'s path: the sampler child hands ten ticks over per message and the recorder
-    writes each batch as it lands (one segment per second of ten rows), with no tick missing."""
+    writes each batch as it lands (one record batch per second of ten rows), with no tick missing."""
     from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 
     s = Session(SessionConfig(interval_s=0.1, record_dir=tmp_path, source=str(RAMP), deliver_s=1.0, name="batched",
@@ -229,9 +279,10 @@ def test_headless_recording_takes_ticks_a_second_at_a_time_and_loses_none(tmp_pa
     s.start()
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(list(s.recorder.dir.glob("samples-*.parquet"))) < 4:
+        stream = s.recorder.dir / "samples-000001.arrows"
+        while time.monotonic() < deadline and (not stream.exists() or len(_batch_heights(stream)) < 4):
             time.sleep(0.05)
-        heights = [pl.read_parquet(p).height for p in sorted(s.recorder.dir.glob("samples-*.parquet"))]
+        heights = _batch_heights(stream)
     finally:
         s.stop()
     assert len(heights) >= 4 and sorted(heights)[len(heights) // 2] == 10, heights

@@ -26,7 +26,8 @@ import polars as pl
 
 from gpuwatch.errors import RecordingError
 from gpuwatch.recording import schema
-from gpuwatch.recording.writer import CHUNK_RE, COMPACT_RE, SEGMENT_RE
+from gpuwatch.recording.writer import (CHUNK_RE, COMPACT_RE, IPC_CONT, SEGMENT_RE, STREAM_RE,
+                                       read_ipc_prefix)
 
 META_MAX_BYTES = 16 * 2**20  # a meta.json is a few KiB; anything this big is not one
 STALE_S = 60.0  # an incomplete session with no data this long is taken as stopped, not still recording
@@ -78,8 +79,109 @@ def _table_of(df_schema: pl.Schema) -> str | None:
     return None
 
 
+def _check_frame(path: Path, df: pl.DataFrame, table: str | None) -> tuple[str, pl.DataFrame]:
+    table = table or _table_of(df.schema)
+    if table is None:
+        raise RecordingError(f"{path}: not a gpuwatch table (columns: {', '.join(df.columns[:6])})")
+    problems = schema.check_schema(df.schema, table)
+    if problems:
+        raise RecordingError(f"{path}: wrong schema for {table}: {problems[0]}")
+    try:
+        return table, schema.conform(df, table)
+    except BaseException as e:
+        if _fatal_exc(e):
+            raise
+        raise RecordingError(f"{path}: columns of the wrong type for {table} ({_oneline(e)})") from None
+
+
+def _read_regular(path: Path, offset: int = 0) -> bytes | None:
+    """The bytes of a regular file from `offset` (never blocks on a FIFO); None if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RecordingError(f"{path}: symbolic link loop") from None
+        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise RecordingError(f"{path}: is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordingError(f"{path}: not a regular file (a FIFO, socket or device)")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            fh.seek(offset)
+            return fh.read()
+    except OSError as e:
+        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class StreamState:
+    """How far a stream file has been read: its schema message, the end of the last whole batch read."""
+
+    head: bytes | None = None
+    end: int = 0
+    batches: int = 0
+    problem: str | None = None  # the framing broke here: nothing after it is read
+
+
+def read_stream_new(path: Path, state: StreamState, table: str | None = None
+                    ) -> tuple[str | None, pl.DataFrame | None]:
+    """The record batches a stream file gained since `state` (which is advanced): (table, frame), frame
+    None when there is nothing new. A torn or still growing tail is left for the next call; a file that is
+    gone (rolled into a chunk meanwhile) is nothing new. Raises RecordingError (one line naming the file)
+    when the file cannot be read at all or its framing broke (once; later calls return nothing)."""
+    if state.problem is not None:
+        return table, None
+    data = _read_regular(path, state.end)
+    if data is None:
+        return table, None
+    if state.head is None and data and data[:4] != IPC_CONT:
+        state.problem = "not an Arrow IPC stream"
+        raise RecordingError(f"{path}: {state.problem}")
+    try:
+        df, head, end, n, why = read_ipc_prefix(data, 0, state.head)
+    except ValueError as e:
+        state.problem = f"not an Arrow IPC stream ({_oneline(e, 80)})"
+        raise RecordingError(f"{path}: {state.problem}") from None
+    state.head = head
+    at = state.end
+    state.end, state.batches = at + end, state.batches + n
+    if why is not None:  # later batches would not line up: stop reading this file
+        state.problem = why
+    out = None
+    if df is not None:
+        table, out = _check_frame(path, df, table)
+    if why is not None:
+        raise _Partial(table, out, f"{path}: {why}; {state.batches} batches read, the rest skipped")
+    return table, out
+
+
+class _Partial(RecordingError):
+    """A stream file read up to a damaged batch: the frame before it, and the warning."""
+
+    def __init__(self, table: str | None, df: pl.DataFrame | None, msg: str) -> None:
+        super().__init__(msg)
+        self.table, self.df = table, df
+
+
 def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataFrame]:
-    """Read one Parquet file of a session; raises RecordingError (one line, naming the file)."""
+    """Read one Parquet or stream file of a session; raises RecordingError (one line, naming the file)."""
+    if path.suffix == ".arrows":
+        _stat_regular(path)
+        try:
+            t, df = read_stream_new(path, StreamState(), table)
+        except _Partial as e:
+            t, df = e.table, e.df
+            if df is None:
+                raise RecordingError(str(e)) from None
+        if df is None:
+            raise RecordingError(f"{path}: no complete record batch")
+        return t, df
     _stat_regular(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -110,18 +212,7 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
         raise RecordingError(f"{path}: corrupt Parquet ({_oneline(e)})") from None
     if version is not None and version not in {str(v) for v in schema.READABLE_VERSIONS}:
         raise RecordingError(f"{path}: schema version {version[:20]!r}, this gpuwatch reads {_readable()}")
-    table = table or _table_of(df.schema)
-    if table is None:
-        raise RecordingError(f"{path}: not a gpuwatch table (columns: {', '.join(df.columns[:6])})")
-    problems = schema.check_schema(df.schema, table)
-    if problems:
-        raise RecordingError(f"{path}: wrong schema for {table}: {problems[0]}")
-    try:
-        return table, schema.conform(df, table)
-    except BaseException as e:
-        if _fatal_exc(e):
-            raise
-        raise RecordingError(f"{path}: columns of the wrong type for {table} ({_oneline(e)})") from None
+    return _check_frame(path, df, table)
 
 
 # meta.json fields gpuwatch reads, and the JSON types each may have (None: null allowed)
@@ -223,8 +314,8 @@ class SessionReader:
         self.meta: dict[str, Any] = {}
         self.warnings: list[str] = []
         self._seen: set[str] = set()
-        self._covered: dict[str, list[tuple[int, int]]] = {t: [] for t in schema.TABLES}
         self._rows: dict[str, dict[str, int]] = {t: {} for t in schema.TABLES}  # rows returned per file
+        self._streams: dict[str, StreamState] = {}  # how far each stream file has been read
         self._last_us: int | None = None  # the newest sample or event read so far
         self._loaded_once = False
         try:
@@ -297,40 +388,30 @@ class SessionReader:
         return self.meta
 
     def _parquet_names(self) -> list[str]:
-        return sorted(n for n in os.listdir(self.path) if n.endswith(".parquet") and not n.startswith("."))
+        return data_names(self.path)
 
     def _files(self) -> list[tuple[str, Path]]:
-        """New data files in read order: compacted files win over chunks, chunks over segments."""
+        """Data files to read now, in read order (see `select_files`): files not read before, and the
+        open stream files every time (they grow)."""
         if self._is_file:
             return [] if str(self.path) in self._seen else [("", self.path)]
-        out = []
-        names = self._parquet_names()
-        compacted = {COMPACT_RE.match(n).group(1) for n in names if COMPACT_RE.match(n)}
-        for n in names:
-            m = COMPACT_RE.match(n) or CHUNK_RE.match(n) or SEGMENT_RE.match(n)
-            if not m:
-                if n not in self._seen:
-                    self.warnings.append(f"{self.path / n}: not a gpuwatch file name; skipped")
-                    self._seen.add(n)
-                continue
-            table = m.group(1)
-            if n in self._seen or (table in compacted and not COMPACT_RE.match(n)):
-                continue
-            if CHUNK_RE.match(n):
-                self._covered[table].append((int(m.group(2)), int(m.group(3))))
-            out.append((table, self.path / n))
-        # a chunk written just before a crash may duplicate segments that were not yet deleted
-        out = [(t, p) for t, p in out if not (SEGMENT_RE.match(p.name) and any(
-            a <= int(SEGMENT_RE.match(p.name).group(2)) <= b for a, b in self._covered[t]))]
-        return sorted(out, key=lambda tp: _first_segment(tp[1].name))
+        chosen, unknown = select_files(self._parquet_names())
+        for n in unknown:
+            if n not in self._seen:
+                self.warnings.append(f"{self.path / n}: not a gpuwatch file name; skipped")
+                self._seen.add(n)
+        out = [(t, self.path / n) for t, names in chosen.items() for n in names
+               if n not in self._seen or STREAM_RE.match(n)]
+        return sorted(out, key=lambda tp: (_first_segment(tp[1].name), tp[1].name))
 
     def _already_read(self, table: str, name: str) -> int:
-        """Rows of a new chunk or compacted file that earlier reads returned from the segments it merged
-        (a follower read them before the writer rolled or compacted): they form its prefix."""
+        """Rows of a new chunk or compacted file that earlier reads returned from the segments or the
+        stream it merged (a follower read them before the writer rolled or compacted): its prefix."""
         got = self._rows[table]
         if m := CHUNK_RE.match(name):
             a, b = int(m.group(2)), int(m.group(3))
-            return sum(n for f, n in got.items() if (s := SEGMENT_RE.match(f)) and a <= int(s.group(2)) <= b)
+            return sum(n for f, n in got.items()
+                       if (s := SEGMENT_RE.match(f) or STREAM_RE.match(f)) and a <= int(s.group(2)) <= b)
         if COMPACT_RE.match(name):
             return sum(got.values())
         return 0
@@ -354,14 +435,29 @@ class SessionReader:
     def _load_new(self) -> dict[str, pl.DataFrame]:
         frames: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
         for table, p in self._files():
-            self._seen.add(p.name if p.parent == self.path else str(p))
-            try:
-                t, df = read_table_file(p, table or None)
-            except RecordingError as e:
-                self.warnings.append(str(e))
-                continue
-            df = df.slice(self._already_read(t, p.name))
-            self._rows[t][p.name] = df.height
+            if STREAM_RE.match(p.name) and not self._is_file:
+                state = self._streams.setdefault(p.name, StreamState())
+                try:
+                    t, df = read_stream_new(p, state, table)
+                except _Partial as e:  # a damaged batch: the ones before it are read, once
+                    self.warnings.append(str(e))
+                    t, df = e.table, e.df
+                except RecordingError as e:
+                    self.warnings.append(str(e))
+                    self._seen.add(p.name)
+                    continue
+                if df is None or t is None:
+                    continue
+                self._rows[t][p.name] = self._rows[t].get(p.name, 0) + df.height
+            else:
+                self._seen.add(p.name if p.parent == self.path else str(p))
+                try:
+                    t, df = read_table_file(p, table or None)
+                except RecordingError as e:
+                    self.warnings.append(str(e))
+                    continue
+                df = df.slice(self._already_read(t, p.name))
+                self._rows[t][p.name] = df.height
             frames[t].append(df)
             if t in ("samples", "events", "steps") and df.height:
                 last = df["ts"].max()
@@ -388,9 +484,58 @@ class SessionReader:
 
 
 def _first_segment(name: str) -> int:
-    """Read order: by the first segment a file holds (a compacted file holds them all)."""
-    m = SEGMENT_RE.match(name) or CHUNK_RE.match(name)
+    """Read order: by the first flush a file holds (a compacted file holds them all)."""
+    m = SEGMENT_RE.match(name) or STREAM_RE.match(name) or CHUNK_RE.match(name)
     return int(m.group(2)) if m else 0
+
+
+def data_names(folder: Path) -> list[str]:
+    """The names in a session folder that may be data files (Parquet or Arrow stream, no dot files)."""
+    return sorted(n for n in os.listdir(folder) if n.endswith((".parquet", ".arrows")) and not n.startswith("."))
+
+
+def select_files(names: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """The file rules of a session folder, shared by every reader (replay, follow, `stress --resume`):
+    per table, the files that hold its rows, in read order - the compacted file if there is one (it holds
+    everything), else the chunks, and the segments and stream files no chunk covers (a crash between
+    writing a chunk and deleting what it merged leaves both); and the names that are no gpuwatch file."""
+    out: dict[str, list[str]] = {t: [] for t in schema.TABLES}
+    unknown: list[str] = []
+    compacted = {m.group(1) for n in names if (m := COMPACT_RE.match(n))}
+    chunks: dict[str, list[tuple[int, int]]] = {t: [] for t in schema.TABLES}
+    for n in names:
+        if m := CHUNK_RE.match(n):
+            chunks[m.group(1)].append((int(m.group(2)), int(m.group(3))))
+    for n in names:
+        m = COMPACT_RE.match(n) or CHUNK_RE.match(n) or SEGMENT_RE.match(n) or STREAM_RE.match(n)
+        if not m:
+            unknown.append(n)
+            continue
+        table = m.group(1)
+        if table in compacted and not COMPACT_RE.match(n):
+            continue
+        if (SEGMENT_RE.match(n) or STREAM_RE.match(n)) and any(a <= int(m.group(2)) <= b for a, b in chunks[table]):
+            continue
+        out[table].append(n)
+    for names_ in out.values():
+        names_.sort(key=lambda n: (_first_segment(n), n))
+    return out, unknown
+
+
+def table_files(folder: Path | str, table: str) -> list[Path]:
+    """The files the reader reads for `table` in the session `folder` (see `select_files`)."""
+    folder = Path(folder)
+    return [folder / n for n in select_files(data_names(folder))[0][table]]
+
+
+def max_ts_us(path: Path) -> int | None:
+    """The newest `ts` in one data file, in UTC microseconds (None if empty); a Parquet file's from its
+    column alone. Raises like the file's reader (RecordingError, polars' errors)."""
+    if path.suffix == ".parquet":
+        ts = pl.scan_parquet(path).select(pl.col("ts").max()).collect().item()
+    else:
+        ts = read_table_file(path)[1]["ts"].max()
+    return None if ts is None else int(ts.timestamp() * 1e6)
 
 
 def open_recording(path: Path | str) -> Recording:

@@ -2,11 +2,14 @@
 
 A session is a folder `<root>/<UTC start>-<host>/`:
   meta.json                       host, GPUs, driver, versions, command line, config, schema version
-  samples-000001.parquet ...      one segment per table per flush (~1 s), written to a temp name and
-  steps-000001.parquet            renamed, so a reader never sees half a file and `kill -9` loses at most
-  events-000001.parquet           the last flush interval
-  samples-c000001-000300.parquet  every `roll_every` segments are merged into one chunk (bounded file count)
-  samples.parquet ...             after a clean stop: one compacted file per table, segments removed
+  samples-000001.arrows           the open stream of each table: an Arrow IPC stream file, one record
+  steps-000001.arrows ...         batch appended per flush (~1 s) with one write(), so `kill -9` loses at
+                                  most the last flush interval; the number is the stream's first flush
+  samples-c000001-000300.parquet  every `roll_every` flushes the stream becomes one Parquet chunk (fsynced)
+                                  and a new stream starts (bounded file sizes, little for a follower to read)
+  samples.parquet ...             after a clean stop: one compacted file per table, chunks and streams removed
+Sessions written before the streams hold one Parquet segment per flush (`samples-000001.parquet`)
+instead; they read, resume and compact as before.
 
 Writing runs on its own thread; the sampler never waits for the disk. A write that fails (a full disk,
 a removed folder, anything polars raises) never leaves the thread: it becomes one `recorder_error`
@@ -19,6 +22,7 @@ session's meta.json then stays `complete: false` with an `incomplete_reason`.
 from __future__ import annotations
 
 import errno as _errno
+import io
 import json
 import os
 import re
@@ -36,7 +40,8 @@ from gpuwatch.recording import schema
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 
-SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")
+SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")  # sessions before the streams
+STREAM_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.arrows$")
 CHUNK_RE = re.compile(rf"^({schema.TABLE_RE})-c(\d{{6}})-(\d{{6}})\.parquet$")
 COMPACT_RE = re.compile(rf"^({schema.TABLE_RE})\.parquet$")
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
@@ -78,6 +83,208 @@ def write_json_atomic(obj: dict, path: Path) -> None:
     except BaseException:
         _unlink_quietly(tmp)
         raise
+
+
+# -- Arrow IPC streams ------------------------------------------------------------------------------
+# A stream file is one valid Arrow IPC stream without its end marker: the schema message, then one
+# record batch message per flush. Each message is framed as 0xFFFFFFFF, int32 metadata length L, L bytes
+# of flatbuffer metadata (8-byte aligned), then the body, whose length the metadata says. A reader adds
+# the 8-byte end marker in memory. The newest compat level writes strings as Arrow string views: the
+# cheapest for polars to write (no conversion); the file is read back by polars (this gpuwatch or a newer
+# one) and becomes Parquet at the next roll or compaction, which DuckDB and every other tool reads.
+IPC_COMPAT = pl.CompatLevel.newest()
+IPC_CONT = b"\xff\xff\xff\xff"
+IPC_EOS = IPC_CONT + b"\x00\x00\x00\x00"
+
+
+def ipc_bytes(df: pl.DataFrame) -> tuple[bytes, bytes]:
+    """(schema message, record batch message(s)) of `df` as an Arrow IPC stream."""
+    buf = io.BytesIO()
+    df.write_ipc_stream(buf, compat_level=IPC_COMPAT)
+    data = buf.getbuffer()
+    if data[:4] != IPC_CONT or data[-8:] != IPC_EOS:  # polars' framing changed: never write what we cannot read
+        raise ValueError("polars wrote an Arrow IPC stream without the continuation framing")
+    head = 8 + int.from_bytes(data[4:8], "little")
+    return bytes(data[:head]), bytes(data[head:-8])
+
+
+def ipc_messages(data: bytes | memoryview, start: int = 0) -> tuple[list[tuple[int, int, int]], str | None]:
+    """The complete messages of an Arrow IPC stream from byte `start`: [(offset, end, header type)]
+    (1 schema, 2 dictionary batch, 3 record batch), and why scanning stopped before the end of `data`
+    (None: at the end, or at a message not yet complete - a torn or still growing tail - or at the end
+    marker; a line: the framing is broken there)."""
+    mv = memoryview(data)
+    out: list[tuple[int, int, int]] = []
+    pos, n = start, len(mv)
+    while pos + 8 <= n:
+        if mv[pos:pos + 4] != IPC_CONT:
+            return out, f"no message framing at byte {pos}"
+        size = int.from_bytes(mv[pos + 4:pos + 8], "little", signed=True)
+        if size == 0:  # the end-of-stream marker
+            return out, None
+        if size < 0 or size % 8 or size > 1 << 24:
+            return out, f"bad message length {size} at byte {pos}"
+        if pos + 8 + size > n:
+            return out, None
+        try:
+            htype, body = _message_header(mv[pos + 8:pos + 8 + size])
+        except (IndexError, ValueError) as e:
+            return out, f"bad message metadata at byte {pos} ({e})"
+        end = pos + 8 + size + body
+        if end > n:
+            return out, None
+        out.append((pos, end, htype))
+        pos = end
+    return out, None
+
+
+def _message_header(meta: memoryview) -> tuple[int, int]:
+    """(header type, body length) from a Message flatbuffer (fields: version, header_type, header,
+    bodyLength, custom_metadata)."""
+    def u(off: int, size: int, signed: bool = False) -> int:
+        if off < 0 or off + size > len(meta):
+            raise ValueError("offset out of range")
+        return int.from_bytes(meta[off:off + size], "little", signed=signed)
+
+    root = u(0, 4)
+    vtable = root - u(root, 4, signed=True)
+    vsize = u(vtable, 2)
+    fields = [u(vtable + 4 + 2 * i, 2) for i in range(max(0, (vsize - 4) // 2))]
+    htype = u(root + fields[1], 1) if len(fields) > 1 and fields[1] else 0
+    body = u(root + fields[3], 8, signed=True) if len(fields) > 3 and fields[3] else 0
+    if htype not in (1, 2, 3) or body < 0 or body % 8:
+        raise ValueError(f"header type {htype}, body {body}")
+    return htype, body
+
+
+def read_ipc_prefix(data: bytes, start: int = 0, head: bytes | None = None
+                    ) -> tuple[pl.DataFrame | None, bytes | None, int, int, str | None]:
+    """Read the complete record batches of a stream file's bytes `data` (from byte `start`, after a
+    schema message `head` read before; from the file's start when `head` is None).
+    Returns (frame or None when no new batch, schema message, end offset of the last complete message,
+    batches read, why the rest was skipped or None). A torn or still growing tail is left for later;
+    raises ValueError when not even the schema message can be read."""
+    if head is None:
+        msgs, why = ipc_messages(data, 0)
+        if not msgs or msgs[0][2] != 1:
+            if why is None and (len(data) < 8 or data[:4] == IPC_CONT):
+                return None, None, 0, 0, None  # the schema message is still being written
+            raise ValueError(why or "no schema message at the start")
+        head, start, msgs = bytes(data[:msgs[0][1]]), msgs[0][1], msgs[1:]
+    else:
+        msgs, why = ipc_messages(data, start)
+    if any(t != 3 for *_, t in msgs):
+        bad = next(i for i, (*_, t) in enumerate(msgs) if t != 3)
+        msgs, why = msgs[:bad], f"unexpected message type {msgs[bad][2]} at byte {msgs[bad][0]}"
+    if not msgs:
+        return None, head, start, 0, why
+    end = msgs[-1][1]
+    try:
+        df = pl.read_ipc_stream(head + bytes(data[start:end]) + IPC_EOS)
+    except BaseException as e:  # a batch that frames well but does not decode: keep the batches before it
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        lo, hi, df = 0, len(msgs) - 1, None  # binary search for the longest prefix polars reads
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                df = pl.read_ipc_stream(head + bytes(data[start:msgs[mid - 1][1]]) + IPC_EOS)
+                lo = mid
+            except BaseException as e2:
+                if isinstance(e2, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                    raise
+                hi = mid - 1
+        text = " ".join(str(e).split())[:100] or type(e).__name__
+        reason = f"corrupt record batch after {lo} batches ({text})"
+        if lo == 0:
+            return None, head, start, 0, reason
+        df = pl.read_ipc_stream(head + bytes(data[start:msgs[lo - 1][1]]) + IPC_EOS)
+        return df, head, msgs[lo - 1][1], lo, reason
+    return df, head, end, len(msgs), why
+
+
+class StreamFile:
+    """One table's open stream file: created with its schema message and first batch in one write,
+    then one write per flush (O_APPEND). A write that fails (a full disk) is cut back off the file, so
+    what is on disk is always whole messages; if even that fails the file is closed (`broken`) and the
+    next flush starts a new stream file (readers read the broken one up to its torn tail)."""
+
+    def __init__(self, path: Path, first: int) -> None:
+        self.path, self.first = path, first
+        self.fd: int | None = None
+        self.head: bytes | None = None  # the schema message
+        self.size = 0
+        self.batches = 0
+        self.broken = False
+
+    def append(self, df: pl.DataFrame) -> int:
+        """Append `df` as one record batch; returns the bytes added. Raises on failure, leaving the
+        file as it was (or `broken`)."""
+        if df.n_chunks() > 1:
+            df = df.rechunk()
+        head, batch = ipc_bytes(df)
+        if self.head is not None and head != self.head:
+            raise ValueError(f"{self.path}: the table's schema changed within a stream")
+        payload = batch if self.fd is not None else head + batch
+        created = self.fd is None
+        if created:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            _write_all(self.fd, payload)
+        except BaseException:
+            try:
+                if created:
+                    self.close()
+                    _unlink_quietly(self.path)
+                else:
+                    os.ftruncate(self.fd, self.size)
+            except OSError:
+                self.broken = True
+                self.close()
+            raise
+        self.head = head
+        self.size += len(payload)
+        self.batches += 1
+        return len(payload)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """One write() (a killed process never leaves half of it; a short write is a full disk: retried
+    for the rest, which then raises)."""
+    mv = memoryview(data)
+    while mv:
+        n = os.write(fd, mv)
+        if n <= 0:
+            raise OSError(_errno.ENOSPC, "No space left on device")
+        mv = mv[n:]
+
+
+def append_stream(stream: StreamFile, df: pl.DataFrame) -> int:
+    """The recorder's once-a-flush write (a module function, so tests can make it fail)."""
+    return stream.append(df)
+
+
+def read_stream_file(path: Path) -> tuple[pl.DataFrame | None, int, str | None]:
+    """Every complete batch of a stream file: (frame or None, batches, why the rest was skipped)."""
+    data = path.read_bytes()
+    df, _head, _end, n, why = read_ipc_prefix(data)
+    return df, n, why
+
+
+def read_part(path: Path) -> pl.DataFrame:
+    """A segment, chunk or stream file as written (for rolls, compaction and resume)."""
+    if path.suffix == ".arrows":
+        df = read_stream_file(path)[0]
+        return df if df is not None else pl.DataFrame()
+    return pl.read_parquet(path)
 
 
 LOCK_NAME = ".gpuwatch.lock"  # held (flock) by the process recording the session; the reader skips dot files
@@ -211,8 +418,8 @@ class Recorder:
                      "complete": False, **meta}
         self._cursor = {"samples": bus.ticks.next_seq, "steps": bus.steps.next_seq,
                         "events": bus.events.next_seq, "risk": bus.risk.next_seq}
-        self._seg = {t: 0 for t in schema.TABLES}
-        self._unrolled: dict[str, list[Path]] = {t: [] for t in schema.TABLES}
+        self._seg = {t: 0 for t in schema.TABLES}  # the last flush number written per table
+        self._stream: dict[str, StreamFile | None] = {t: None for t in schema.TABLES}  # the open stream files
         self._pending: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}  # drained, not written
         self.rows = 0  # sample rows on disk
         self.bytes = 0
@@ -269,22 +476,45 @@ class Recorder:
         `resumed`. A compacted table (`samples.parquet`, a clean stop) is renamed to the chunk name
         `samples-c000000-000000.parquet` (it covers no segment number; any segments or chunks it already
         holds are removed), because the reader prefers a compacted file over every segment of its table.
-        New segments are numbered after the highest one on disk, so nothing is overwritten or read twice;
-        a clean stop compacts everything again."""
+        The stream files a killed process left become chunks (their complete batches; one a chunk already
+        covers is removed). New streams are numbered after the highest flush on disk, so nothing is
+        overwritten or read twice; a clean stop compacts everything again."""
         old = json.loads((self.dir / "meta.json").read_text())
         if not isinstance(old, dict):
             raise ValueError(f"{self.dir / 'meta.json'}: not a JSON object")
         for tmp in self.dir.glob(".*.tmp"):  # a write a crash interrupted (never read)
             _unlink_quietly(tmp)
-        names = sorted(n for n in os.listdir(self.dir) if n.endswith(".parquet") and not n.startswith("."))
+        names = sorted(n for n in os.listdir(self.dir) if n.endswith((".parquet", ".arrows")) and not n.startswith("."))
         for table in schema.TABLES:
-            mine = [n for n in names if (m := SEGMENT_RE.match(n) or CHUNK_RE.match(n)) and m.group(1) == table]
+            mine = [n for n in names if (m := SEGMENT_RE.match(n) or CHUNK_RE.match(n) or STREAM_RE.match(n))
+                    and m.group(1) == table]
             if f"{table}.parquet" in names:
                 for n in mine:  # a crash during compaction: the compacted file holds them
                     (self.dir / n).unlink()
                 os.replace(self.dir / f"{table}.parquet", self.dir / f"{table}-c000000-000000.parquet")
                 mine = [f"{table}-c000000-000000.parquet"]
-            top = 0
+            chunks = [(int(m.group(2)), int(m.group(3))) for n in mine if (m := CHUNK_RE.match(n))]
+            top = max((b for _, b in chunks), default=0)
+            for n in [n for n in mine if STREAM_RE.match(n)]:  # streams of a killed process become chunks
+                mine.remove(n)
+                first = int(STREAM_RE.match(n).group(2))
+                if any(a <= first <= b for a, b in chunks):  # killed between writing its chunk and deleting it
+                    (self.dir / n).unlink()
+                    continue
+                try:
+                    df, batches, _why = read_stream_file(self.dir / n)
+                except ValueError:  # not even its schema is readable: left as it is (the reader names it)
+                    top = max(top, first)
+                    continue
+                if not batches:
+                    (self.dir / n).unlink()
+                    continue
+                chunk = f"{table}-c{first:06d}-{first + batches - 1:06d}.parquet"
+                counted = self.bytes
+                self._merge(table, [self.dir / n], self.dir / chunk, level=3, sort=False)
+                self.bytes = counted  # counted below, with every other file
+                mine.append(chunk)
+                top = max(top, first + batches - 1)
             for n in mine:
                 m = SEGMENT_RE.match(n)
                 top = max(top, int(m.group(2)) if m else int(CHUNK_RE.match(n).group(3)))
@@ -353,14 +583,14 @@ class Recorder:
                     try:
                         self._compact()
                     except Exception as e:
-                        self._fail(e, "compaction failed (every row is still in the segments)")
+                        self._fail(e, "compaction failed (every row is still in the streams and chunks)")
                 if self.dropped:
                     self._note_lost(f"{self.dropped} ticks overwritten in the bus before they were written")
                 if any(self.lost.values()):
                     self.incomplete_reason = (f"{self._describe_lost(self.lost)} never written "
                                               f"({self.incomplete_reason})")
                 elif self.error is not None and self.incomplete_reason is None:
-                    self.incomplete_reason = f"not closed cleanly: {self._error_line} (every row written is in the segments)"
+                    self.incomplete_reason = f"not closed cleanly: {self._error_line} (every row written is in the streams and chunks)"
                 complete = compact and self.error is None and self.incomplete_reason is None
                 self.meta.update(complete=complete, end=datetime.now(timezone.utc).isoformat(),
                                  rows=self.rows, bytes=self.bytes, dropped=self.dropped,
@@ -372,6 +602,7 @@ class Recorder:
         except Exception as e:  # meta.json could not be rewritten: it still says complete: false
             self._fail(e, "could not close the session")
         finally:
+            self._close_streams()
             if self._lock_fd is not None:
                 _unlink_quietly(self.dir / LOCK_NAME)  # the folder holds what it held before locks
             unlock_session(self._lock_fd)
@@ -425,18 +656,20 @@ class Recorder:
                 self._drain()
                 for table in schema.TABLES:
                     frames = self._pending[table]
-                    if not frames:
-                        continue
-                    df = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
-                    path = self.dir / f"{table}-{self._seg[table] + 1:06d}.parquet"
-                    self.bytes += write_atomic(df, path, level=1, fsync=False)
-                    self._seg[table] += 1
-                    self._pending[table] = []
-                    self._unrolled[table].append(path)
-                    if table == "samples":
-                        self.rows += df.height
-                    if len(self._unrolled[table]) >= self.roll_every:
-                        self._roll(table)
+                    if frames:
+                        df = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical_relaxed")
+                        stream = self._stream[table]
+                        if stream is None or stream.broken:  # a broken one stays on disk as it is
+                            stream = self._stream[table] = StreamFile(
+                                self.dir / f"{table}-{self._seg[table] + 1:06d}.arrows", self._seg[table] + 1)
+                        self.bytes += append_stream(stream, df)
+                        self._seg[table] += 1
+                        self._pending[table] = []
+                        if table == "samples":
+                            self.rows += df.height
+                    stream = self._stream[table]
+                    if stream is not None and not stream.broken and stream.batches >= self.roll_every:
+                        self._roll(table)  # retried each flush until it works (the rows are on disk)
             except Exception as e:
                 self._fail(e, "recording paused")
                 return
@@ -444,25 +677,43 @@ class Recorder:
                 self._resumed()
 
     def _roll(self, table: str) -> None:
-        """Merge the open segments of `table` into one chunk file, then delete them."""
-        paths = self._unrolled[table]
-        first, last = _seq(paths[0]), _seq(paths[-1])
-        self._merge(table, paths, self.dir / f"{table}-c{first:06d}-{last:06d}.parquet", level=3, sort=False)
-        self._unrolled[table] = []
+        """Turn the open stream file of `table` into one Parquet chunk (fsynced), then delete it; the
+        next flush starts a new stream file."""
+        stream = self._stream[table]
+        if stream is None:
+            return
+        out = self.dir / f"{table}-c{stream.first:06d}-{stream.first + stream.batches - 1:06d}.parquet"
+        if stream.batches:
+            self._merge(table, [stream.path], out, level=3, sort=False, keep=True)
+        stream.close()
+        self._stream[table] = None
+        self.bytes -= stream.size
+        _unlink_quietly(stream.path)
+
+    def _close_streams(self) -> None:
+        for table, stream in self._stream.items():
+            if stream is not None:
+                stream.close()
+                self._stream[table] = None
 
     def _compact(self) -> None:
+        self._close_streams()
         for table in schema.TABLES:
-            parts = sorted(p for p in self.dir.glob(f"{table}-*.parquet")
-                           if SEGMENT_RE.match(p.name) or CHUNK_RE.match(p.name))
+            parts = sorted((p for p in self.dir.glob(f"{table}-*")
+                            if SEGMENT_RE.match(p.name) or CHUNK_RE.match(p.name) or STREAM_RE.match(p.name)),
+                           key=lambda p: (_first_of(p.name), p.name))
             self._merge(table, parts, self.dir / f"{table}.parquet", level=9, sort=True)
 
-    def _merge(self, table: str, parts: list[Path], out: Path, level: int, sort: bool) -> None:
-        """Write `parts` as one file `out` (fsynced), then delete them; keeps `bytes` true."""
-        df = pl.concat([pl.read_parquet(p) for p in parts], how="vertical_relaxed") if parts else schema.empty(table)
-        new = write_atomic(df.sort("ts") if sort else df, out, level=level)
-        for p in parts:
-            self.bytes -= p.stat().st_size
-            p.unlink()
+    def _merge(self, table: str, parts: list[Path], out: Path, level: int, sort: bool, keep: bool = False) -> None:
+        """Write `parts` as one file `out` (fsynced), then delete them (unless `keep`: the caller does);
+        keeps `bytes` true."""
+        frames = [df for df in (read_part(p) for p in parts) if df.width]
+        df = pl.concat(frames, how="vertical_relaxed") if frames else schema.empty(table)
+        new = write_atomic(df.sort("ts", maintain_order=True) if sort else df, out, level=level)
+        if not keep:
+            for p in parts:
+                self.bytes -= p.stat().st_size
+                p.unlink()
         self.bytes += new
 
     # -- errors -------------------------------------------------------------------------------------
@@ -504,8 +755,10 @@ class Recorder:
         return "stopped" if self._stop.is_set() else "recording"
 
 
-def _seq(p: Path) -> int:
-    return int(SEGMENT_RE.match(p.name).group(2))
+def _first_of(name: str) -> int:
+    """The first flush a data file holds (0 for a compacted file)."""
+    m = SEGMENT_RE.match(name) or STREAM_RE.match(name) or CHUNK_RE.match(name)
+    return int(m.group(2)) if m else 0
 
 
 def to_frame(rows: list[dict[str, Any]], table: str) -> pl.DataFrame:
