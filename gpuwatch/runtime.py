@@ -10,7 +10,6 @@ workloads and the recorder are still stopped (and the recording closed).
 
 from __future__ import annotations
 
-import os
 import platform
 import signal
 import socket

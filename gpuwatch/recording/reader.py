@@ -1,11 +1,15 @@
-"""Open a recorded session (a folder) or a single Parquet file, validating what it reads.
+"""Open a recorded session (a folder) or a single Parquet or stream file, validating what it reads.
+
+A session's open tables are Arrow IPC stream files (`samples-000001.arrows`, see writer.py): they are read
+up to their last complete record batch (a torn tail is left out) and, when followed, only the bytes
+they gained since the last read are decoded. `select_files` holds the rules of which files make a table.
 
 A corrupt or truncated segment, a file that is not Parquet, a wrong schema, a FIFO or a folder named
 like a segment is reported as one line naming the file; every intact segment is still read. Only when
 nothing at all can be read (or meta.json is unreadable, malformed or of an unknown schema version) does
 opening fail, with `RecordingError` (one line, naming the file). `SessionReader(...)`, `load_new()`
 and `open_recording(...)` raise nothing else.
-`SessionReader.load_new()` reads only files that appeared since the last call: that is how
+`SessionReader.load_new()` reads only files (and stream batches) that appeared since the last call: that is how
 `replay --follow` keeps up with a session another process is still writing.
 A session whose meta.json says `complete: false` is reported by `incomplete_reason` (one line).
 """

@@ -559,7 +559,8 @@ class Recorder:
         self._kick.set()
 
     def stop(self, compact: bool = True) -> None:
-        """Final flush; then merge every segment into one file per table and mark the session complete.
+        """Final flush; then merge every chunk and stream file into one file per table and mark the
+        session complete (`compact=False`: the stream files are closed and left as they are).
         If the disk still fails, the rows not written are counted as lost and meta.json (if it can be
         written) says why the session is incomplete. Never raises."""
         self._stop.set()
