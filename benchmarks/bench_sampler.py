@@ -40,12 +40,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = "utilization.gpu,utilization.memory,memory.used,memory.total,temperature.gpu,power.draw,clocks.sm,clocks.mem"
 PYNVML_LOOP = r"""
-import time, pynvml
-pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); nxt = time.monotonic()
+import os, time, pynvml
+pynvml.nvmlInit(); hs = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(int(os.environ.get("LOOP_GPUS", "1")))]
+nxt = time.monotonic()
 while True:
-    pynvml.nvmlDeviceGetUtilizationRates(h); pynvml.nvmlDeviceGetMemoryInfo(h)
-    pynvml.nvmlDeviceGetTemperature(h, 0); pynvml.nvmlDeviceGetPowerUsage(h)
-    pynvml.nvmlDeviceGetClockInfo(h, 1); pynvml.nvmlDeviceGetClockInfo(h, 0)
+    for h in hs:
+        pynvml.nvmlDeviceGetUtilizationRates(h); pynvml.nvmlDeviceGetMemoryInfo(h)
+        pynvml.nvmlDeviceGetTemperature(h, 0); pynvml.nvmlDeviceGetPowerUsage(h)
+        pynvml.nvmlDeviceGetClockInfo(h, 1); pynvml.nvmlDeviceGetClockInfo(h, 0)
     nxt += 0.1; time.sleep(max(0, nxt - time.monotonic()))
 """
 BASH_LOOP = "while true; do nvidia-smi --query-gpu=%s --format=csv,noheader >/dev/null; free -b >/dev/null; sleep 0.1; done" % FIELDS
@@ -62,19 +64,44 @@ def cpu_seconds(p: psutil.Process) -> float:
     return total
 
 
-def cost(seconds: float, warmup: float = 5.0) -> dict:
+def _gpu_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML here
+        return 0
+
+
+def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> dict:
+    """`max_gpus`: every tool samples the first N GPUs (None: all). With all GPUs on a machine of more than
+    one, a second `gpuwatch record` sampling GPU 0 only runs beside them: the difference is the cost of
+    the additional GPUs."""
     rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
     dur = f"{seconds + warmup + 3}s"
-    procs = {"gpuwatch record (sampler+recorder, all fields)": [
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)],
-             "gpuwatch record + risk scoring (2 Hz)": [
-        sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")]}
+    n_gpus = _gpu_count()
+    n = min(n_gpus, max_gpus) if max_gpus else n_gpus
+    only = {"GPUWATCH_MAX_GPUS": str(max_gpus)} if max_gpus else {}
+    procs = {f"gpuwatch record (sampler+recorder, all fields, {n} GPU)": ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)], only),
+             "gpuwatch record + risk scoring (2 Hz)": ([
+        sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")], only)}
+    if n > 1:
+        procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
+            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],
+            {"GPUWATCH_MAX_GPUS": "1"})
     if shutil.which("nvidia-smi"):
-        procs["nvidia-smi --query-gpu (8 fields) -lms 100"] = ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv", "-lms", "100"]
-        procs["bare pynvml loop, 6 fields"] = [sys.executable, "-c", PYNVML_LOOP]
-        procs["bash loop: nvidia-smi + free every 0.1 s"] = ["bash", "-c", BASH_LOOP]
+        ids = ["-i", ",".join(str(i) for i in range(n))] if max_gpus and n else []
+        procs[f"nvidia-smi --query-gpu (8 fields) -lms 100, {n} GPU"] = (
+            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv", "-lms", "100", *ids], {})
+        procs[f"bare pynvml loop, 6 fields, {n} GPU"] = ([sys.executable, "-c", PYNVML_LOOP], {"LOOP_GPUS": str(n or 1)})
+        procs["bash loop: nvidia-smi + free every 0.1 s"] = (["bash", "-c", BASH_LOOP], {})
     running = {k: subprocess.Popen(v, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                                   start_new_session=True) for k, v in procs.items()}
+                                   env=dict(os.environ, **e), start_new_session=True) for k, (v, e) in procs.items()}
     time.sleep(warmup)
     ps = {k: psutil.Process(p.pid) for k, p in running.items()}
     c0 = {k: cpu_seconds(p) for k, p in ps.items()}
@@ -88,7 +115,8 @@ def cost(seconds: float, warmup: float = 5.0) -> dict:
     for k, p in running.items():
         if k.startswith("gpuwatch"):
             p.wait(timeout=60)
-    result = {"measure": "cpu_pct_of_one_core", "seconds": round(dt, 1), "cpu_pct": out}
+    result = {"measure": "cpu_pct_of_one_core", "seconds": round(dt, 1), "gpus": n_gpus, "max_gpus": max_gpus,
+              "cpu_pct": out}
     result.update(disk_usage(rec_dir))
     shutil.rmtree(rec_dir, ignore_errors=True)
     return result
@@ -207,6 +235,75 @@ def threads(seconds: float, extra: list[str]) -> dict:
             "total": round(sum(pct.values()), 3), "threads": pct}
 
 
+# A stand-in libnvidia-ml.so.1 whose functions answer at once (no GPU here): pynvml and gpuwatch's own
+# NVML code run unchanged against it (dlopen through LD_LIBRARY_PATH), so their Python + ctypes cost is
+# what a profile shows. FAKE_NVML_GPUS GPUs; no running processes; XID events not supported.
+FAKE_NVML_C = r"""
+#include <stdlib.h>
+#include <string.h>
+typedef void *H;
+static int ngpu(void) { const char *e = getenv("FAKE_NVML_GPUS"); return e ? atoi(e) : 1; }
+int nvmlInitWithFlags(unsigned f) { return 0; }
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+const char *nvmlErrorString(int r) { return "fake NVML error"; }
+int nvmlSystemGetDriverVersion(char *b, unsigned n) { strncpy(b, "999.fake", n); return 0; }
+int nvmlSystemGetNVMLVersion(char *b, unsigned n) { strncpy(b, "99.999.fake", n); return 0; }
+int nvmlDeviceGetCount_v2(unsigned *c) { *c = ngpu(); return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned i, H *h) { *h = (H)(size_t)(i + 1); return 0; }
+int nvmlDeviceGetName(H h, char *b, unsigned n) { strncpy(b, "Fake H200", n); return 0; }
+int nvmlDeviceGetUUID(H h, char *b, unsigned n) { snprintf(b, n, "GPU-fake-%d", (int)(size_t)h); return 0; }
+int nvmlDeviceGetEnforcedPowerLimit(H h, unsigned *v) { *v = 700000; return 0; }
+int nvmlDeviceGetTemperatureThreshold(H h, int t, unsigned *v) { *v = 89; return 0; }
+struct mem1 { unsigned long long total, free, used; };
+struct mem2 { unsigned version; unsigned long long total, reserved, free, used; };
+int nvmlDeviceGetMemoryInfo(H h, struct mem1 *m) { m->total = 151ULL << 30; m->used = 11ULL << 30; m->free = m->total - m->used; return 0; }
+int nvmlDeviceGetMemoryInfo_v2(H h, struct mem2 *m) { m->total = 151ULL << 30; m->reserved = 615ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->used; return 0; }
+struct util { unsigned gpu, memory; };
+int nvmlDeviceGetUtilizationRates(H h, struct util *u) { u->gpu = 97; u->memory = 40; return 0; }
+int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { *v = 60; return 0; }
+int nvmlDeviceGetPowerUsage(H h, unsigned *v) { *v = 350000; return 0; }
+int nvmlDeviceGetClockInfo(H h, int t, unsigned *v) { *v = t == 2 ? 2619 : 1980; return 0; }
+int nvmlDeviceGetCurrentClocksEventReasons(H h, unsigned long long *v) { *v = 4; return 0; }
+int nvmlDeviceGetCurrentClocksThrottleReasons(H h, unsigned long long *v) { *v = 4; return 0; }
+int nvmlDeviceGetTotalEccErrors(H h, int a, int b, unsigned long long *v) { *v = 0; return 0; }
+int nvmlDeviceGetComputeRunningProcesses_v3(H h, unsigned *c, void *p) { *c = 0; return 0; }
+int nvmlDeviceGetPcieThroughput(H h, int c, unsigned *v) { *v = 100; return 0; }
+int nvmlDeviceGetTotalEnergyConsumption(H h, unsigned long long *v) { *v = 5000; return 0; }
+struct fv { unsigned fieldId, scopeId; long long ts, lat; unsigned type, ret; unsigned long long value; };
+int nvmlDeviceGetFieldValues(H h, int n, struct fv *v) {
+  for (int i = 0; i < n; i++) { v[i].type = 3; v[i].ret = 0; v[i].value = 1000 + v[i].fieldId; v[i].ts = 1; }
+  return 0; }
+int nvmlEventSetCreate(void *es) { return 3; }
+"""
+
+
+def build_fake_nvml(work: Path) -> Path | None:
+    """Compile FAKE_NVML_C into work/libnvidia-ml.so.1; None without a C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    src = work / "fake_nvml.c"
+    src.write_text("#include <stdio.h>\n" + FAKE_NVML_C)
+    lib = work / "libnvidia-ml.so.1"
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True)
+    return lib if r.returncode == 0 else None
+
+
+def fake_nvml_env(env: dict, work: Path, n: int) -> str:
+    """Point `env` at the stand-in NVML (n GPUs): the C library where a compiler exists, else the Python
+    patch in gpuwatch.telemetry.profile. Returns which."""
+    from gpuwatch.telemetry.profile import ENV_FAKE
+
+    lib = build_fake_nvml(work)
+    if lib is not None:
+        env["LD_LIBRARY_PATH"] = str(lib.parent) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+        env["FAKE_NVML_GPUS"] = str(n)
+        return "C stub libnvidia-ml.so.1"
+    env[ENV_FAKE] = str(n)
+    return "pynvml functions patched in Python"
+
+
 def _thread_snap(root_pid: int) -> dict[str, dict]:
     """Per OS thread of a process tree: name, CPU seconds, context switches, the CPU it last ran on."""
     out: dict[str, dict] = {}
@@ -297,15 +394,14 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     with the child's tick instrumented (GPUWATCH_SAMPLER_PROFILE; off in normal runs): per section of a
     tick CPU (thread_time) and wall, p50/p99/mean; per thread CPU and wake-ups of both processes; the
     tree's total; CPU frequency / idle-state hints."""
-    from gpuwatch.telemetry.profile import ENV, ENV_FAKE
+    from gpuwatch.telemetry.profile import ENV
 
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-profile-"))
     prof_path = work / "child_profile.json"
     env = dict(os.environ, **{ENV: str(prof_path)})
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if fake_nvml:
-        env[ENV_FAKE] = str(fake_nvml)
+    fake_how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
     dur = warmup + seconds + 1.5
     cmd = [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{dur}s", "-o", str(work / "rec")]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, env=env)
@@ -362,7 +458,7 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     per = {k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in d.items()}
            for k, d in sorted(per.items(), key=lambda kv: -kv[1]["cpu_pct"])}
     res: dict = {"measure": "sampler_profile", "command": " ".join(cmd[2:]), "seconds": round(dt, 2),
-                 "fake_nvml_gpus": fake_nvml or None,
+                 "fake_nvml_gpus": fake_nvml or None, "fake_nvml": fake_how,
                  "tree_cpu_pct_of_one_core": round(100 * (tree1 - tree0) / dt, 3),
                  "threads_cpu_sum_pct": round(sum(d["cpu_pct"] for d in per.values()), 3),
                  "threads": per, "cpu_hints": {"start": hints0, "mid": hints_mid, "end": hints1}}
@@ -399,11 +495,11 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
                 e = paths.setdefault(parent + "/(self)", {"cpu": [], "wall": []})
                 e["cpu"].append(secs[parent][0] - c)
                 e["wall"].append(secs[parent][1] - w)
-        top = sum(secs[p][0] for p in ("tick", "wake") if p in secs)
-        e = paths.setdefault("(loop, outside tick and sleep)", {"cpu": [], "wall": []})
+        top = sum(secs[p][0] for p in ("tick", "wake", "slow") if p in secs)
+        e = paths.setdefault("(loop, outside tick, slow read and sleep)", {"cpu": [], "wall": []})
         e["cpu"].append(ic - top)
-        e["wall"].append(iw - sum(secs[p][1] for p in ("tick", "wake") if p in secs))
-        e = paths.setdefault("(iteration: tick + loop + sleep + wake)", {"cpu": [], "wall": []})
+        e["wall"].append(iw - sum(secs[p][1] for p in ("tick", "wake", "slow") if p in secs))
+        e = paths.setdefault("(iteration: tick + loop + slow + sleep + wake)", {"cpu": [], "wall": []})
         e["cpu"].append(ic)
         e["wall"].append(iw)
 
@@ -442,6 +538,58 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     res["elapsed_s"] = round(time.monotonic() - t_start, 1)
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def compare(trees: list[Path], seconds: float, runs: int, fake_nvml: int = 0, warmup: float = 5.0,
+            max_gpus: int | None = None) -> dict:
+    """Side by side: `gpuwatch record --no-model` of each source tree (e.g. the commit before a change and
+    after), all running at the same time, `runs` times; CPU of each process tree (user+system, and the
+    exact on-CPU time of its threads from schedstat) in % of one core, plus per thread for each run."""
+    work = Path(tempfile.mkdtemp(prefix="gpuwatch-compare-"))
+    env = dict(os.environ)
+    how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
+    if max_gpus:
+        env["GPUWATCH_MAX_GPUS"] = str(max_gpus)
+    out: dict = {"measure": "cpu_pct_of_one_core_side_by_side", "trees": [str(t) for t in trees], "seconds": seconds,
+                 "fake_nvml": how, "max_gpus": max_gpus, "runs": []}
+    for r in range(runs):
+        procs = []
+        for k, tree in enumerate(trees):
+            e = dict(env, PYTHONPATH=str(tree))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{warmup + seconds + 2}s",
+                 "-o", str(work / f"r{r}-t{k}")], cwd=tree, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        time.sleep(warmup)
+        a = [_thread_snap(p.pid) for p in procs]
+        c0 = [cpu_seconds(psutil.Process(p.pid)) for p in procs]
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        b = [_thread_snap(p.pid) for p in procs]
+        c1 = [cpu_seconds(psutil.Process(p.pid)) for p in procs]
+        dt = time.monotonic() - t0
+        row = []
+        for k, p in enumerate(procs):
+            per: dict[str, float] = {}
+            for key, v in b[k].items():
+                if key in a[k] and v["on_cpu_ns"] is not None:
+                    name = key.rsplit(":", 1)[0]
+                    per[name] = per.get(name, 0.0) + 100 * (v["on_cpu_ns"] - a[k][key]["on_cpu_ns"]) / 1e9 / dt
+            row.append({"tree_pct": round(100 * (c1[k] - c0[k]) / dt, 3), "threads_pct": round(sum(per.values()), 3),
+                        "threads": {n: round(x, 3) for n, x in sorted(per.items(), key=lambda kv: -kv[1]) if x > 0.0005}})
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+            if p.returncode:
+                row.append({"error": f"exit {p.returncode}: {err[-500:]}"})
+        out["runs"].append(row)
+        print(f"run {r + 1}: " + "  ".join(f"{trees[k].name or trees[k]}: tree {x['tree_pct']} % threads "
+                                           f"{x['threads_pct']} %" for k, x in enumerate(row) if "tree_pct" in x),
+              flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def print_profile(res: dict) -> None:
@@ -627,7 +775,10 @@ def memory() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["cost", "jitter", "threads", "parts", "memory", "profile"])
+    ap.add_argument("what", choices=["cost", "jitter", "threads", "parts", "memory", "profile", "compare"])
+    ap.add_argument("trees", nargs="*", type=Path, help="compare: source trees to run side by side")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--gpus", default=None, help="cost/compare: 'all' (default) or N = sample only the first N GPUs")
     ap.add_argument("--sampler", default="process", choices=["process", "thread"], help="threads: which sampler")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", "--json", dest="out", type=Path)
@@ -641,8 +792,11 @@ def main() -> None:
             a.out.write_text(json.dumps(res, indent=1))
         print_profile(res)
         return
-    if a.what == "cost":
-        res = cost(a.seconds or 60)
+    max_gpus = int(a.gpus) if a.gpus and a.gpus != "all" else None
+    if a.what == "compare":
+        res = compare(a.trees, a.seconds or 60, a.runs, fake_nvml=a.fake_nvml, max_gpus=max_gpus)
+    elif a.what == "cost":
+        res = cost(a.seconds or 60, max_gpus=max_gpus)
     elif a.what == "jitter":
         res = jitter(a.seconds or 20)
     elif a.what == "threads":

@@ -102,13 +102,82 @@ class FakeDriver:
         return call
 
 
-@pytest.fixture
-def driver(monkeypatch):
-    return FakeDriver(monkeypatch)
+class FakeLib:
+    """libnvidia-ml's C functions as gpuwatch's direct reader calls them (pynvml's function pointers):
+    each answers from the FakeDriver above (its values, its errors as return codes) and writes into the
+    caller's ctypes buffers, so every test below runs through both paths."""
+
+    def __init__(self, monkeypatch):
+        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", self.fp)
+        monkeypatch.setattr(nvml, "_pynvml_is_itself", lambda: True)
+
+    def fp(self, name):
+        impl = getattr(self, name, None)
+        if impl is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+        def call(*args):
+            try:
+                return impl(*args) or 0
+            except pynvml.NVMLError as e:
+                return e.value
+        return call
+
+    @staticmethod
+    def _scalar(wrapper):
+        def c(h, *args):
+            *inputs, out = args
+            out._obj.value = getattr(pynvml, wrapper)(h, *inputs)
+        return c
+
+    nvmlDeviceGetTemperature = staticmethod(_scalar("nvmlDeviceGetTemperature"))
+    nvmlDeviceGetPowerUsage = staticmethod(_scalar("nvmlDeviceGetPowerUsage"))
+    nvmlDeviceGetClockInfo = staticmethod(_scalar("nvmlDeviceGetClockInfo"))
+    nvmlDeviceGetCurrentClocksEventReasons = staticmethod(_scalar("nvmlDeviceGetCurrentClocksEventReasons"))
+    nvmlDeviceGetTotalEccErrors = staticmethod(_scalar("nvmlDeviceGetTotalEccErrors"))
+
+    def nvmlDeviceGetUtilizationRates(self, h, out):
+        u = pynvml.nvmlDeviceGetUtilizationRates(h)
+        out._obj.gpu, out._obj.memory = u.gpu, u.memory
+
+    def nvmlDeviceGetMemoryInfo(self, h, out):
+        m = pynvml.nvmlDeviceGetMemoryInfo(h)
+        out._obj.used, out._obj.total = m.used, m.total
+
+    def nvmlDeviceGetMemoryInfo_v2(self, h, out):
+        assert out._obj.version == pynvml.nvmlMemory_v2
+        m = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        out._obj.used, out._obj.total, out._obj.reserved = m.used, m.total, m.reserved
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, h, count, arr):
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        if count._obj.value < len(procs):
+            count._obj.value = len(procs)
+            return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        for slot, p in zip(arr, procs):
+            slot.pid = p.pid
+            slot.usedGpuMemory = p.usedGpuMemory if p.usedGpuMemory is not None else 2**64 - 1
+        count._obj.value = len(procs)
+
+    def nvmlDeviceGetFieldValues(self, h, n, arr):
+        arr = arr._obj
+        got = pynvml.nvmlDeviceGetFieldValues(h, [v.fieldId for v in arr][:n.value])
+        for i, v in enumerate(got):
+            arr[i] = v
+
+
+@pytest.fixture(params=["wrappers", "direct"])
+def driver(monkeypatch, request):
+    d = FakeDriver(monkeypatch)
+    if request.param == "direct":
+        FakeLib(monkeypatch)
+    d.path = request.param
+    return d
 
 
 def test_reads_every_field_in_schema_units(driver):
     b = nvml.NvmlBackend()
+    assert (b._direct[0] is not None) == (driver.path == "direct")
     row = b.read_fast(0)
     assert row["gpu_util_pct"] == 97 and row["gpu_mem_util_pct"] == 40
     assert row["gpu_mem_used_bytes"] == 10 * 2**30 and row["gpu_mem_total_bytes"] == 141 * 2**30
@@ -249,3 +318,28 @@ def test_gpu_lost_inside_the_batched_call_is_gpu_lost(driver):
     with pytest.raises(nvml.GpuLost):
         b.read_fast(1)
     assert 1 in b.lost
+
+
+def test_many_processes_and_unknown_memory_in_one_tick(driver, monkeypatch):
+    """More processes than the direct reader's array holds: it grows and asks again within the tick;
+    a process whose memory NVML cannot say is null (both paths)."""
+    procs = [types.SimpleNamespace(pid=100 + k, usedGpuMemory=None if k == 3 else k * 2**20) for k in range(40)]
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda h: procs)
+    b = nvml.NvmlBackend()
+    for _ in range(2):
+        got = b.read_fast(0)["gpu_procs"]
+        assert len(got) == 40 and got[3] == {"pid": 103, "used_bytes": None}
+        assert got[5] == {"pid": 105, "used_bytes": 5 * 2**20}
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda h: [])
+    assert b.read_fast(0)["gpu_procs"] == []
+
+
+def test_field_values_call_gone_mid_run_falls_back_to_single_calls(driver):
+    driver.fields = {FI["power"]: 351_500, FI["sbe"]: 3, FI["dbe"]: 0}
+    b = nvml.NvmlBackend()
+    assert b.read_fast(0)["gpu_power_w"] == 351.5
+    driver.fields = None  # the driver stops answering the call at all
+    b.read_fast(0)
+    row = b.read_fast(0)
+    assert b._batch[0] is None and row["gpu_power_w"] == 350.0  # nvmlDeviceGetPowerUsage from now on
+    assert (b._direct[0] is not None) == (driver.path == "direct")

@@ -119,3 +119,38 @@ def test_pipe_hands_ticks_over_in_batches_and_events_at_once_in_order():
     r.close()  # the parent is gone: the next hand-over breaks the pipe and stops the sampler
     ch.append(Event("xid", "after the parent went", "error", 0))
     assert stop.is_set()
+
+
+def test_slow_reads_share_the_tick_thread_once_a_second_when_they_do_not_block():
+    """No GPU (or NVML with PCIe counters): the 1 Hz reads run on the tick thread after every tenth tick,
+    and the next tick carries them; no second thread."""
+    ft = FakeTime(stop_after=25)
+
+    class CountingHost(SlowHost):
+        slow = 0
+
+        def read_slow(self):
+            self.slow += 1
+            return {"host_load1": float(self.slow)}
+
+    host = CountingHost(ft, {})
+    bus = Bus()
+    s = Sampler(bus, None, host, interval=0.1, slow_interval=1.0, clock=ft.clock, wait=ft.wait)
+    assert s.slow_inline()
+    s.run(slow_inline=True)
+    assert host.slow == 2  # after ticks 10 and 20
+    ticks = bus.ticks.latest(25)
+    assert [t.rows[0].get("host_load1") for t in ticks] == [None] * 10 + [1.0] * 10 + [2.0] * 5
+    assert all(w == pytest.approx(0.1) for w in ft.waits)  # the schedule is unchanged
+
+
+def test_a_backend_whose_slow_read_blocks_keeps_its_own_thread():
+    class Blocking:
+        gpus = []
+        slow_blocks = True
+
+    class Unsaid:
+        gpus = []
+
+    assert not Sampler(Bus(), Blocking(), None).slow_inline()
+    assert not Sampler(Bus(), Unsaid(), None).slow_inline()

@@ -9,6 +9,8 @@ Costs measured on an H200 (see docs/BENCHMARKS.md): most reads take 2-8 us; PCIe
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -119,6 +121,7 @@ ENERGY: dict[str, Callable[[Any], Any]] = {
 }
 LEGACY_SLOW = {**LEGACY_PCIE, **ENERGY}
 ENERGY_EVERY = 30  # slow ticks: ~4 ms of CPU per read, so every 30 s
+XID_WAIT_MS = 1000  # the XID thread wakes this often to see a stop (a wake-up a second; an XID comes at once)
 PCIE_COUNTERS = (getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
                  getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None))
 
@@ -167,6 +170,180 @@ def read_pcie_counters(h) -> tuple[int, int] | None:
     return int(vals[0].value.ullVal), int(vals[1].value.ullVal)
 
 
+# -- the fast reads, direct ----------------------------------------------------------------------------
+# pynvml's wrappers build a ctypes output object, a converted argument and (on error) an exception per
+# call, and its nvmlDeviceGetFieldValues raises and catches a TypeError per field; for a 10 Hz sampler
+# that is most of a GPU read's Python. `_DirectGpu` calls the same C functions (pynvml's own function
+# pointers) with output buffers and argument tuples built once, and handles return codes instead of
+# exceptions. The answers and their rules are those of the wrapper path (`NvmlBackend._read`): a field
+# "not supported" (or no permission, ...) is null and not asked again, "GPU is lost" is `GpuLost`, any
+# other error is null for this tick. Used only where pynvml's functions are pynvml's own (tests replace
+# them; then the wrapper path runs).
+_K_VALUE, _K_MILLI, _K_UTIL, _K_MEM1, _K_MEM2 = range(5)
+_LOST_CODE = getattr(pynvml, "NVML_ERROR_GPU_IS_LOST", 15)
+_INSUFFICIENT = getattr(pynvml, "NVML_ERROR_INSUFFICIENT_SIZE", 7)
+_ULL_NA = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory "not available"
+_WRAPPERS = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetTemperature",
+             "nvmlDeviceGetPowerUsage", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTotalEccErrors",
+             "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetFieldValues")
+
+
+def _pynvml_is_itself() -> bool:
+    """False where something (a test's fake driver) replaced pynvml's functions: then use them."""
+    return all(getattr(getattr(pynvml, n, None), "__module__", None) == pynvml.__name__ for n in _WRAPPERS)
+
+
+class _DirectGpu:
+    """One GPU's fast fields through libnvidia-ml directly. Raises `pynvml.NVMLError` from __init__ when
+    the library is not loaded (then the backend keeps the wrapper path)."""
+
+    def __init__(self, h, mem_v2: bool, batch: list | None, skip: set[str]) -> None:
+        fp = pynvml._nvmlGetFunctionPointer
+        byref = ctypes.byref
+        self.h = h
+        specs: list[tuple[str, Any, tuple, Any, int]] = []
+
+        def add(col: str, fname: str, buf, kind: int, *args) -> None:
+            if col not in skip:
+                specs.append((col, fp(fname), (h, *args, byref(buf)), buf, kind))
+
+        add("util", "nvmlDeviceGetUtilizationRates", pynvml.c_nvmlUtilization_t(), _K_UTIL)
+        if mem_v2:
+            m = pynvml.c_nvmlMemory_v2_t()
+            m.version = _MEM_V2
+            add("mem", "nvmlDeviceGetMemoryInfo_v2", m, _K_MEM2)
+        else:
+            add("mem", "nvmlDeviceGetMemoryInfo", pynvml.c_nvmlMemory_t(), _K_MEM1)
+        add("gpu_temp_c", "nvmlDeviceGetTemperature", ctypes.c_uint(), _K_VALUE, pynvml.NVML_TEMPERATURE_GPU)
+        if batch is None:  # else the field-values call reads them
+            add("gpu_power_w", "nvmlDeviceGetPowerUsage", ctypes.c_uint(), _K_MILLI)
+        add("gpu_sm_clock_mhz", "nvmlDeviceGetClockInfo", ctypes.c_uint(), _K_VALUE, pynvml.NVML_CLOCK_SM)
+        add("gpu_mem_clock_mhz", "nvmlDeviceGetClockInfo", ctypes.c_uint(), _K_VALUE, pynvml.NVML_CLOCK_MEM)
+        try:
+            fp(rname := "nvmlDeviceGetCurrentClocksEventReasons")
+        except pynvml.NVMLError:  # a driver older than the name: the same call under its old name
+            rname = "nvmlDeviceGetCurrentClocksThrottleReasons"
+        add("gpu_clocks_event_reasons", rname, ctypes.c_ulonglong(), _K_VALUE)
+        if batch is None:
+            for col, kind in (("gpu_ecc_corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                              ("gpu_ecc_uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+                add(col, "nvmlDeviceGetTotalEccErrors", ctypes.c_ulonglong(), _K_VALUE, kind, pynvml.NVML_VOLATILE_ECC)
+        self.specs = specs
+        self.skip = skip
+        # compute processes: one call into an array kept between ticks (grown when NVML says it is short)
+        self.procs_fn = fp("nvmlDeviceGetComputeRunningProcesses_v3") if "gpu_procs" not in skip else None
+        self._pcount = ctypes.c_uint(0)
+        self._pcap = 0
+        self._grow_procs(16)
+        # the batched field values: one array, ids set once (`batch`: the backend's list, replaced when a
+        # field drops out; [] = none left to ask)
+        self.batch = batch
+        self.fields_fn = fp("nvmlDeviceGetFieldValues") if batch else None
+        if batch:
+            self._set_fields(batch)
+
+    def _grow_procs(self, n: int) -> None:
+        self._pcap = n
+        self._parr = (pynvml.c_nvmlProcessInfo_v3_t * n)()
+        self._pargs = (self.h, ctypes.byref(self._pcount), self._parr)
+
+    def _set_fields(self, batch: list) -> None:
+        self.batch = batch
+        arr = (pynvml.c_nvmlFieldValue_t * len(batch))()
+        for v, (_, fid, _) in zip(arr, batch):
+            v.fieldId = fid
+        self._farr = arr
+        self._fargs = (self.h, ctypes.c_int32(len(batch)), ctypes.byref(arr))
+
+    def read(self) -> dict[str, Any]:
+        """The fast columns. Raises _Lost (GPU is lost) and _Unbatched (the field-values call went away)."""
+        out: dict[str, Any] = {}
+        drop = None
+        for spec in self.specs:
+            ret = spec[1](*spec[2])
+            if ret:
+                if ret == _LOST_CODE:
+                    raise _Lost
+                if ret in _NOT_AVAILABLE_CODES:
+                    drop = (drop or []) + [spec]
+                continue  # transient: null this tick
+            kind, buf = spec[4], spec[3]
+            if kind == _K_VALUE:
+                out[spec[0]] = buf.value
+            elif kind == _K_UTIL:
+                out["gpu_util_pct"] = buf.gpu
+                out["gpu_mem_util_pct"] = buf.memory
+            elif kind == _K_MEM2:
+                out["gpu_mem_used_bytes"] = buf.used
+                out["gpu_mem_total_bytes"] = buf.total
+                out["gpu_mem_reserved_bytes"] = buf.reserved
+            elif kind == _K_MILLI:
+                out[spec[0]] = buf.value / 1000.0
+            else:
+                out["gpu_mem_used_bytes"] = buf.used
+                out["gpu_mem_total_bytes"] = buf.total
+        if drop:
+            self.specs = [s for s in self.specs if s not in drop]
+            self.skip.update(s[0] for s in drop)
+        if self.procs_fn is not None:
+            self._read_procs(out)
+        if self.fields_fn is not None:
+            self._read_fields(out)
+        return out
+
+    def _read_procs(self, out: dict[str, Any]) -> None:
+        c = self._pcount
+        c.value = self._pcap
+        ret = self.procs_fn(*self._pargs)
+        if ret == _INSUFFICIENT:
+            self._grow_procs(c.value * 2 + 5)
+            c.value = self._pcap
+            ret = self.procs_fn(*self._pargs)
+        if ret:
+            if ret == _LOST_CODE:
+                raise _Lost
+            if ret in _NOT_AVAILABLE_CODES:
+                self.procs_fn = None
+                self.skip.add("gpu_procs")
+            return
+        arr = self._parr
+        out["gpu_procs"] = [{"pid": p.pid, "used_bytes": None if p.usedGpuMemory == _ULL_NA else p.usedGpuMemory}
+                            for p in arr[:c.value]]
+
+    def _read_fields(self, out: dict[str, Any]) -> None:
+        ret = self.fields_fn(*self._fargs)
+        if ret:
+            if ret == _LOST_CODE:
+                raise _Lost
+            if ret in _NOT_AVAILABLE_CODES:
+                raise _Unbatched
+            return
+        drop = None
+        for (col, _, scale), v in zip(self.batch, self._farr):
+            r = v.nvmlReturn
+            if r == 0:
+                x = _field_value(v)
+                out[col] = x * scale if scale else x
+            elif r == _LOST_CODE:
+                raise _Lost
+            elif r in _NOT_AVAILABLE_CODES:
+                drop = (drop or set()) | {col}
+        if drop:
+            batch = [f for f in self.batch if f[0] not in drop]
+            if batch:
+                self._set_fields(batch)
+            else:
+                self.batch, self.fields_fn = batch, None
+
+
+class _Lost(Exception):
+    pass
+
+
+class _Unbatched(Exception):
+    pass
+
+
 class NvmlBackend:
     """All GPUs NVML sees. Thread-safe for reads (NVML is); one instance per process."""
 
@@ -184,12 +361,17 @@ class NvmlBackend:
         self.driver_version = self._try(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
         self.nvml_version = self._try(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
         count = pynvml.nvmlDeviceGetCount()
+        limit = os.environ.get("GPUWATCH_MAX_GPUS")  # benchmarks: sample only the first N GPUs
+        if limit and limit.isdigit():
+            count = min(count, int(limit))
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self._unsupported: list[set[str]] = [set() for _ in self._handles]
         self.lost: set[int] = set()
         self.gpus = [self._info(i) for i in range(count)]
         self._last_counters: list[tuple[float, tuple[int, int]] | None] = [None] * count
         self.counters = [self._try(lambda h=h: read_pcie_counters(h)) is not None for h in self._handles]
+        # the slow read blocks (~21 ms a GPU) only where PCIe must be read by the legacy calls
+        self.slow_blocks = not all(self.counters)
         self._slow_n = [0] * count
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
         self._mem_fn = [_mem_v2 if _MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
@@ -199,6 +381,16 @@ class NvmlBackend:
         # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
         self._batch: list[list[tuple[str, int, float | None]] | None] = [self._probe_batch(h) for h in self._handles]
         self._fast = [self._fast_readers(i) for i in range(count)]
+        self._direct: list[_DirectGpu | None] = [self._make_direct(i) for i in range(count)]
+
+    def _make_direct(self, i: int) -> "_DirectGpu | None":
+        """The direct reader of GPU i, or None (library not loaded, pynvml's functions replaced)."""
+        if not _pynvml_is_itself() or os.environ.get("GPUWATCH_NVML_WRAPPERS"):
+            return None
+        try:
+            return _DirectGpu(self._handles[i], self._mem_fn[i] is _mem_v2, self._batch[i], self._unsupported[i])
+        except (pynvml.NVMLError, AttributeError, TypeError):
+            return None
 
     @staticmethod
     def _works(fn) -> bool:
@@ -268,6 +460,26 @@ class NvmlBackend:
 
     def read_fast(self, i: int) -> dict[str, Any]:
         """The 100 ms fields for GPU i, as samples-schema columns; absent keys are null."""
+        d = self._direct[i]
+        if d is not None:
+            if i in self.lost:
+                raise GpuLost(f"GPU {i} was lost")
+            try:
+                raw = d.read()
+            except _Lost:
+                self.lost.add(i)
+                raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
+            except _Unbatched:  # the field-values call went away: the single calls from now on
+                self._batch[i] = None
+                self._fast[i] = dict(FAST, mem=self._mem_fn[i])
+                self._direct[i] = self._make_direct(i)
+                return self.read_fast(i)
+            if d.batch is not self._batch[i]:  # a batched field dropped out: `probe` reads the backend's list
+                self._batch[i] = d.batch
+            info = self.gpus[i]
+            raw["gpu_power_limit_w"] = info.power_limit_w
+            raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
+            return raw
         raw = self._read(i, self._fast[i])
         util = raw.pop("util", None)
         if util is not None:
@@ -365,7 +577,7 @@ class NvmlBackend:
         index = {self._try(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in enumerate(self._handles)}
         while not stop.is_set():
             try:
-                data = pynvml.nvmlEventSetWait_v2(es, 500)
+                data = pynvml.nvmlEventSetWait_v2(es, XID_WAIT_MS)
             except pynvml.NVMLError_Timeout:
                 continue
             except pynvml.NVMLError as e:

@@ -85,10 +85,13 @@ class TickProfile:
                 with self._lock:
                     self.iterations.append([_mono(), now_c - mark[0], now_w - mark[1], st["cur"]])
             st["cur"] = {}
-        elif path == "slow":
+        elif path == "slow":  # on its own thread, or on the tick thread between a tick and its sleep
+            cur = st["cur"]
+            rec = {p: v for p, v in cur.items() if p == "slow" or p.startswith("slow/")}
             with self._lock:
-                self.slow.append([_mono(), st["cur"]])
-            st["cur"] = {}
+                self.slow.append([_mono(), rec])
+            st["cur"] = {p: v for p, v in cur.items() if not p.startswith("slow/")}  # "slow" stays: the
+            # iteration it ran in shows it
         elif path != "tick":
             with self._lock:
                 for p, (c, w) in st["cur"].items():
@@ -120,6 +123,17 @@ class TickProfile:
                 for i, readers in enumerate(fast):
                     if isinstance(readers, dict):
                         fast[i] = {k: t(k, fn) for k, fn in readers.items()}
+            direct = getattr(g, "_direct", None)  # NvmlBackend's direct reader per GPU (no pynvml wrappers)
+            if isinstance(direct, list):
+                for d in direct:
+                    if d is None:
+                        continue
+                    d.specs = [(col, t(col, fn), *rest) for col, fn, *rest in d.specs]
+                    if d.procs_fn is not None:
+                        d.procs_fn = t("gpu_procs", d.procs_fn)
+                    if d.fields_fn is not None:
+                        d.fields_fn = t("field_values", d.fields_fn)
+                self.meta["nvml_direct"] = [d is not None for d in direct]
             if hasattr(g, "_read_batch"):
                 g._read_batch = t("field_values", g._read_batch)
             if hasattr(g, "_read_fields"):
@@ -165,6 +179,13 @@ class TickProfile:
         return out
 
     def dump(self) -> None:
+        import gc
+        import sys
+
+        self.meta["gc"] = {"stats": gc.get_stats(), "frozen": gc.get_freeze_count(), "objects": len(gc.get_objects())}
+        self.meta["modules"] = len(sys.modules)
+        self.meta["heavy_modules"] = sorted(m for m in ("polars", "numpy", "pyarrow", "torch", "psutil", "pynvml")
+                                            if m in sys.modules)
         out = {"meta": self.meta, "calibration": self.calibrate(), "iterations": self.iterations,
                "slow": self.slow, "other": self.other, "batch_bytes": self.batch_bytes}
         tmp = self.path + ".tmp"

@@ -1,8 +1,11 @@
 """The 10 Hz sampler: a deadline-scheduled thread (never on the UI loop) that reads every GPU and the
 host, and appends one `Tick` to the bus. Its own cost and interval are columns of every row.
 
-Blocking reads (PCIe, energy, swap, load) run on a second, slower thread; the fast tick copies their
-latest values. XID errors arrive on a third thread (NVML events) and become events.
+The slow reads (PCIe, energy, per-core CPU, memory, swap, load: once a second) run on the tick thread
+after every tenth tick when the backend says they do not block (`slow_blocks` False: NVML with PCIe byte
+counters, or no GPU): one thread, ten wake-ups a second. Where they can block (the legacy PCIe calls,
+~21 ms; a backend that does not say) they keep a second, slower thread. The fast tick copies their latest
+values. XID errors arrive on a third thread (NVML events) and become events.
 """
 
 from __future__ import annotations
@@ -110,12 +113,24 @@ class Sampler:
         return self._stop.wait(seconds)
 
     # -- loops --------------------------------------------------------------------------------------
-    def run(self) -> None:
+    def slow_inline(self) -> bool:
+        """Whether the slow reads can share the tick thread (they never block for long)."""
+        return self.gpu is None or getattr(self.gpu, "slow_blocks", True) is False
+
+    def run(self, slow_inline: bool = False) -> None:
         """Deadline loop: next = start + k*interval, so jitter never accumulates. A tick that is more
-        than one interval late skips the missed deadlines (counted in `late_ticks`)."""
+        than one interval late skips the missed deadlines (counted in `late_ticks`). `slow_inline`: the
+        slow reads run here after every slow_interval/interval-th tick (instead of on their own thread)."""
         deadline = self.clock()
+        slow_every = max(1, round(self.slow_interval / self.interval)) if slow_inline else 0
+        n = 0
         while not self._stop.is_set():
             self.tick()
+            if slow_every:
+                n += 1
+                if n == slow_every:
+                    n = 0
+                    self.slow_tick()
             deadline += self.interval
             now = self.clock()
             if now > deadline + self.interval:
@@ -138,7 +153,10 @@ class Sampler:
 
     def start(self) -> None:
         self.slow_tick()
-        targets = [(self.run, "gpuwatch-sampler"), (self._run_slow, "gpuwatch-sampler-slow")]
+        if self.slow_inline():
+            targets = [(lambda: self.run(slow_inline=True), "gpuwatch-sampler")]
+        else:
+            targets = [(self.run, "gpuwatch-sampler"), (self._run_slow, "gpuwatch-sampler-slow")]
         if self.gpu is not None and hasattr(self.gpu, "watch_xid"):
             targets.append((self._run_xid, "gpuwatch-xid"))
         self._threads += [start_thread(fn, name) for fn, name in targets]

@@ -21,6 +21,7 @@ named semaphore made Python's resource tracker warn about a leak after `kill -9`
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -122,6 +123,10 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
     s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
     if prof is not None:
         prof.instrument(s, bus.ticks)
+    # Everything built so far lives as long as the process: out of the cyclic collector's sight, so its
+    # occasional full collections walk only what the ticks allocate, not every imported module's objects.
+    gc.collect()
+    gc.freeze()
     s.start()
     # The parent says stop by writing to (or closing) the stop pipe; a killed parent closes it too, so
     # poll() returns at once either way. A broken data pipe sets `stop`; a new parent pid is checked.
