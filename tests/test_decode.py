@@ -288,3 +288,22 @@ def test_auto_experts_choice_follows_how_many_experts_a_batch_touches():
     assert expected_touched(64, 6, 32) == pytest.approx(61.3, abs=0.1)  # the figure in docs/BENCHMARKS.md
     assert choose_moe(cfg, 32) == "dense" and choose_moe(cfg, 1) == "module" and choose_moe(cfg, 4) == "module"
     assert choose_moe(cfg, 1, "dense") == "dense"
+
+
+def test_compiled_decode_step_computes_what_the_uncompiled_one_does():
+    """torch.compile of the fast path's one-token step (inductor; on a CPU its C++ backend, ~40 s here).
+    Where no compiler works, the engine must say so and run uncompiled, with the same answer."""
+    model = _variant(**VARIANTS["v3-like"])
+    ids = _ids(2, 12, seed=9)
+    ref_tokens, ref_logits = _reference(model, ids, 3)
+    events = []
+    eng = M.DecodeEngine(model, 2, 12, 3, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
+                         record_tokens=True, compile=True, moe="dense")
+    eng.step(ids)
+    assert torch.equal(eng.tokens, ref_tokens)
+    assert torch.allclose(eng._st["logits"][:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+    if eng.detail.get("compiled"):
+        assert eng._st.get("decode_fn") is not None and "torch.compile" in events[-1][0]
+        assert events[-1][1]["torch_compile_s"] > 0
+    else:
+        assert any(d.get("fallback") == "uncompiled" for _, d in events), events

@@ -82,7 +82,10 @@ class FastDeepseek:
                 at.kv_a_proj_with_mqa, at.kv_a_layernorm, at.kv_b_proj, at.o_proj  # noqa: B018
                 mlp = layer.mlp
                 if hasattr(mlp, "experts"):
-                    mlp.gate, mlp.shared_experts, mlp.experts.gate_up_proj, mlp.experts.down_proj  # noqa: B018
+                    mlp.shared_experts, mlp.experts.gate_up_proj, mlp.experts.down_proj  # noqa: B018
+                    g = mlp.gate
+                    g.weight, g.e_score_correction_bias, g.top_k, g.num_group, g.topk_group  # noqa: B018
+                    g.norm_topk_prob, g.routed_scaling_factor, g.num_experts  # noqa: B018
         except AttributeError as e:
             raise Unsupported(f"unexpected DeepSeek module layout ({e})") from None
         if any(getattr(lay.self_attn, "q_lora_rank", None) != getattr(a0, "q_lora_rank", None) for lay in self.layers):
@@ -96,6 +99,9 @@ class FastDeepseek:
         self.pos = torch.zeros((), dtype=torch.long, device=dev)  # the next position to write
         self._ar = torch.arange(max_len, device=dev)
         self.moe = choose_moe(cfg, batch, moe)
+        # per MoE layer: the router's weight in fp32, cast once (the module casts it on every call)
+        self._router_w = [layer.mlp.gate.weight.float() if hasattr(layer.mlp, "experts") else None
+                          for layer in self.layers]
         # per layer: W_UK (H, dn, r) and W_UV (H, dv, r): views of kv_b_proj's weight (no copy)
         self._wuk, self._wuv = [], []
         for layer in self.layers:
@@ -114,23 +120,43 @@ class FastDeepseek:
         kv, k_rot = torch.split(c, [self.r, self.dr], dim=-1)
         return at.kv_a_layernorm(kv), k_rot.view(b, 1, s, self.dr)
 
-    def _experts_dense(self, mlp, h2):
+    def _route(self, i: int, mlp, x):
+        """DeepseekV3TopkRouter's choice (sigmoid scores + correction bias, group-limited top-k, weights
+        from the uncorrected scores, optional normalisation, scaling) as a dense (T, E) fp32 matrix. The
+        same arithmetic as the module, with its fp32 weight cast once instead of every token, and the
+        group step skipped when every group is kept (n_group == topk_group: v2-lite), where it selects
+        everything."""
+        g = mlp.gate
+        scores = F.linear(x.float(), self._router_w[i]).sigmoid()
+        choice = scores + g.e_score_correction_bias
+        if g.topk_group < g.num_group:
+            n, per = g.num_group, g.num_experts // g.num_group
+            group_scores = choice.view(-1, n, per).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+            choice = choice.masked_fill(~keep.unsqueeze(-1).expand(-1, n, per).reshape(-1, g.num_experts), float("-inf"))
+        idx = torch.topk(choice, k=g.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if g.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w * g.routed_scaling_factor
+        return torch.zeros_like(scores).scatter_(1, idx, w)
+
+    def _experts_dense(self, i: int, mlp, h2):
         """All experts for all tokens as two bmm's, weighted by a dense (tokens, experts) routing matrix."""
         ex = mlp.experts
         x = h2.reshape(-1, h2.shape[-1])  # (T, D)
-        _, w, idx = mlp.gate(x)
-        route = torch.zeros(x.shape[0], ex.gate_up_proj.shape[0], device=x.device, dtype=torch.float32)
-        route.scatter_(1, idx, w.float())
+        route = self._route(i, mlp, x)
         gu = torch.matmul(x.unsqueeze(0), ex.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
         gate, up = gu.chunk(2, dim=-1)
         y = torch.bmm(ex.act_fn(gate) * up, ex.down_proj.transpose(1, 2))  # (E, T, D)
         out = torch.bmm(route.to(y.dtype).unsqueeze(1), y.transpose(0, 1))  # (T,1,E) @ (T,E,D)
         return out.view_as(h2) + mlp.shared_experts(h2)
 
-    def _mlp(self, layer, h2, decode: bool):
+    def _mlp(self, i: int, layer, h2, decode: bool):
         mlp = layer.mlp
         if decode and self.moe == "dense" and hasattr(mlp, "experts"):
-            return self._experts_dense(mlp, h2)
+            return self._experts_dense(i, mlp, h2)
         return mlp(h2)
 
     # -- prefill: expanded attention with SDPA, latents written to the cache -----------------------------------
@@ -152,7 +178,7 @@ class FastDeepseek:
             q = torch.cat((q_nope, q_rot), dim=-1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
             x = x + at.o_proj(o.transpose(1, 2).reshape(b, s, self.H * self.dv))
-            x = x + self._mlp(layer, layer.post_attention_layernorm(x), decode=False)
+            x = x + self._mlp(i, layer, layer.post_attention_layernorm(x), decode=False)
         self.pos.fill_(s)
         return self.lm_head(self.norm(x[:, -1:]))
 
@@ -178,7 +204,7 @@ class FastDeepseek:
             ctx = torch.bmm(p.to(ckv.dtype), ckv)  # (b, H, r)
             o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
             x = x + at.o_proj(o.reshape(b, 1, self.H * self.dv))
-            x = x + self._mlp(layer, layer.post_attention_layernorm(x), decode=True)
+            x = x + self._mlp(i, layer, layer.post_attention_layernorm(x), decode=True)
         self.pos.add_(1)
         return self.lm_head(self.norm(x))
 

@@ -190,7 +190,7 @@ class DecodeEngine:
 
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
                  graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False,
-                 fast: bool = True, moe: str = "auto") -> None:
+                 fast: bool = True, moe: str = "auto", compile: bool | None = None) -> None:
         self.model, self.new_tokens = model, int(new_tokens)
         self.want_fast, self.moe = fast, moe  # fastpath.FastDeepseek (absorbed MLA, dense experts) or transformers'
         self.impl: str | None = None  # "fast" or "transformers": what the last build runs
@@ -198,6 +198,10 @@ class DecodeEngine:
         self.device = torch.device(device)
         self.on_event = on_event or (lambda kind, message, **detail: None)
         self.want_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        # torch.compile the fast path's one-token step (fuses the ~90 small kernels a layer launches; the
+        # graph then replays the fused ones). Default: with CUDA graphs. A failure falls back, and says so.
+        self.want_compile = self.want_graphs if compile is None else bool(compile)
+        self._compile_failed = False
         self.prefill_graph_tokens = prefill_graph_tokens
         self.record_tokens = record_tokens
         self.mode = "eager" if self.device.type != "cuda" and graphs is None else None
@@ -257,13 +261,15 @@ class DecodeEngine:
         self.compile_s = time.perf_counter() - t0
         what = {"graphs": "captured CUDA graphs", "static": "built a static cache (no graphs)",
                 "eager": "compute-bound prefill, runs eager (no graph)"}[self.mode]
-        how = (f" ({self.detail['attention']}, experts: {self.detail['experts']})"
-               if self.impl == "fast" and self.mode != "eager" else "")
+        how = (f" ({self.detail['attention']}, experts: {self.detail['experts']}"
+               + (f", torch.compile {self.detail['torch_compile_s']:.1f} s" if self.detail.get("compiled") else "")
+               + ")" if self.impl == "fast" and self.mode != "eager" else "")
         self.on_event("compile", f"decode: {what} for batch {batch} x {prompt_len} (+{self.new_tokens} tokens) "
                       f"in {self.compile_s:.2f} s{how}", mode=self.mode, batch=batch, prompt_len=prompt_len,
                       new_tokens=self.new_tokens, seconds=self.compile_s, impl=self.impl,
                       prefill_graph=self._st.get("g_prefill") is not None,
-                      **{k: v for k, v in self.detail.items() if k in ("attention", "experts")})
+                      **{k: v for k, v in self.detail.items() if k in ("attention", "experts", "compiled",
+                                                                      "torch_compile_s")})
         return self.compile_s
 
     def _say_eager(self, message: str) -> None:
@@ -290,6 +296,8 @@ class DecodeEngine:
             st["fast"] = self._fast(batch, prompt_len + self.new_tokens)
             if st["fast"] is None:
                 st["cache"] = _static_cache(m, prompt_len + self.new_tokens)
+            elif self.want_compile and self.new_tokens and not self._compile_failed:
+                self._compile_decode(batch, prompt_len)
             st["ids"] = torch.zeros(batch, prompt_len, dtype=torch.long, device=dev)
             st["tok"] = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             st["logits"] = torch.zeros(batch, 1, cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -333,6 +341,33 @@ class DecodeEngine:
         self.impl, self.detail = "fast", fast.describe()
         return fast
 
+    def _compile_decode(self, batch: int, prompt_len: int) -> None:
+        """torch.compile FastDeepseek.decode (fullgraph, static shapes) and run it once, so the compile
+        happens here (inside prepare(): the "compiling" phase), not in a timed step. On failure the
+        uncompiled step is used from then on."""
+        st = self._st
+        fast = st["fast"]
+        t0 = time.perf_counter()
+        try:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            fn = torch.compile(fast.decode, fullgraph=True, dynamic=False)
+            fast.prefill(torch.zeros(batch, prompt_len, dtype=torch.long, device=self.device))
+            fn(torch.zeros(batch, 1, dtype=torch.long, device=self.device))
+            fast.reset()
+        except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op, ...: run uncompiled
+            if is_oom(e):
+                raise
+            self._compile_failed = True
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            self.on_event("compile", f"decode: torch.compile failed ({why}); the step runs uncompiled",
+                          fallback="uncompiled", reason=why)
+            return
+        st["decode_fn"] = fn
+        self.detail["compiled"] = True
+        self.detail["torch_compile_s"] = round(time.perf_counter() - t0, 2)
+
     def _reset(self) -> None:
         st = self._st
         if st.get("fast") is not None:
@@ -358,7 +393,9 @@ class DecodeEngine:
 
     def _decode_body(self) -> None:
         st = self._st
-        if st.get("fast") is not None:
+        if st.get("decode_fn") is not None:
+            logits = st["decode_fn"](st["tok"])
+        elif st.get("fast") is not None:
             logits = st["fast"].decode(st["tok"])
         else:
             logits = _forward(self.model, st["tok"], st["cache"]).logits[:, -1:]

@@ -428,7 +428,7 @@ class Workload:
             return f"{self.expert_impl}/eager"
         if d.impl == "fast":
             experts = "dense-bmm" if d.detail.get("experts") == "dense bmm" else self.expert_impl
-            return f"{experts}+mla-absorbed/{d.mode}"
+            return f"{experts}+mla-absorbed{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
         return f"{self.expert_impl}/{d.mode}"
 
     def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
