@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
     t.add_argument("--horizon", type=_dur, default=None, metavar="DUR",
                    help="predict failures this far ahead (default 5s)")
+    cp = sub.add_parser("compact", help="turn a session that was killed (its stream files) into one Parquet "
+                        "file per table, as a clean stop does")
+    cp.add_argument("session", type=_nonempty_path)
     sc = sub.add_parser("score", help="the risk timeline of a recorded session")
     sc.add_argument("session", type=_nonempty_path)
     sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
@@ -457,6 +460,38 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_compact(args) -> int:
+    """A session whose recorder was killed (kill -9, power, OOM killer) holds its last rows in Arrow stream
+    files that replay reads but DuckDB does not; this compacts it the way a clean stop would."""
+    from datetime import datetime, timezone
+
+    from gpuwatch.recording.reader import table_files
+    from gpuwatch.recording.writer import Recorder, session_locked
+    from gpuwatch.telemetry.bus import Bus
+
+    folder = args.session
+    if not folder.is_dir() or not (folder / "meta.json").is_file():
+        raise UsageError(f"{folder}: not a session folder (no meta.json)")
+    if session_locked(folder):
+        raise UsageError(f"{folder}: still being recorded by a running gpuwatch; stop it first")
+    from gpuwatch.recording import schema
+
+    files = [p for t in schema.TABLES for p in table_files(folder, t)]
+    parts = [p for p in files if p.name not in {f"{t}.parquet" for t in schema.TABLES}]
+    if not parts:
+        _status(f"{folder}: already compact; nothing to do")
+        return 0
+    rec = Recorder(Bus(), folder.parent, {}, name=folder.name,
+                   resume={"at": datetime.now(timezone.utc).isoformat(), "by": "gpuwatch compact"})
+    rec.start()
+    rec.stop()
+    if rec.error:
+        raise GpuwatchError(f"{folder}: {rec.error}")
+    _status(f"{folder}: compacted {len(parts)} file(s) into one Parquet file per table "
+            f"({rec.rows} sample rows, {rec.bytes / 2**20:.1f} MiB)")
+    return 0
+
+
 def cmd_score(args) -> int:
     from gpuwatch.predict.model import load_model
     from gpuwatch.predict.scorer import alarms, guard_actions, score_source
@@ -556,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(_fix_negative_values(argv))
         handler = getattr(args, "handler", None) or {
             "info": cmd_info, "record": cmd_record, "stress": cmd_stress, "train": cmd_train,
-            "score": cmd_score}.get(args.command, cmd_tui)
+            "score": cmd_score, "compact": cmd_compact}.get(args.command, cmd_tui)
         return handler(args)
     except GpuwatchError as e:
         print(f"gpuwatch: error: {e}", file=sys.stderr)

@@ -227,3 +227,36 @@ def test_a_stream_file_with_no_schema_yet_or_garbage(tmp_path, garbage):
     assert bool(named) == garbage.startswith(b"PAR1"), reader.warnings
     reader.load_new()
     assert [w for w in reader.warnings if "samples-000002.arrows" in w] == named  # said once
+
+
+def test_gpuwatch_compact_turns_a_killed_session_into_parquet_duckdb_can_read(tmp_path, py, env):
+    """`gpuwatch compact SESSION` after a kill -9 of `gpuwatch record`: the streams and chunks become one
+    Parquet file per table with exactly the rows written; a second run has nothing to do; a live session
+    (locked) or a folder that is no session is refused in one line."""
+    import subprocess
+
+    bus, s, r = _session(tmp_path, roll_every=3)
+    for i in range(5):
+        _flush(bus, s, r, i=i)
+    _kill(r)
+    before = open_recording(r.dir)
+    run = lambda *a: subprocess.run([py, "-m", "gpuwatch", "compact", *map(str, a)], env=env, cwd=ROOT,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    p = run(r.dir)
+    assert p.returncode == 0, p.stderr
+    assert "compacted" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert sorted(n.name for n in r.dir.iterdir()) == [
+        "events.parquet", "meta.json", "risk.parquet", "samples.parquet", "steps.parquet"]
+    after = open_recording(r.dir)
+    assert after.complete and after.samples.equals(before.samples) and after.steps.equals(before.steps)
+    assert pl.read_parquet(r.dir / "samples.parquet").height == 50  # a plain Parquet reader sees every row
+    p = run(r.dir)
+    assert p.returncode == 0 and "already compact" in p.stderr
+    p = run(tmp_path / "nope")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not a session folder" in p.stderr
+    _, _, live = _session(tmp_path, name="live")
+    try:
+        p = run(live.dir)
+        assert p.returncode == 2 and "still being recorded" in p.stderr
+    finally:
+        live.stop()

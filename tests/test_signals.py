@@ -21,7 +21,7 @@ def test_record_stops_cleanly_on_a_signal(py, env, tmp_path, sig, code):
                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.parquet")):
+    while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.arrows")):
         time.sleep(0.1)
     time.sleep(1.0)
     # Ctrl-C in a terminal signals the whole foreground process group, the sampler child included

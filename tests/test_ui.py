@@ -189,7 +189,7 @@ async def test_follow_a_session_another_process_is_writing(tmp_path, env, py):
                          env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.parquet")):
+        while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.arrows")):
             time.sleep(0.1)
         session = next(tmp_path.iterdir())
         src = ReplaySource(session, follow=True)
