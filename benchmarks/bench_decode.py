@@ -164,8 +164,9 @@ def engine_phases(eng, ids, dev) -> tuple[float, float]:
 # arms: eager = step_decode/step_prefill (transformers, dynamic cache, no graphs: the issue's baseline);
 # hf = DecodeEngine over transformers' forward and StaticCache with CUDA graphs (call 5's "graphs" arm);
 # fast = DecodeEngine with fastpath.FastDeepseek (absorbed MLA, experts chosen by `auto`), graphs;
-# fast-dense / fast-module = the same with the experts implementation forced.
-ARMS = ("eager", "hf", "fast", "fast-dense", "fast-module")
+# fast-dense / fast-module = the same with the experts implementation forced; fast-nocompile = fast without
+# torch.compile of the one-token step (call 11's fast arm).
+ARMS = ("eager", "hf", "fast", "fast-nocompile", "fast-dense", "fast-module")
 
 
 def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, events, graphs, min_steps=3,
@@ -179,10 +180,11 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
     else:
         moe = {"fast-dense": "dense", "fast-module": "module"}.get(arm, "auto")
         eng = M.DecodeEngine(model, batch, prompt, new, dev, lambda k, m, **d: events.append(m), graphs=graphs,
-                             fast=arm != "hf", moe=moe)
+                             fast=arm != "hf", moe=moe, compile=False if arm in ("hf", "fast-nocompile") else None)
         eng.prepare(batch, prompt)
         res["mode"], res["compile_s"], res["impl"] = eng.mode, round(eng.compile_s, 2), eng.impl
-        res["detail"] = {k: v for k, v in eng.detail.items() if k in ("attention", "experts")}
+        res["detail"] = {k: v for k, v in eng.detail.items() if k in ("attention", "experts", "compiled",
+                                                                      "torch_compile_s")}
         step = lambda: eng.step(ids)  # noqa: E731
     step()  # warm-up (and, for eager, the allocator's first touch)
     sync(dev)
@@ -213,12 +215,12 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
     return res
 
 
-def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, top=18) -> dict:
+def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, compile=False, top=18, new=8) -> dict:
     """Where one decode token's GPU time goes: the one-token body run eagerly (same kernels as the graph)
     under torch.profiler, CUDA time summed by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = M.DecodeEngine(model, batch, prompt, 8, dev, graphs=False, fast=fast, moe=moe)
+    eng = M.DecodeEngine(model, batch, prompt, new, dev, graphs=False, fast=fast, moe=moe, compile=compile)
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = M.random_ids(fields["vocab_size"], batch, prompt, dev, gen)
     eng.step(ids)
@@ -260,8 +262,8 @@ def main() -> None:
     ap.add_argument("--graphs", type=int, default=None, help="0: fast arm = static cache without graphs")
     ap.add_argument("--arms", default="eager,hf,fast", help=f"comma list of {ARMS}")
     ap.add_argument("--eager-reps", type=int, default=3, help="min timed steps and phase reps of the eager arm")
-    ap.add_argument("--profile", default="", help="BATCHxPROMPT: per-kernel profile of one decode token "
-                    "(transformers' forward, fast dense, fast module)")
+    ap.add_argument("--profile", default="", help="BATCHxPROMPT[+NEW]: per-kernel profile of one decode token")
+    ap.add_argument("--profile-arms", default="transformers,fast-dense,fast-module,fast-compiled")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     t_start = time.monotonic()
@@ -333,12 +335,15 @@ def main() -> None:
         result["cases"].append(case)
         save()
     if a.profile:
-        b, p = map(int, a.profile.split("x"))
+        bp, _, pn = a.profile.partition("+")
+        b, p = map(int, bp.split("x"))
         prof = {}
-        for name, kw in (("transformers", {"fast": False}), ("fast-dense", {"moe": "dense"}),
-                         ("fast-module", {"moe": "module"})):
+        kinds = {"transformers": {"fast": False}, "fast-dense": {"moe": "dense"}, "fast-module": {"moe": "module"},
+                 "fast-compiled": {"moe": "dense", "compile": True}}
+        for name in a.profile_arms.split(","):
+            kw = kinds[name]
             try:
-                prof[name] = kernel_profile(model, fields, b, p, dev, **kw)
+                prof[name] = kernel_profile(model, fields, b, p, dev, new=int(pn or 8), **kw)
             except Exception as e:  # noqa: BLE001
                 prof[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if dev.type == "cuda":

@@ -1,6 +1,6 @@
 """Sampler + recorder cost, interval jitter and bytes on disk (issue 2's benchmarks).
 
-  python benchmarks/bench_sampler.py cost   [--seconds 60]   CPU %% of one core: gpuwatch record vs the tools
+  python benchmarks/bench_sampler.py cost   [--seconds 60] [--gpus N]  CPU %% of one core: gpuwatch record vs the tools
                                                              people use (nvidia-smi -lms 100, a bare pynvml
                                                              loop, a bash loop), all run side by side
   python benchmarks/bench_sampler.py jitter [--seconds 20]   sample-interval p50/p99/max, idle and beside a
@@ -11,12 +11,18 @@
                                                              tick, a slow read, a pipe hand-over, a segment write
                                                              (and a tick over a fake NVML that costs nothing: the
                                                              sampler's own Python)
-  python benchmarks/bench_sampler.py profile [--seconds 30] [--json PATH] [--fake-nvml N]
+  python benchmarks/bench_sampler.py profile [--seconds 30] [--json PATH] [--gpus N] [--fake-nvml N]
                                                              where a tick's CPU goes inside the running
                                                              `gpuwatch record --no-model` (child instrumented
                                                              through GPUWATCH_SAMPLER_PROFILE): per section
                                                              p50/p99/mean CPU and wall, per thread CPU and
                                                              wake-ups, the tree's %% of a core, CPU MHz/C-states
+  python benchmarks/bench_sampler.py compare TREE_A TREE_B [--seconds 60] [--runs 3] [--fake-nvml N]
+                                                             `gpuwatch record --no-model` of two source trees
+                                                             side by side: CPU of each tree, per thread, and
+                                                             the recorded tick CPU (sampler_cpu_us)
+  --fake-nvml N: a stand-in libnvidia-ml.so.1 (compiled here) for N GPUs: pynvml runs, the driver costs nothing
+  --gpus N: only the first N GPUs (GPUWATCH_MAX_GPUS), to measure the cost per additional GPU
   python benchmarks/bench_sampler.py memory                  nvidia-smi's memory.used/.reserved vs gpuwatch's (v2)
                                                              and NVML's v1 call, per GPU, plus power.draw
 Prints one JSON object per measurement (and writes it to --out if given).
@@ -145,8 +151,11 @@ def _interval_stats(df) -> dict:
     cost = df["sampler_cost_us"].drop_nulls()
     if iv.is_empty():
         return {}
+    cpu = df.filter(pl.col("gpu").is_null() | (pl.col("gpu") == 0))["sampler_cpu_us"].drop_nulls()
     return {"n": iv.len(), "p50": round(iv.quantile(0.5), 2), "p99": round(iv.quantile(0.99), 2),
-            "max": round(iv.max(), 2), "tick_cost_us_p50": int(cost.quantile(0.5)), "tick_cost_us_p99": int(cost.quantile(0.99))}
+            "max": round(iv.max(), 2), "tick_cost_us_p50": int(cost.quantile(0.5)), "tick_cost_us_p99": int(cost.quantile(0.99)),
+            "tick_cpu_us_p50": int(cpu.quantile(0.5)), "tick_cpu_us_p99": int(cpu.quantile(0.99)),
+            "tick_cpu_us_mean": round(cpu.mean(), 1)}
 
 
 def jitter(seconds: float) -> dict:
@@ -389,7 +398,8 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: float = 3.0) -> dict:
+def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: float = 3.0,
+            max_gpus: int | None = None) -> dict:
     """`gpuwatch record --no-model` as it runs (sampler child with deliver_s=1.0, recorder in the parent),
     with the child's tick instrumented (GPUWATCH_SAMPLER_PROFILE; off in normal runs): per section of a
     tick CPU (thread_time) and wall, p50/p99/mean; per thread CPU and wake-ups of both processes; the
@@ -402,6 +412,8 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     env = dict(os.environ, **{ENV: str(prof_path)})
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     fake_how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
+    if max_gpus:
+        env["GPUWATCH_MAX_GPUS"] = str(max_gpus)
     dur = warmup + seconds + 1.5
     cmd = [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{dur}s", "-o", str(work / "rec")]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, env=env)
@@ -576,18 +588,26 @@ def compare(trees: list[Path], seconds: float, runs: int, fake_nvml: int = 0, wa
                     per[name] = per.get(name, 0.0) + 100 * (v["on_cpu_ns"] - a[k][key]["on_cpu_ns"]) / 1e9 / dt
             row.append({"tree_pct": round(100 * (c1[k] - c0[k]) / dt, 3), "threads_pct": round(sum(per.values()), 3),
                         "threads": {n: round(x, 3) for n, x in sorted(per.items(), key=lambda kv: -kv[1]) if x > 0.0005}})
-        for p in procs:
+        for k, p in enumerate(procs):
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
             err = p.stderr.read().decode(errors="replace") if p.stderr else ""
             if p.returncode:
-                row.append({"error": f"exit {p.returncode}: {err[-500:]}"})
+                row[k]["error"] = f"exit {p.returncode}: {err[-500:]}"
+            try:  # the tick's own CPU as the sampler recorded it (sampler_cpu_us: not instrumented)
+                from gpuwatch.recording.reader import open_recording
+
+                sess = [q for q in (work / f"r{r}-t{k}").iterdir() if (q / "meta.json").exists()]
+                row[k]["recorded"] = _interval_stats(open_recording(sess[0]).samples)
+            except Exception as e:  # noqa: BLE001
+                row[k]["recorded"] = repr(e)[:200]
         out["runs"].append(row)
-        print(f"run {r + 1}: " + "  ".join(f"{trees[k].name or trees[k]}: tree {x['tree_pct']} % threads "
-                                           f"{x['threads_pct']} %" for k, x in enumerate(row) if "tree_pct" in x),
-              flush=True)
+        print(f"run {r + 1}: " + "  ".join(
+            f"{trees[k].name or trees[k]}: tree {x['tree_pct']} % threads {x['threads_pct']} % tick CPU p50 "
+            f"{x['recorded'].get('tick_cpu_us_p50') if isinstance(x.get('recorded'), dict) else '?'} us"
+            for k, x in enumerate(row)), flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -601,7 +621,8 @@ def print_profile(res: dict) -> None:
           f"{res['tree_cpu_pct_of_one_core']} % of one core (threads sum {res['threads_cpu_sum_pct']} %)"
           + (f"; FAKE NVML x{res['fake_nvml_gpus']}" if res.get("fake_nvml_gpus") else ""))
     cal = res.get("calibration", {})
-    print(f"timer cost per section: {cal.get('timer_cpu_ns_per_section', 0) / 1000:.2f} us CPU (included below); "
+    print(f"timer cost per section: {cal.get('timer_cpu_ns_per_section', 0) / 1000:.2f} us CPU warm, "
+          f"{cal.get('timer_cpu_ns_per_section_cold', 0) / 1000:.1f} us cold (included below); "
           f"batch of {cal.get('batch_ticks')} ticks: {res.get('batch_bytes_mean')} B, pickle "
           f"{cal.get('pickle_batch_cpu_us', 0):.0f} us, unpickle {cal.get('unpickle_batch_cpu_us', 0):.0f} us CPU")
     print(f"\n{'section (tick thread, per loop iteration)':58} {'n':>5} {'cpu p50':>8} {'p99':>8} {'mean':>8} "
@@ -786,7 +807,7 @@ def main() -> None:
                     help="profile: replace the NVML driver calls by ones that answer at once for N GPUs (no GPU here)")
     a = ap.parse_args()
     if a.what == "profile":
-        res = profile(a.seconds or 30, a.out, fake_nvml=a.fake_nvml)
+        res = profile(a.seconds or 30, a.out, fake_nvml=a.fake_nvml, max_gpus=int(a.gpus) if a.gpus and a.gpus != "all" else None)
         res["host"] = os.uname().nodename
         if a.out:
             a.out.write_text(json.dumps(res, indent=1))
