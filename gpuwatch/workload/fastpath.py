@@ -75,8 +75,15 @@ class FastDeepseek:
             self.r = a0.kv_lora_rank
             self.scaling = float(a0.scaling)
             mod = sys.modules[type(a0).__module__]
-            self._rope = (mod.apply_rotary_pos_emb_interleave if getattr(cfg, "rope_interleave", False)
-                          else mod.apply_rotary_pos_emb)
+            # interleaved pairs (DeepSeek's checkpoints): rotated here as complex numbers, the pairs kept in
+            # place (transformers de-interleaves q and k alike; a dot product does not care which order
+            # both use, and only this class reads the cache); otherwise transformers' rotate_half function
+            self._interleave = bool(getattr(cfg, "rope_interleave", False))
+            self._rope = mod.apply_rotary_pos_emb
+            norms = [self.norm] + [m for lay in self.layers for m in (lay.input_layernorm, lay.post_attention_layernorm,
+                                                                      lay.self_attn.kv_a_layernorm)]
+            for m in norms:
+                m.weight, float(m.variance_epsilon)  # noqa: B018 - F.rms_norm below needs both
             for layer in self.layers:
                 at = layer.self_attn
                 at.kv_a_proj_with_mqa, at.kv_a_layernorm, at.kv_b_proj, at.o_proj  # noqa: B018
@@ -110,15 +117,41 @@ class FastDeepseek:
             self._wuv.append(wkv[:, self.dn:])
 
     # -- pieces --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _rms(mod, x):
+        """DeepseekV3RMSNorm as one fused kernel (transformers' module launches seven)."""
+        return F.rms_norm(x, mod.weight.shape, mod.weight, mod.variance_epsilon)
+
+    def _freqs(self, x, positions):
+        """What the rotary embedding gives for `positions`: cos/sin (transformers' layout) or, for interleaved
+        pairs, the unit complex numbers (times yarn's attention scaling) of shape (1, S, dr/2)."""
+        cos, sin = self.rotary(x, positions)
+        if not self._interleave:
+            return cos, sin
+        half = cos.shape[-1] // 2
+        return torch.complex(cos[..., :half].float(), sin[..., :half].float())
+
+    def _rotate(self, q_rot, k_rot, freqs):
+        """q_rot (b, H, S, dr), k_rot (b, 1, S, dr) rotated by position."""
+        if not self._interleave:
+            return self._rope(q_rot, k_rot, *freqs)
+        f = freqs.unsqueeze(1)  # (1, 1, S, dr/2)
+
+        def rot(t):
+            c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2)) * f
+            return torch.view_as_real(c).flatten(-2).to(t.dtype)
+        return rot(q_rot), rot(k_rot)
+
     def _q(self, at, h, b: int, s: int):
         q = at.q_proj(h) if at.q_proj is not None else at.q_b_proj(at.q_a_layernorm(at.q_a_proj(h)))
         q = q.view(b, s, self.H, self.dn + self.dr).transpose(1, 2)  # (b, H, s, dq)
         return torch.split(q, [self.dn, self.dr], dim=-1)
 
     def _latent(self, at, h, b: int, s: int):
+        """The new tokens' latents (not yet normalised) and shared rotary keys (not yet rotated)."""
         c = at.kv_a_proj_with_mqa(h)
         kv, k_rot = torch.split(c, [self.r, self.dr], dim=-1)
-        return at.kv_a_layernorm(kv), k_rot.view(b, 1, s, self.dr)
+        return kv, k_rot.reshape(b, 1, s, self.dr)
 
     def _route(self, i: int, mlp, x):
         """DeepseekV3TopkRouter's choice (sigmoid scores + correction bias, group-limited top-k, weights
@@ -149,8 +182,10 @@ class FastDeepseek:
         route = self._route(i, mlp, x)
         gu = torch.matmul(x.unsqueeze(0), ex.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
         gate, up = gu.chunk(2, dim=-1)
-        y = torch.bmm(ex.act_fn(gate) * up, ex.down_proj.transpose(1, 2))  # (E, T, D)
-        out = torch.bmm(route.to(y.dtype).unsqueeze(1), y.transpose(0, 1))  # (T,1,E) @ (T,E,D)
+        # the routing weight scales each expert's intermediate (the down projection is linear), so the
+        # experts' outputs are summed by one reduction instead of a transposed copy and a third bmm
+        a = ex.act_fn(gate) * up * route.t().unsqueeze(-1).to(gu.dtype)  # (E, T, I)
+        out = torch.bmm(a, ex.down_proj.transpose(1, 2)).sum(0)  # (E, T, D) -> (T, D)
         return out.view_as(h2) + mlp.shared_experts(h2)
 
     def _mlp(self, i: int, layer, h2, decode: bool):
@@ -163,13 +198,14 @@ class FastDeepseek:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
         x = self.embed(ids)
-        cos, sin = self.rotary(x, torch.arange(s, device=ids.device).unsqueeze(0))
+        freqs = self._freqs(x, torch.arange(s, device=ids.device).unsqueeze(0))
         for i, layer in enumerate(self.layers):
             at = layer.self_attn
             h = layer.input_layernorm(x)
             q_nope, q_rot = self._q(at, h, b, s)
             kv, k_rot = self._latent(at, h, b, s)
-            q_rot, k_rot = self._rope(q_rot, k_rot, cos, sin)
+            kv = at.kv_a_layernorm(kv)
+            q_rot, k_rot = self._rotate(q_rot, k_rot, freqs)
             self.ckv[i, :, :s].copy_(kv)
             self.kpe[i, :, :s].copy_(k_rot[:, 0])
             kvx = at.kv_b_proj(kv).view(b, s, self.H, self.dn + self.dv).transpose(1, 2)
@@ -186,15 +222,16 @@ class FastDeepseek:
     def decode(self, tok: torch.Tensor) -> torch.Tensor:
         b = tok.shape[0]
         x = self.embed(tok)  # (b, 1, D)
-        cos, sin = self.rotary(x, self.pos.view(1, 1))
+        freqs = self._freqs(x, self.pos.view(1, 1))
         visible = (self._ar <= self.pos).view(1, 1, -1)  # (1, 1, L): positions written so far, this one too
         at_pos = self.pos.view(1)
         for i, layer in enumerate(self.layers):
             at = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self._rms(layer.input_layernorm, x)
             q_nope, q_rot = self._q(at, h, b, 1)  # (b, H, 1, dn), (b, H, 1, dr)
             kv, k_rot = self._latent(at, h, b, 1)  # (b, 1, r), (b, 1, 1, dr)
-            q_rot, k_rot = self._rope(q_rot, k_rot, cos, sin)
+            kv = self._rms(at.kv_a_layernorm, kv)
+            q_rot, k_rot = self._rotate(q_rot, k_rot, freqs)
             ckv, kpe = self.ckv[i], self.kpe[i]
             ckv.index_copy_(1, at_pos, kv)
             kpe.index_copy_(1, at_pos, k_rot[:, 0])
@@ -204,9 +241,9 @@ class FastDeepseek:
             ctx = torch.bmm(p.to(ckv.dtype), ckv)  # (b, H, r)
             o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
             x = x + at.o_proj(o.reshape(b, 1, self.H * self.dv))
-            x = x + self._mlp(i, layer, layer.post_attention_layernorm(x), decode=True)
+            x = x + self._mlp(i, layer, self._rms(layer.post_attention_layernorm, x), decode=True)
         self.pos.add_(1)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self._rms(self.norm, x))
 
     def reset(self) -> None:
         self.pos.zero_()

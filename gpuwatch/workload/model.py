@@ -198,9 +198,11 @@ class DecodeEngine:
         self.device = torch.device(device)
         self.on_event = on_event or (lambda kind, message, **detail: None)
         self.want_graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
-        # torch.compile the fast path's one-token step (fuses the ~90 small kernels a layer launches; the
-        # graph then replays the fused ones). Default: with CUDA graphs. A failure falls back, and says so.
-        self.want_compile = self.want_graphs if compile is None else bool(compile)
+        # torch.compile of the fast path's one-token step: off unless asked. Measured on the H200 (v2-lite,
+        # batch 32, docs/BENCHMARKS.md call 12): 48-55 s to compile and 22.6 ms a token against 14.0 uncompiled
+        # - inductor turns the in-place writes into the latent cache into whole-buffer copies. A failure falls
+        # back, and says so.
+        self.want_compile = False if compile is None else bool(compile)
         self._compile_failed = False
         self.prefill_graph_tokens = prefill_graph_tokens
         self.record_tokens = record_tokens
