@@ -162,10 +162,10 @@ def test_fast_path_on_cuda_in_fp32_decodes_what_transformers_decodes(moe, compil
 @pytest.mark.gpu
 @pytest.mark.parametrize("moe", ["dense", "module"])
 def test_cuda_graph_replays_exactly_what_the_same_step_computes_without_graphs(moe):
-    """bf16: the captured step gives the tokens the ungraphed fast step gives (the same kernels); the
-    compiled one is captured and runs (its math is checked in fp32 above). Tokens are not compared with
-    transformers in bf16: with random weights the MoE routing flips on bf16 rounding differences, and then
-    the sequences part (transformers' own cached decode and its full forward disagree the same way)."""
+    """bf16: the captured step gives the tokens the ungraphed fast step gives (the same kernels). Tokens are
+    not compared with transformers in bf16: with random weights the MoE routing flips on bf16 rounding
+    differences, and then the sequences part (transformers' own cached decode and its full forward
+    disagree the same way)."""
     model = _build("cuda:0", "bf16", "small")
     ids = _ids(8, 64, "cuda:0")
     events = []
@@ -179,12 +179,6 @@ def test_cuda_graph_replays_exactly_what_the_same_step_computes_without_graphs(m
     assert plain.mode == "static" and torch.equal(plain.tokens, graphed)
     eng.step(ids)
     assert torch.equal(eng.tokens, graphed)  # a replay over the rewound cache: the same answer
-    comp = M.DecodeEngine(model, 8, 64, 8, "cuda:0", lambda k, m, **d: events.append((k, m, d)), record_tokens=True,
-                          moe=moe)
-    comp.step(ids)
-    assert comp.mode == "graphs" and comp.detail.get("compiled"), events
-    assert comp._st["logits"].isfinite().all()
-    print("compiled vs uncompiled token agreement", (comp.tokens == graphed).float().mean().item())
 
 
 @pytest.mark.gpu
