@@ -172,11 +172,20 @@ class FastDeepseek:
         w = scores.gather(1, idx)
         if g.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        w = w * g.routed_scaling_factor
+        if g.routed_scaling_factor != 1.0:
+            w = w * g.routed_scaling_factor
         return torch.zeros_like(scores).scatter_(1, idx, w)
 
-    def _experts_dense(self, i: int, mlp, h2):
-        """All experts for all tokens as two bmm's, weighted by a dense (tokens, experts) routing matrix."""
+    @staticmethod
+    def _linear_add(x, a, lin):
+        """x + lin(a) as one GEMM with x as its addend (cuBLAS's C = A W^T + X), for a bias-free Linear."""
+        if lin.bias is not None:
+            return x + lin(a)
+        return torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), lin.weight.t()).view_as(x)
+
+    def _experts_dense(self, i: int, mlp, h2, residual=None):
+        """All experts for all tokens as two bmm's, weighted by a dense (tokens, experts) routing matrix;
+        plus the shared experts (and `residual`, if given, added inside the last GEMM)."""
         ex = mlp.experts
         x = h2.reshape(-1, h2.shape[-1])  # (T, D)
         route = self._route(i, mlp, x)
@@ -186,13 +195,16 @@ class FastDeepseek:
         # experts' outputs are summed by one reduction instead of a transposed copy and a third bmm
         a = ex.act_fn(gate) * up * route.t().unsqueeze(-1).to(gu.dtype)  # (E, T, I)
         out = torch.bmm(a, ex.down_proj.transpose(1, 2)).sum(0)  # (E, T, D) -> (T, D)
-        return out.view_as(h2) + mlp.shared_experts(h2)
+        if residual is not None:
+            out = out + residual.reshape(out.shape)
+        sh = mlp.shared_experts
+        if all(hasattr(sh, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            inner = sh.act_fn(sh.gate_proj(h2)) * sh.up_proj(h2)
+            return self._linear_add(out.view_as(h2), inner, sh.down_proj)
+        return out.view_as(h2) + sh(h2)
 
     def _mlp(self, i: int, layer, h2, decode: bool):
-        mlp = layer.mlp
-        if decode and self.moe == "dense" and hasattr(mlp, "experts"):
-            return self._experts_dense(i, mlp, h2)
-        return mlp(h2)
+        return layer.mlp(h2)
 
     # -- prefill: expanded attention with SDPA, latents written to the cache -----------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -223,7 +235,10 @@ class FastDeepseek:
         b = tok.shape[0]
         x = self.embed(tok)  # (b, 1, D)
         freqs = self._freqs(x, self.pos.view(1, 1))
-        visible = (self._ar <= self.pos).view(1, 1, -1)  # (1, 1, L): positions written so far, this one too
+        # (1, 1, L) additive mask: 0 for the positions written so far (this one too), -inf after; once a token
+        visible = (self._ar <= self.pos).view(1, 1, -1)
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
+        mask = mask.expand(b, self.H, -1)
         at_pos = self.pos.view(1)
         for i, layer in enumerate(self.layers):
             at = layer.self_attn
@@ -236,12 +251,18 @@ class FastDeepseek:
             ckv.index_copy_(1, at_pos, kv)
             kpe.index_copy_(1, at_pos, k_rot[:, 0])
             q_lat = torch.bmm(q_nope[:, :, 0].transpose(0, 1), self._wuk[i]).transpose(0, 1)  # (b, H, r)
-            scores = torch.bmm(q_lat, ckv.transpose(1, 2)) + torch.bmm(q_rot[:, :, 0], kpe.transpose(1, 2))
-            p = (scores.float() * self.scaling).masked_fill(~visible, float("-inf")).softmax(-1)
-            ctx = torch.bmm(p.to(ckv.dtype), ckv)  # (b, H, r)
+            # scaled scores plus the mask in two fused multiply-adds; softmax accumulates in fp32 inside
+            scores = torch.baddbmm(mask, q_lat, ckv.transpose(1, 2), alpha=self.scaling)
+            scores = torch.baddbmm(scores, q_rot[:, :, 0], kpe.transpose(1, 2), alpha=self.scaling)
+            ctx = torch.bmm(scores.softmax(-1), ckv)  # (b, H, r)
             o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
-            x = x + at.o_proj(o.reshape(b, 1, self.H * self.dv))
-            x = x + self._mlp(i, layer, self._rms(layer.post_attention_layernorm, x), decode=True)
+            x = self._linear_add(x, o.reshape(b, 1, self.H * self.dv), at.o_proj)  # x + o_proj(o)
+            h2 = self._rms(layer.post_attention_layernorm, x)
+            mlp = layer.mlp
+            if self.moe == "dense" and hasattr(mlp, "experts"):
+                x = self._experts_dense(i, mlp, h2, residual=x)
+            else:
+                x = x + mlp(h2)
         self.pos.add_(1)
         return self.lm_head(self._rms(self.norm, x))
 
