@@ -96,6 +96,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> di
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)], only),
              "gpuwatch record + risk scoring (2 Hz)": ([
         sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")], only)}
+    procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
+        dict(only, GPUWATCH_SAMPLER_CPU="last"))
     if n > 1:
         procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],

@@ -101,10 +101,26 @@ def _detach_from_terminal_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _pin_from_env() -> None:
+    """GPUWATCH_SAMPLER_CPU=N (or `last`): keep the sampler child (its threads are started after this) on
+    one CPU, so each 100 ms wake-up finds that core's caches as it left them instead of a cold core. An
+    experiment measured by `bench_sampler.py cost` (docs/BENCHMARKS.md); off unless set."""
+    want = os.environ.get("GPUWATCH_SAMPLER_CPU", "").strip()
+    if not want or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+        cpu = allowed[-1] if want == "last" else int(want)
+        os.sched_setaffinity(0, {cpu})
+    except (ValueError, OSError):  # a CPU this process may not use: leave the scheduler alone
+        pass
+
+
 def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
            pid: int, deliver_s: float = 0.0) -> None:
     _detach_from_terminal_signals()
     set_native_name("gw-sampler-proc")
+    _pin_from_env()
     from gpuwatch.telemetry import profile
     prof = profile.from_env()  # None unless a benchmark asked (bench_sampler.py profile)
     stop = threading.Event()  # set by a broken pipe (the parent is gone) in the child's channel
