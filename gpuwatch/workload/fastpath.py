@@ -184,17 +184,19 @@ class FastDeepseek:
         return torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), lin.weight.t()).view_as(x)
 
     def _experts_dense(self, i: int, mlp, h2, residual=None):
-        """All experts for all tokens as two bmm's, weighted by a dense (tokens, experts) routing matrix;
+        """All experts for all tokens (one GEMM for gate/up, one bmm for down), weighted by a dense (tokens,
+        experts) routing matrix;
         plus the shared experts (and `residual`, if given, added inside the last GEMM)."""
         ex = mlp.experts
         x = h2.reshape(-1, h2.shape[-1])  # (T, D)
         route = self._route(i, mlp, x)
-        gu = torch.matmul(x.unsqueeze(0), ex.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
+        w = ex.gate_up_proj  # (E, 2I, D), contiguous: all experts' gate/up rows are one (E*2I, D) matrix
+        gu = F.linear(x, w.reshape(-1, w.shape[-1])).view(x.shape[0], w.shape[0], w.shape[1])  # one GEMM: (T, E, 2I)
         gate, up = gu.chunk(2, dim=-1)
         # the routing weight scales each expert's intermediate (the down projection is linear), so the
         # experts' outputs are summed by one reduction instead of a transposed copy and a third bmm
-        a = ex.act_fn(gate) * up * route.t().unsqueeze(-1).to(gu.dtype)  # (E, T, I)
-        out = torch.bmm(a, ex.down_proj.transpose(1, 2)).sum(0)  # (E, T, D) -> (T, D)
+        a = ex.act_fn(gate) * up * route.unsqueeze(-1).to(gu.dtype)  # (T, E, I)
+        out = torch.bmm(a.transpose(0, 1), ex.down_proj.transpose(1, 2)).sum(0)  # (E, T, D) -> (T, D)
         if residual is not None:
             out = out + residual.reshape(out.shape)
         sh = mlp.shared_experts
