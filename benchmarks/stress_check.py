@@ -9,7 +9,8 @@ s = open_recording(d)
 st, sm, ev = s.steps, s.samples, s.events
 run = st.filter(pl.col("phase") != "warmup") if "phase" in st.columns else st
 t0, t1 = run["ts"].min(), run["ts"].max()
-win = sm.filter((pl.col("ts") >= t0) & (pl.col("ts") <= t1))
+gpus = [g for g in run["gpu"].unique().to_list() if g is not None]  # the workload's GPU(s), not idle ones
+win = sm.filter((pl.col("ts") >= t0) & (pl.col("ts") <= t1) & (pl.col("gpu").is_in(gpus) if gpus else True))
 out = {"steps": st.height, "tokens_per_s_median": run["tokens_per_s"].median(), "step_s_median": run["step_time_s"].median(),
        "expert_impl": run["expert_impl"].unique().to_list(), "gpu_util_mean_pct": win["gpu_util_pct"].mean(),
        "gpu_util_p10_pct": win["gpu_util_pct"].quantile(0.1), "power_mean_w": win["gpu_power_w"].mean(),

@@ -248,15 +248,28 @@ class DecodeEngine:
         self.release()
         try:
             self._build(batch, prompt_len)
-        except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: eager
+        except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: fall back
             self.release()
             if is_oom(e):
                 raise
-            self.mode, self._forced_eager = "eager", True
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            self.on_event("compile", f"decode: CUDA graph capture failed ({why}); falling back to eager",
-                          fallback="eager", reason=why)
-            return 0.0
+            retry = self.want_graphs and self.mode != "eager"
+            if retry:  # for good: what could not be captured once will not be next time either
+                self.want_graphs = False
+                try:
+                    self._build(batch, prompt_len)
+                except Exception as e2:  # noqa: BLE001
+                    self.release()
+                    if is_oom(e2):
+                        raise
+                    retry = False
+            if not retry:
+                self.mode, self._forced_eager = "eager", True
+                self.on_event("compile", f"decode: CUDA graph capture failed ({why}); falling back to eager",
+                              fallback="eager", reason=why)
+                return 0.0
+            self.on_event("compile", f"decode: CUDA graph capture failed ({why}); the step runs without graphs",
+                          fallback="static", reason=why)
         self._key = key
         self._steps_since_capture = 0
         self.captures += 1
@@ -305,6 +318,10 @@ class DecodeEngine:
             st["logits"] = torch.zeros(batch, 1, cfg.vocab_size, dtype=torch.float32, device=dev)
             st["out"] = torch.zeros(batch, max(1, self.new_tokens), dtype=torch.long, device=dev)
             if not self.want_graphs:
+                self._reset()  # one run here, so a kernel this dtype/device lacks fails now (fall-back), not mid-step
+                self._prefill_body()
+                if self.new_tokens:
+                    self._decode_body()
                 self.mode = "static"
                 return
             stream = torch.cuda.Stream(dev)
