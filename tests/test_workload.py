@@ -205,3 +205,37 @@ def test_the_workload_offers_the_controls_a_guard_drives():
     w = Workload(Bus(), WorkloadConfig(batch=2, seq_len=8, overrides=FAST))
     assert isinstance(w, WorkloadControls)
     assert w.batch == 2 and w.precision == "fp32" and w.state == "idle"
+
+
+def test_decode_capture_is_a_compiling_phase_and_the_step_rows_say_what_ran(monkeypatch):
+    """While the decode engine (re)builds its cache and graphs the workload's state is `compiling` (the TUI
+    shows it); the build is an event; each step row names the path that ran it."""
+    from gpuwatch.ui.render import workload_lines
+
+    seen = []
+    real = M.DecodeEngine.prepare
+
+    def prepare(self, batch, prompt_len):
+        state, before = w.state, self.captures
+        out = real(self, batch, prompt_len)
+        if self.captures != before:  # a (re)build happened in this call
+            seen.append(state)
+        return out
+    monkeypatch.setattr(M.DecodeEngine, "prepare", prepare)
+
+    class StaticEngine(M.DecodeEngine):  # a CPU runs eager by default; build the static fast step instead
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "graphs": False})
+    monkeypatch.setattr(M, "DecodeEngine", StaticEngine)
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(mode="decode", batch=2, seq_len=8, overrides=FAST, integrity_every=0,
+                                     max_steps=2, graphs="on", decode_tokens=3))
+    w.run()
+    assert seen and set(seen) == {"compiling"} and w.state == "finished"
+    rows = bus.steps.latest(10)
+    assert rows and all(r["expert_impl"].endswith("+mla-absorbed/static") for r in rows), rows
+    compile_events = [e for e in bus.events.latest(50) if e.kind == "compile"]
+    assert any("absorbed MLA" in e.message and e.detail.get("impl") == "fast" for e in compile_events)
+    line = workload_lines(rows, {"state": "compiling", "preset": "tiny"}, None, wide=True)[0]
+    assert "compiling" in line.plain
+    assert any(sp.style == "bold yellow" and line.plain[sp.start:sp.end] == "compiling" for sp in line.spans)
