@@ -264,6 +264,8 @@ def _workload_spec(args):
     from gpuwatch.workload.factory import WorkloadSpec
     from gpuwatch.workload.presets import parse_overrides, validate_overrides
 
+    if args.new_tokens is not None and args.mode != "decode":
+        raise UsageError(f"--new-tokens is for --mode decode (this run is --mode {args.mode})")
     return WorkloadSpec(
         preset=args.preset, mode=args.mode, schedule=args.schedule, precision=args.precision, batch=args.batch,
         seq_len=args.seq_len, max_batch=args.max_batch, device=args.device, gpus=args.gpus,

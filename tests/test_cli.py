@@ -28,6 +28,11 @@ def run(py, env, *args, timeout=120):
     (["stress", "--device", "cuda:7", "--steps", "1", "--no-record"], "--device cuda:7"),
     (["stress", "--gpus", "all", "--no-record"], "--gpus"),
     (["nonsense"], "invalid choice: 'nonsense'"),
+    (["stress", "--new-tokens", "0"], "must be > 0"),
+    (["stress", "--mode", "train", "--new-tokens", "8", "--no-record"], "--new-tokens is for --mode decode"),
+    (["stress", "--preset", "tiny", "--device", "cpu", "--mode", "decode", "--new-tokens", "20000", "--no-record",
+      "--no-model"], "longer than tiny's max_position_embeddings (4096)"),
+    (["compact"], "the following arguments are required: session"),
 ])
 def test_bad_flags_one_line_exit_2(py, env, args, needle):
     r = run(py, env, *args)

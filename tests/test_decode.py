@@ -108,9 +108,11 @@ def test_a_failed_capture_falls_back_to_the_ungraphed_step_and_says_why(tiny):
     ids = _ids(2, 16)
     assert eng.step(ids)[1] == pytest.approx(M.step_decode(tiny, ids, 3)[1], rel=1e-5)
     assert eng.mode == "static" and eng.impl == "fast"
-    assert any(d.get("fallback") == "static" and "failed" in m for _, m, d in events)
+    said = [(m, d) for _, m, d in events if d.get("fallback")]
+    assert len(said) == 1 and said[0][1]["fallback"] == "static"
+    assert "could not build" in said[0][0] and "in CUDA graphs" in said[0][0] and "without graphs" in said[0][0]
     eng.step(_ids(3, 16))  # a rebuild does not try to capture again
-    assert sum("failed" in m for _, m, _ in events) == 1 and eng.mode == "static"
+    assert sum(bool(d.get("fallback")) for _, _, d in events) == 1 and eng.mode == "static"
 
 
 def test_when_the_ungraphed_step_fails_too_decode_runs_eager(tiny, monkeypatch):
@@ -123,7 +125,11 @@ def test_when_the_ungraphed_step_fails_too_decode_runs_eager(tiny, monkeypatch):
     eng = M.DecodeEngine(tiny, 2, 16, 3, "cpu", lambda k, m, **d: events.append((k, m, d)), graphs=True)
     ids = _ids(2, 16)
     assert eng.step(ids)[1] == pytest.approx(M.step_decode(tiny, ids, 3)[1], rel=1e-5)
-    assert eng.mode == "eager" and any(d.get("fallback") == "eager" for _, _, d in events)
+    assert eng.mode == "eager"
+    said = [(m, d) for _, m, d in events if d.get("fallback") == "eager"]
+    # one line that names every plan tried and why each failed
+    assert len(said) == 1 and "no such kernel" in said[0][0] and said[0][0].count("in CUDA graphs:") == 2
+    assert "gpuwatch's step without graphs: RuntimeError: no such kernel" in said[0][0]
 
 
 def test_shapes_that_change_every_step_stop_recapturing(tiny):
@@ -342,3 +348,44 @@ def test_compiled_decode_step_computes_what_the_uncompiled_one_does():
         assert events[-1][1]["torch_compile_s"] > 0
     else:
         assert any(d.get("fallback") == "uncompiled" for _, d in events), events
+
+
+def test_a_step_that_overflowed_leaves_nothing_behind_for_the_next(tiny):
+    """Masked cache positions weigh 0, but 0 x inf is NaN: the rewind between steps clears the cache."""
+    eng = M.DecodeEngine(tiny, 2, 8, 4, "cpu", graphs=False)
+    ids = _ids(2, 8)
+    _, first = eng.step(ids)
+    with torch.inference_mode():
+        eng._st["fast"].ckv[:, :, -1] = float("inf")  # what an fp16 overflow would leave at the last position
+        eng._st["fast"].kpe[:, :, -1] = float("nan")
+    _, again = eng.step(ids)
+    assert again == pytest.approx(first, rel=1e-6)
+
+
+@pytest.mark.parametrize("over", [{"n_shared_experts": 0}, {"qk_nope_head_dim": 31}, {"kv_lora_rank": 63},
+                                  {"attention_bias": True}, {"first_k_dense_replace": 0}])
+def test_fast_path_handles_unusual_shapes(over):
+    model = _variant(**over)
+    ids = _ids(8, 9, seed=3)  # batch 8: the dense experts path (auto) on the tiny preset
+    ref_tokens, ref_logits = _reference(model, ids, 3)
+    events = []
+    eng = M.DecodeEngine(model, 8, 9, 3, "cpu", lambda k, m, **d: events.append(m), graphs=False, record_tokens=True)
+    eng.step(ids)
+    assert eng.impl == "fast" and eng.mode == "static", events
+    assert torch.equal(eng.tokens, ref_tokens)
+    assert torch.allclose(eng._st["logits"][:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefill_only_engine_says_it_runs_expanded_attention(tiny):
+    eng = M.DecodeEngine(tiny, 2, 8, 0, "cpu", graphs=False, prefill_graph_tokens=4096)
+    eng.want_graphs = False
+    eng.prefill_graph_tokens = 0
+    fast = eng._fast(2, 8)
+    assert eng.detail["attention"] == "expanded MLA (SDPA)" and fast is not None
+
+
+def test_needs_build_is_true_only_when_prepare_would_rebuild(tiny):
+    eng = M.DecodeEngine(tiny, 2, 8, 2, "cpu", graphs=False)
+    assert eng.needs_build(2, 8)
+    eng.prepare(2, 8)
+    assert not eng.needs_build(2, 8) and eng.needs_build(3, 8) and eng.needs_build(2, 9)

@@ -102,6 +102,14 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
             integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
             gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs,
             decode_tokens=spec.new_tokens or (GPU_NEW_TOKENS if dev.type == "cuda" else CPU_NEW_TOKENS))
+        if cfg.mode == "decode":
+            from gpuwatch.workload.presets import config_fields, defaults
+
+            longest = (cfg.seq_len or defaults(cfg.preset)[1]) + cfg.decode_tokens
+            limit = config_fields(cfg.preset, overrides).get("max_position_embeddings")
+            if limit and longest > limit:
+                raise UsageError(f"prompt + new tokens = {longest} is longer than {cfg.preset}'s "
+                                 f"max_position_embeddings ({limit}); lower --seq-len or --new-tokens")
         try:
             out.append(Workload(bus, cfg))
         except (TypeError, ValueError) as e:

@@ -138,7 +138,7 @@ class FastDeepseek:
         f = freqs.unsqueeze(1)  # (1, 1, S, dr/2)
 
         def rot(t):
-            c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2)) * f
+            c = torch.view_as_complex(t.float().contiguous().reshape(*t.shape[:-1], -1, 2)) * f
             return torch.view_as_real(c).flatten(-2).to(t.dtype)
         return rot(q_rot), rot(k_rot)
 
@@ -181,7 +181,7 @@ class FastDeepseek:
         """x + lin(a) as one GEMM with x as its addend (cuBLAS's C = A W^T + X), for a bias-free Linear."""
         if lin.bias is not None:
             return x + lin(a)
-        return torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), lin.weight.t()).view_as(x)
+        return torch.addmm(x.flatten(0, -2), a.flatten(0, -2), lin.weight.t()).view_as(x)
 
     def _experts_dense(self, i: int, mlp, h2, residual=None):
         """All experts for all tokens (one GEMM for gate/up, one bmm for down), weighted by a dense (tokens,
@@ -269,9 +269,17 @@ class FastDeepseek:
         return self.lm_head(self._rms(self.norm, x))
 
     def reset(self) -> None:
+        """Rewind to position 0 and clear the cache: masked positions weigh 0, but 0 x inf is NaN, so a step
+        that overflowed must not leave its values behind for the next one (one memset a step, not a token)."""
         self.pos.zero_()
+        self.ckv.zero_()
+        self.kpe.zero_()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, decode: bool = True) -> dict[str, Any]:
+        """What runs: the decode step's path, or (prefill only) the expanded attention and the model's experts."""
+        if not decode:
+            return {"attention": "expanded MLA (SDPA)", "experts": "model's experts module",
+                    "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}
         return {"attention": "absorbed MLA (latent cache)",
                 "experts": "dense bmm" if self.moe == "dense" else "model's experts module",
                 "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}

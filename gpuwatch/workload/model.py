@@ -246,30 +246,35 @@ class DecodeEngine:
             self._thrash = 0
         t0 = time.perf_counter()
         self.release()
-        try:
-            self._build(batch, prompt_len)
-        except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: fall back
-            self.release()
-            if is_oom(e):
-                raise
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            retry = self.want_graphs and self.mode != "eager"
-            if retry:  # for good: what could not be captured once will not be next time either
-                self.want_graphs = False
-                try:
-                    self._build(batch, prompt_len)
-                except Exception as e2:  # noqa: BLE001
-                    self.release()
-                    if is_oom(e2):
-                        raise
-                    retry = False
-            if not retry:
-                self.mode, self._forced_eager = "eager", True
-                self.on_event("compile", f"decode: CUDA graph capture failed ({why}); falling back to eager",
-                              fallback="eager", reason=why)
-                return 0.0
-            self.on_event("compile", f"decode: CUDA graph capture failed ({why}); the step runs without graphs",
-                          fallback="static", reason=why)
+        # what to try, in order: as asked; the fast step without graphs; transformers' forward (with graphs
+        # if asked); then eager. What failed is not tried again on a rebuild ("for good").
+        plans = [(self.want_graphs, self.want_fast)]
+        if self.want_graphs and self.want_fast:
+            plans.append((False, True))
+        if self.want_fast:
+            plans.append((self.want_graphs, False))
+        failures: list[str] = []
+        for graphs, fast in plans:
+            self.want_graphs, self.want_fast = graphs, fast
+            try:
+                self._build(batch, prompt_len)
+                break
+            except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: next plan
+                self.release()
+                if is_oom(e):
+                    raise
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                failures.append(f"{self._plan_name(graphs, fast)}: {why}")
+        else:
+            self.mode, self._forced_eager = "eager", True
+            self.on_event("compile", f"decode: could not build the step ({'; '.join(failures)}); falling back to "
+                          "eager", fallback="eager", reason="; ".join(failures))
+            return 0.0
+        if failures:
+            now = self._plan_name(self.want_graphs, self.want_fast)
+            self.on_event("compile", f"decode: could not build the step ({'; '.join(failures)}); running {now} "
+                          "instead", fallback="static" if not self.want_graphs else "transformers",
+                          reason="; ".join(failures))
         self._key = key
         self._steps_since_capture = 0
         self.captures += 1
@@ -339,6 +344,17 @@ class DecodeEngine:
             torch.cuda.synchronize(dev)
         self.mode = "graphs"
 
+    @staticmethod
+    def _plan_name(graphs: bool, fast: bool) -> str:
+        return (("gpuwatch's step" if fast else "transformers' forward")
+                + (" in CUDA graphs" if graphs else " without graphs"))
+
+    def needs_build(self, batch: int, prompt_len: int) -> bool:
+        """Whether prepare() would (re)build - the runner shows the workload as compiling only then."""
+        if self._forced_eager:
+            return False
+        return (batch, prompt_len, self.new_tokens, *self._weights_key()) != self._key
+
     def _fast(self, batch: int, max_len: int):
         """fastpath.FastDeepseek for this shape, or None (asked not to, or the model's layout is unknown:
         then transformers' forward over its StaticCache runs, and an event says why, once)."""
@@ -357,7 +373,7 @@ class DecodeEngine:
                 self.on_event("compile", f"decode: fast path unavailable ({e}); using transformers' forward",
                               fallback="transformers", reason=str(e))
             return None
-        self.impl, self.detail = "fast", fast.describe()
+        self.impl, self.detail = "fast", fast.describe(decode=self.new_tokens > 0)
         return fast
 
     def _compile_decode(self, batch: int, prompt_len: int) -> None:

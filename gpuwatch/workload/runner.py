@@ -380,11 +380,12 @@ class Workload:
             torch.cuda.reset_peak_memory_stats(dev)
         ids = M.random_ids(self.fields["vocab_size"], batch, seq, dev, self._gen)
         if self.decoder is not None:  # capture (if any) happens here, outside the timed step
-            was, self.state = self.state, "compiling"  # the TUI shows it; the compile event records it
-            try:
-                self.decoder.prepare(batch, seq)
-            finally:
-                self.state = was
+            if self.decoder.needs_build(batch, seq):
+                was, self.state = self.state, "compiling"  # the TUI shows it; the compile event records it
+                try:
+                    self.decoder.prepare(batch, seq)
+                finally:
+                    self.state = was
         M.synchronize(dev)
         t0 = time.perf_counter()
         mode = self.cfg.mode
@@ -428,7 +429,8 @@ class Workload:
             return f"{self.expert_impl}/eager"
         if d.impl == "fast":
             experts = "dense-bmm" if d.detail.get("experts") == "dense bmm" else self.expert_impl
-            return f"{experts}+mla-absorbed{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
+            attention = "mla-absorbed" if d.new_tokens else "mla-sdpa"  # a prefill-only engine: expanded attention
+            return f"{experts}+{attention}{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
         return f"{self.expert_impl}/{d.mode}"
 
     def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
