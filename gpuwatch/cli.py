@@ -483,15 +483,45 @@ def cmd_compact(args) -> int:
     if not parts:
         _status(f"{folder}: already compact; nothing to do")
         return 0
+    try:
+        old = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GpuwatchError(f"{folder / 'meta.json'}: cannot be read ({e}); nothing was changed") from None
     rec = Recorder(Bus(), folder.parent, {}, name=folder.name,
                    resume={"at": datetime.now(timezone.utc).isoformat(), "by": "gpuwatch compact"})
     rec.start()
     rec.stop()
     if rec.error:
         raise GpuwatchError(f"{folder}: {rec.error}")
+    if isinstance(old, dict) and not old.get("complete"):
+        # compaction closes the files, it does not make a killed session whole: keep what meta.json said
+        _keep_incomplete(folder, old)
     _status(f"{folder}: compacted {len(parts)} file(s) into one Parquet file per table "
             f"({rec.rows} sample rows, {rec.bytes / 2**20:.1f} MiB)")
     return 0
+
+
+def _keep_incomplete(folder: Path, old: dict) -> None:
+    """After `gpuwatch compact` of a session that was not closed cleanly: meta.json keeps complete: false,
+    the reason and the rows lost, and its end is the last sample recorded (not the time of compaction)."""
+    import polars as pl
+
+    from gpuwatch.recording.writer import write_json_atomic
+
+    meta = json.loads((folder / "meta.json").read_text())
+    lost = dict(old.get("lost_rows") or {})
+    for t, n in (meta.get("lost_rows") or {}).items():
+        lost[t] = lost.get(t, 0) + n
+    why = old.get("incomplete_reason") or "the recorder was killed (no clean stop); the last second may be missing"
+    meta.update(complete=False, incomplete_reason=f"{why}; compacted later by gpuwatch compact",
+                lost_rows={t: n for t, n in lost.items() if n})
+    try:
+        last = pl.scan_parquet(folder / "samples.parquet").select(pl.col("ts").max()).collect().item()
+    except Exception:  # noqa: BLE001 - no samples table: keep the end compaction wrote
+        last = None
+    if last is not None:
+        meta["end"] = last.isoformat()
+    write_json_atomic(meta, folder / "meta.json")
 
 
 def cmd_score(args) -> int:

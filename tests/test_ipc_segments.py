@@ -248,7 +248,11 @@ def test_gpuwatch_compact_turns_a_killed_session_into_parquet_duckdb_can_read(tm
     assert sorted(n.name for n in r.dir.iterdir()) == [
         "events.parquet", "meta.json", "risk.parquet", "samples.parquet", "steps.parquet"]
     after = open_recording(r.dir)
-    assert after.complete and after.samples.equals(before.samples) and after.steps.equals(before.steps)
+    assert after.samples.equals(before.samples) and after.steps.equals(before.steps)
+    # compaction closes the files; it does not make a killed session whole, and meta.json still says so
+    meta = json.loads((r.dir / "meta.json").read_text())
+    assert not after.complete and "compacted later by gpuwatch compact" in meta["incomplete_reason"]
+    assert meta["end"] == after.samples["ts"].max().isoformat()
     assert pl.read_parquet(r.dir / "samples.parquet").height == 50  # a plain Parquet reader sees every row
     p = run(r.dir)
     assert p.returncode == 0 and "already compact" in p.stderr
@@ -260,3 +264,49 @@ def test_gpuwatch_compact_turns_a_killed_session_into_parquet_duckdb_can_read(tm
         assert p.returncode == 2 and "still being recorded" in p.stderr
     finally:
         live.stop()
+
+
+def test_compact_refuses_a_damaged_stream_and_changes_nothing(tmp_path, py, env):
+    """A stream damaged before its end (a torn write, bytes overwritten): compact and resume would have read
+    the batches before the damage and deleted the file with the rest; they refuse, one line, exit 1."""
+    import subprocess
+
+    bus, s, r = _session(tmp_path)
+    for i in range(4):
+        _flush(bus, s, r, i=i)
+    _kill(r)
+    path = r.dir / "samples-000001.arrows"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a torn write in the middle of a batch (a disk, not a kill)
+    before = {p.name: p.read_bytes() for p in r.dir.iterdir()}
+    p = subprocess.run([py, "-m", "gpuwatch", "compact", str(r.dir)], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "samples-000001.arrows" in p.stderr and "nothing deleted" in p.stderr
+    after = {p.name: p.read_bytes() for p in r.dir.iterdir() if p.name != "meta.json"}
+    assert {k: v for k, v in before.items() if k != "meta.json"} == after
+
+
+def test_a_fifo_named_like_a_stream_is_refused_not_waited_on(tmp_path, py, env):
+    import os
+    import subprocess
+
+    bus, s, r = _session(tmp_path)
+    _flush(bus, s, r)
+    _kill(r)
+    os.mkfifo(r.dir / "steps-000005.arrows")
+    p = subprocess.run([py, "-m", "gpuwatch", "compact", str(r.dir)], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and "not a regular file" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_stream_holding_another_tables_rows_is_refused(tmp_path):
+    bus, s, r = _session(tmp_path)
+    _flush(bus, s, r)
+    _kill(r)
+    import shutil
+
+    shutil.copy(r.dir / "events-000001.arrows", r.dir / "steps-000009.arrows")
+    rec = open_recording(r.dir)
+    assert any("steps-000009.arrows" in w and "wrong schema for steps" in w for w in rec.warnings), rec.warnings
+    assert rec.steps.height == 1  # only the real step row

@@ -126,11 +126,15 @@ def conform(df: pl.DataFrame, table: str) -> pl.DataFrame:
     return df.select(cols)
 
 
+# The column that says which table a file holds (a file named for one table but holding another is refused).
+KEY_COLUMN = {"samples": "tick", "steps": "step", "events": "kind", "risk": "risk"}
+
+
 def check_schema(schema: pl.Schema | dict, table: str) -> list[str]:
     """Problems with a file's schema against `table`: missing columns or incompatible types."""
     want = TABLES[table]
     problems = []
-    for name in ("ts",) + (("tick",) if table == "samples" else ()):
+    for name in ("ts", KEY_COLUMN[table]):
         if name not in schema:
             problems.append(f"missing column {name!r}")
     for name, dtype in schema.items():

@@ -273,17 +273,38 @@ def append_stream(stream: StreamFile, df: pl.DataFrame) -> int:
 
 
 def read_stream_file(path: Path) -> tuple[pl.DataFrame | None, int, str | None]:
-    """Every complete batch of a stream file: (frame or None, batches, why the rest was skipped)."""
-    data = path.read_bytes()
-    df, _head, _end, n, why = read_ipc_prefix(data)
+    """Every complete batch of a stream file: (frame or None, batches, why the rest was skipped). A regular
+    file only (RecordingError otherwise: a FIFO named like a stream must not block)."""
+    from gpuwatch.recording.reader import _read_regular
+
+    data = _read_regular(path) or b""
+    df, _head, end, n, why = read_ipc_prefix(data)
+    if why is None and end < len(data):  # a writer that is gone left a torn last write (a kill never does)
+        why = f"a torn tail of {len(data) - end} bytes"
     return df, n, why
 
 
 def read_part(path: Path) -> pl.DataFrame:
-    """A segment, chunk or stream file as written (for rolls, compaction and resume)."""
+    """A segment, chunk or stream file as written (for rolls, compaction and resume). A stream file is
+    read like the reader reads it (a regular file only, never blocking on a FIFO; the schema of the table
+    its name says), and one that is damaged before its end raises: rows are never dropped by a merge that
+    then deletes the file."""
     if path.suffix == ".arrows":
-        df = read_stream_file(path)[0]
-        return df if df is not None else pl.DataFrame()
+        from gpuwatch.errors import RecordingError
+        from gpuwatch.recording.reader import _check_frame, _stat_regular
+
+        _stat_regular(path)
+        try:
+            df, n, why = read_stream_file(path)
+        except ValueError as e:
+            raise RecordingError(f"{path}: not an Arrow IPC stream ({e})") from None
+        if why is not None:
+            raise RecordingError(f"{path}: {why} after {n} batches - not merged, nothing deleted "
+                                 "(the readable rows still replay)")
+        if df is None:
+            return pl.DataFrame()
+        m = STREAM_RE.match(path.name)
+        return _check_frame(path, df, m.group(1) if m else None)[1]
     return pl.read_parquet(path)
 
 
@@ -502,10 +523,15 @@ class Recorder:
                     (self.dir / n).unlink()
                     continue
                 try:
-                    df, batches, _why = read_stream_file(self.dir / n)
+                    df, batches, why = read_stream_file(self.dir / n)
                 except ValueError:  # not even its schema is readable: left as it is (the reader names it)
                     top = max(top, first)
                     continue
+                if why is not None:  # damaged before its end: refuse rather than drop what follows the damage
+                    from gpuwatch.errors import RecordingError
+
+                    raise RecordingError(f"{self.dir / n}: {why} after {batches} batches - not merged, nothing "
+                                         "deleted (the readable rows still replay)")
                 if not batches:
                     (self.dir / n).unlink()
                     continue
