@@ -310,3 +310,21 @@ def test_a_stream_holding_another_tables_rows_is_refused(tmp_path):
     rec = open_recording(r.dir)
     assert any("steps-000009.arrows" in w and "wrong schema for steps" in w for w in rec.warnings), rec.warnings
     assert rec.steps.height == 1  # only the real step row
+
+
+def test_following_a_killed_session_says_the_writer_is_gone(tmp_path):
+    bus, s, r = _session(tmp_path)
+    _flush(bus, s, r)
+    t = [0.0]
+    src = ReplaySource(r.dir, follow=True, clock=lambda: t[0])
+    t[0] = 10.0
+    src.poll()
+    assert not src.writer_gone  # the recorder still holds the lock
+    _kill(r)  # the lock goes with the process
+    t[0] = 20.0
+    src.poll()
+    assert src.writer_gone and not src.writer_done
+    _flush(bus, s, r, i=1)  # (a resumed writer) new rows: following again
+    t[0] = 30.0
+    src.poll()
+    assert not src.writer_gone

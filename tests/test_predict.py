@@ -243,3 +243,28 @@ def test_a_failing_scoring_round_is_skipped_not_fatal():
     ls.stop()
     assert calls["n"] > 5  # kept scoring after the failed round
     assert [e.kind for e in bus.events.latest(10)].count("risk_clear") == 1
+
+
+def test_a_round_with_nothing_new_publishes_no_second_risk_row():
+    """A headless recorder gets its ticks a second at a time while the scorer runs at 2 Hz: a round that
+    sees the same window and plan must not record the same risk twice."""
+    from gpuwatch.predict.model import load_model
+    from gpuwatch.predict.scorer import LiveScorer
+
+    bus = Bus()
+    rec = ReplaySource(CAPPED)
+    src = LiveSource(bus, rec.gpus, interval_s=0.1)
+    g = rec.gpus[0].index
+
+    def tick(i):
+        row = rec._by_gpu[g].row(100 + i, named=True)
+        row["ts"] = int(row["ts"].timestamp() * 1e6)
+        bus.ticks.append(Tick(i, row["ts"], [row]))
+    tick(0)
+    ls = LiveScorer(src, load_model(), bus, lambda _g: None)
+    ls.score_once()
+    ls.score_once()
+    assert len(bus.risk.latest(10)) == 1
+    tick(1)
+    ls.score_once()
+    assert len(bus.risk.latest(10)) == 2

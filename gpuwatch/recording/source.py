@@ -202,6 +202,8 @@ class ReplaySource:
             raise RecordingError(self.reader.warnings[0] if self.reader.warnings else f"{self.reader.path}: no samples")
         self.playing = follow
         self.writer_done = follow and bool(self.reader.meta.get("complete"))  # followed after it ended
+        self.writer_gone = False  # follow: no process holds the session's lock (killed) and nothing new comes
+        self._last_lock_check = 0.0
         self.speed = speed
         self.loop = False
         self.at_edge = follow
@@ -268,6 +270,7 @@ class ReplaySource:
 
     risk_note: str | None = None  # where the risk rows came from when not recorded with the session
     writer_done = False  # follow: the recording process closed the session (session_end seen)
+    writer_gone = False  # follow: the recording process is gone without closing it
 
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
         """Risk rows computed after the fact (an older session scored on the fly)."""
@@ -378,9 +381,17 @@ class ReplaySource:
             edge = self.at_edge
             if self._load(self.reader.load_new()):
                 self._changed = True
+                self.writer_gone = False
                 self.writer_done = bool(self.events_df.height) and "session_end" in self.events_df["kind"].to_list()[-8:]
                 if edge:
                     self._t = self.end_us
+            elif not self.writer_done and now - self._last_lock_check >= 5.0 and self.reader.path.is_dir():
+                from gpuwatch.recording.writer import session_locked
+
+                self._last_lock_check = now
+                gone = not session_locked(self.reader.path)
+                self._changed |= gone != self.writer_gone
+                self.writer_gone = gone
         if self.playing:
             if self.follow and self.at_edge:
                 self._t = self.end_us

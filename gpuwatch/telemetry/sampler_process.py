@@ -130,11 +130,19 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
     try:
         gpu, note = factory()
     except Exception as e:  # e.g. a replay source that cannot be opened
-        conn.send(("hello", {"error": str(e)}))
+        try:
+            conn.send(("hello", {"error": str(e)}))
+        except (BrokenPipeError, EOFError, OSError):
+            pass
         return
-    conn.send(("hello", {"note": note, "kind": getattr(gpu, "kind", None), "label": getattr(gpu, "label", None),
-                         "driver_version": getattr(gpu, "driver_version", None),
-                         "gpus": [asdict(g) for g in gpu.gpus] if gpu else []}))
+    try:
+        conn.send(("hello", {"note": note, "kind": getattr(gpu, "kind", None), "label": getattr(gpu, "label", None),
+                             "driver_version": getattr(gpu, "driver_version", None),
+                             "gpus": [asdict(g) for g in gpu.gpus] if gpu else []}))
+    except (BrokenPipeError, EOFError, OSError):  # the parent died while this child started: nothing to say
+        if gpu is not None:
+            gpu.close()
+        return
     bus = _PipeBus(conn, stop, max(1, round(deliver_s / interval)))
     s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
     if prof is not None:

@@ -164,6 +164,8 @@ class GpuwatchApp(App):
             if src.follow:
                 if src.writer_done:
                     extra += "  writer finished"
+                elif src.writer_gone:
+                    extra += "  writer gone (not closed)"
                 else:
                     extra += "  at live edge" if src.at_edge else "  f: to live edge"
         elif self.session is not None and self.session.recorder is not None:
