@@ -95,15 +95,17 @@ class Session:
     # -- assembly ---------------------------------------------------------------------------------------
     def _assemble(self, cfg: SessionConfig) -> None:
         model = self._load_model(cfg)  # before the sampler starts: loading scikit-learn takes a second
+        first_tick = cfg.resume.next_tick if cfg.resume is not None else 0  # ticks stay unique per session
         self.host = HostSampler()
         if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s)
+            self.sampler = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
+                                          first_tick=first_tick)
             self.gpu, self.gpu_note = self.sampler.launch()
         else:
             self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
-            self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s)
+            self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s, first_tick=first_tick)
         if self.gpu is None:
             self.bus.emit("no_gpu", self.gpu_note, "warning")
         if cfg.workload is not None:
@@ -375,6 +377,7 @@ class ResumePoint:
     previous_close: str  # "closed cleanly", or why not (a kill, a reboot: "interrupted")
     workloads: list[dict[str, Any]]  # per recorded workload: gpu, state (Workload.restore_state), history
     unrecovered: list[str] = field(default_factory=list)  # workload_error messages of earlier parts
+    next_tick: int = 0  # one past the last tick recorded: the resumed sampler numbers on from there
 
 
 def _read_table(folder: Path, table: str):
@@ -405,6 +408,26 @@ def _last_sample_us(folder: Path) -> int | None:
         if us is not None:
             best = us if best is None else max(best, us)
     return best
+
+
+def _next_tick(folder: Path) -> int:
+    """One past the highest tick in the session's samples (0 if none can be read)."""
+    import polars as pl
+
+    from gpuwatch.recording.reader import read_table_file, table_files
+
+    best = -1
+    for p in table_files(folder, "samples"):
+        try:
+            if p.suffix == ".parquet":
+                top = pl.scan_parquet(p).select(pl.col("tick").max()).collect().item()
+            else:
+                top = read_table_file(p, "samples")[1]["tick"].max()
+        except Exception:  # noqa: BLE001 - a damaged file: the others still say how far ticks went
+            continue
+        if top is not None:
+            best = max(best, int(top))
+    return best + 1
 
 
 def _iso_us(text: Any) -> int | None:
@@ -523,4 +546,4 @@ def load_resume(path: Path | str) -> ResumePoint:
                 unrecovered.append(r["message"])
         out.append({"gpu": gpu, "state": state, "history": history})
     previous = "closed cleanly" if meta.get("complete") else "interrupted"
-    return ResumePoint(folder, meta, argv[1:], elapsed, previous, out, unrecovered)
+    return ResumePoint(folder, meta, argv[1:], elapsed, previous, out, unrecovered, _next_tick(folder))

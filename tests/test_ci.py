@@ -147,6 +147,9 @@ def test_resume_continues_the_interrupted_session(runs):
     first = runs["part1_steps"]
     assert first and steps[: len(first)] == first
     assert steps == list(range(len(steps))) and len(steps) > len(first)  # increasing, no gap, no duplicate
+    # the resumed sampler numbers its ticks on from the last one: (tick, gpu) stays unique in the session
+    assert rec.samples.select("tick", "gpu").is_unique().all()
+    assert rec.samples.sort("ts")["tick"].is_sorted()
     kinds = rec.events["kind"].to_list()
     assert kinds.count("session_resumed") == 1 and kinds.count("session_start") == 2
     assert rec.meta["complete"] is True and len(rec.meta["resumed"]) == 1

@@ -38,14 +38,15 @@ class Sampler:
     def __init__(self, bus: Bus, gpu: GpuBackend | None, host, interval: float = 0.1,
                  slow_interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
-                 wait: Callable[[float], bool] | None = None) -> None:
+                 wait: Callable[[float], bool] | None = None, first_tick: int = 0) -> None:
+        """`first_tick`: the number of the first tick (a resumed session goes on from its last one)."""
         self.bus, self.gpu, self.host = bus, gpu, host
         self.interval, self.slow_interval = interval, slow_interval
         self.clock, self.wall_us = clock, wall_us
         self._stop = threading.Event()
         self._wait = wait or self._sleep
         self._slow: dict[Any, dict[str, Any]] = {}
-        self._tick = 0
+        self._tick = first_tick
         self._last_t: float | None = None
         self.late_ticks = 0  # ticks that started more than one interval late (skipped deadlines)
         self._threads: list[threading.Thread] = []

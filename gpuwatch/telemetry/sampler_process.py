@@ -117,7 +117,7 @@ def _pin_from_env() -> None:
 
 
 def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
-           pid: int, deliver_s: float = 0.0) -> None:
+           pid: int, deliver_s: float = 0.0, first_tick: int = 0) -> None:
     _detach_from_terminal_signals()
     set_native_name("gw-sampler-proc")
     _pin_from_env()
@@ -144,7 +144,7 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
             gpu.close()
         return
     bus = _PipeBus(conn, stop, max(1, round(deliver_s / interval)))
-    s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval)
+    s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval, first_tick=first_tick)
     if prof is not None:
         prof.instrument(s, bus.ticks)
     # Everything built so far lives as long as the process: out of the cyclic collector's sight, so its
@@ -188,7 +188,7 @@ class SamplerProcess:
     """Same start/stop/late_ticks surface as Sampler; the GPU backend lives in the child."""
 
     def __init__(self, bus: Bus, factory: Callable[[], tuple[Any, str]], interval: float = 0.1,
-                 slow_interval: float = 1.0, deliver_s: float = 0.0) -> None:
+                 slow_interval: float = 1.0, deliver_s: float = 0.0, first_tick: int = 0) -> None:
         """`factory`: a picklable callable that builds the GPU backend in the child and returns
         (backend or None, a one-line note); `gpuwatch.recording.backends.BackendFactory`."""
         self.bus, self.interval = bus, interval
@@ -198,7 +198,8 @@ class SamplerProcess:
         stop_r, self._stop_w = ctx.Pipe(duplex=False)  # the parent's stop: a message, or EOF if it dies
         self._stopping = threading.Event()
         self._proc = ctx.Process(target=_child, name="gpuwatch-sampler",
-                                 args=(child_conn, stop_r, factory, interval, slow_interval, os.getpid(), deliver_s),
+                                 args=(child_conn, stop_r, factory, interval, slow_interval, os.getpid(), deliver_s,
+                                       first_tick),
                                  daemon=True)
         self._child_ends = (child_conn, stop_r)
         self.late_ticks = 0
