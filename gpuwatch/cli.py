@@ -226,8 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--horizon", type=_dur, default=None, metavar="DUR",
                    help="predict failures this far ahead (default 5s)")
     cp = sub.add_parser("compact", help="turn a session that was killed (its stream files) into one Parquet "
-                        "file per table, as a clean stop does")
-    cp.add_argument("session", type=_nonempty_path)
+                        "file per table, as a clean stop does",
+                        description="Merge a killed session's Arrow stream files and Parquet chunks into one "
+                        "Parquet file per table (what a clean stop writes; DuckDB and pl.scan_parquet read it). "
+                        "Refuses a session still being recorded and a damaged file (nothing is deleted).")
+    cp.add_argument("session", type=_nonempty_path, help="the session folder, e.g. recordings/<session>")
     sc = sub.add_parser("score", help="the risk timeline of a recorded session")
     sc.add_argument("session", type=_nonempty_path)
     sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
@@ -472,6 +475,8 @@ def cmd_compact(args) -> int:
     from gpuwatch.telemetry.bus import Bus
 
     folder = args.session
+    if not folder.exists():
+        raise UsageError(f"{folder}: no such folder")
     if not folder.is_dir() or not (folder / "meta.json").is_file():
         raise UsageError(f"{folder}: not a session folder (no meta.json)")
     if session_locked(folder):

@@ -257,6 +257,8 @@ def test_gpuwatch_compact_turns_a_killed_session_into_parquet_duckdb_can_read(tm
     p = run(r.dir)
     assert p.returncode == 0 and "already compact" in p.stderr
     p = run(tmp_path / "nope")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no such folder" in p.stderr
+    p = run(tmp_path)  # a folder, but no session
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not a session folder" in p.stderr
     _, _, live = _session(tmp_path, name="live")
     try:
