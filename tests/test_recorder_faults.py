@@ -9,7 +9,6 @@ import errno
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path

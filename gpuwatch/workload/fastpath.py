@@ -205,9 +205,6 @@ class FastDeepseek:
             return self._linear_add(out.view_as(h2), inner, sh.down_proj)
         return out.view_as(h2) + sh(h2)
 
-    def _mlp(self, i: int, layer, h2, decode: bool):
-        return layer.mlp(h2)
-
     # -- prefill: expanded attention with SDPA, latents written to the cache -----------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
@@ -228,7 +225,7 @@ class FastDeepseek:
             q = torch.cat((q_nope, q_rot), dim=-1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
             x = x + at.o_proj(o.transpose(1, 2).reshape(b, s, self.H * self.dv))
-            x = x + self._mlp(i, layer, layer.post_attention_layernorm(x), decode=False)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))  # prefill: the model's own MLP / experts
         self.pos.fill_(s)
         return self.lm_head(self.norm(x[:, -1:]))
 
