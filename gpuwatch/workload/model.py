@@ -155,15 +155,16 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
-# -- fast decode: a static KV cache and CUDA graphs ------------------------------------------------------
+# -- fast decode: gpuwatch's own step over the model's modules, captured as CUDA graphs ---------------------
 #
-# Eager decode (step_decode) launches every kernel of every layer from Python for each token: on the H200
-# v2-lite at batch 32 ran at 50 % GPU utilization with the process at 100 % of a core (launch-bound).
-# DecodeEngine pre-allocates a StaticCache sized for prompt + new tokens (transformers keeps the cache's
-# length in a device tensor, so positions, the causal mask and the cache writes need no host value) and
-# captures the one-token step - forward, greedy argmax, write of the next input - as one CUDA graph, so a
-# token costs one graph launch. Small prefills (<= `prefill_graph_tokens` tokens, the launch-bound
-# regime) are captured as a graph too. Anything that cannot be captured falls back to eager, and says so.
+# Eager decode (step_decode) launches every kernel of every layer from Python for each token, and
+# transformers' MLA re-expands the whole latent cache every token: on the H200 v2-lite at batch 32 ran at
+# 50-64 % GPU utilization with the process at 100 % of a core. DecodeEngine builds fastpath.FastDeepseek
+# (a latent KV cache sized for prompt + new tokens, absorbed attention, dense experts; the position is a
+# device tensor, so nothing needs a host value) and captures the one-token step - forward, greedy argmax,
+# write of the next input - as one CUDA graph, so a token costs one graph launch. Small prefills
+# (<= `prefill_graph_tokens` tokens, the launch-bound regime) are captured too. What cannot be built falls
+# back - the fast step without graphs, transformers' forward over a StaticCache, then eager - and says so.
 
 
 def _static_cache(model, max_len: int):
@@ -182,10 +183,13 @@ class DecodeEngine:
     `step(ids)` returns (None, max |logit| of the last token's logits), like step_decode/step_prefill.
     `prepare(batch, prompt_len)` (called by step) (re)builds the cache and (re)captures the graphs when the
     batch, prompt length, weights' dtype or storage changed; its seconds are in `compile_s` (0.0 when
-    nothing had to be done), so a caller can keep them out of a step's time. `mode` says what runs:
-    "graphs" (CUDA graphs over a static cache), "static" (the static cache, eager launches: `graphs=False`
-    or a capture failure... see below) or "eager" (step_decode/step_prefill, today's path: a CPU, or a
-    failed capture). Phases and fall-backs go to `on_event("compile", message, **detail)`.
+    nothing had to be done), so a caller can keep them out of a step's time. `mode` says how it runs:
+    "graphs" (CUDA graphs), "static" (the same step launched op by op: `graphs=False`, or a capture that
+    failed) or "eager" (step_decode/step_prefill: a CPU by default, or nothing else could be built); `impl`
+    says what: "fast" (fastpath.FastDeepseek) or "transformers" (its forward over a StaticCache: `fast=False`
+    or a model layout the fast path does not know). `moe`: the fast step's experts ("auto", "dense",
+    "module"); `compile`: torch.compile the step (off by default: measured slower). Phases and fall-backs
+    go to `on_event("compile", message, **detail)`.
     """
 
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
