@@ -509,8 +509,7 @@ def cmd_compact(args) -> int:
 def _keep_incomplete(folder: Path, old: dict) -> None:
     """After `gpuwatch compact` of a session that was not closed cleanly: meta.json keeps complete: false,
     the reason and the rows lost, and its end is the last sample recorded (not the time of compaction)."""
-    import polars as pl
-
+    from gpuwatch.recording.reader import table_max
     from gpuwatch.recording.writer import write_json_atomic
 
     meta = json.loads((folder / "meta.json").read_text())
@@ -520,11 +519,8 @@ def _keep_incomplete(folder: Path, old: dict) -> None:
     why = old.get("incomplete_reason") or "the recorder was killed (no clean stop); the last second may be missing"
     meta.update(complete=False, incomplete_reason=f"{why}; compacted later by gpuwatch compact",
                 lost_rows={t: n for t, n in lost.items() if n})
-    try:
-        last = pl.scan_parquet(folder / "samples.parquet").select(pl.col("ts").max()).collect().item()
-    except Exception:  # noqa: BLE001 - no samples table: keep the end compaction wrote
-        last = None
-    if last is not None:
+    last = table_max(folder, "samples", "ts")
+    if last is not None:  # none (no samples table): keep the end compaction wrote
         meta["end"] = last.isoformat()
     write_json_atomic(meta, folder / "meta.json")
 

@@ -397,37 +397,18 @@ def _read_table(folder: Path, table: str):
 
 
 def _last_sample_us(folder: Path) -> int | None:
-    from gpuwatch.recording.reader import max_ts_us, table_files
+    from gpuwatch.recording.reader import table_max
 
-    best = None
-    for p in table_files(folder, "samples"):
-        try:
-            us = max_ts_us(p)
-        except Exception:  # noqa: BLE001 - a damaged file: the others still say when data stopped
-            continue
-        if us is not None:
-            best = us if best is None else max(best, us)
-    return best
+    ts = table_max(folder, "samples", "ts")
+    return None if ts is None else int(ts.timestamp() * 1e6)
 
 
 def _next_tick(folder: Path) -> int:
     """One past the highest tick in the session's samples (0 if none can be read)."""
-    import polars as pl
+    from gpuwatch.recording.reader import table_max
 
-    from gpuwatch.recording.reader import read_table_file, table_files
-
-    best = -1
-    for p in table_files(folder, "samples"):
-        try:
-            if p.suffix == ".parquet":
-                top = pl.scan_parquet(p).select(pl.col("tick").max()).collect().item()
-            else:
-                top = read_table_file(p, "samples")[1]["tick"].max()
-        except Exception:  # noqa: BLE001 - a damaged file: the others still say how far ticks went
-            continue
-        if top is not None:
-            best = max(best, int(top))
-    return best + 1
+    top = table_max(folder, "samples", "tick")
+    return 0 if top is None else int(top) + 1
 
 
 def _iso_us(text: Any) -> int | None:

@@ -13,6 +13,18 @@ SWEEP = RECORDINGS / "sample-h200-sweep-prefill"
 BENCH = RECORDINGS / "sample-h200-benchmark-run"
 
 
+def wait_for_stream(out: Path, timeout: float) -> bool:
+    """Wait until a `gpuwatch record -o out` child has written its first samples stream file."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(out.glob("*/samples-*.arrows")):
+            return True
+        time.sleep(0.1)
+    return bool(list(out.glob("*/samples-*.arrows")))
+
+
 def _has_cuda() -> bool:
     try:
         import torch

@@ -21,7 +21,7 @@ from gpuwatch.recording.writer import Recorder
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.sampler import Sampler
 
-from conftest import RAMP, ROOT
+from conftest import RAMP, ROOT, wait_for_stream
 
 
 def _session(tmp_path, name="s", **kw):
@@ -192,10 +192,7 @@ def test_kill_9_mid_recording_reads_then_resumes_to_parquet(tmp_path, env, py):
     p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(out), "--no-model"],
                          env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not list(out.glob("*/samples-*.arrows")):
-            time.sleep(0.1)
-        assert list(out.glob("*/samples-*.arrows")), "no stream file"
+        assert wait_for_stream(out, 60), "no stream file"
         time.sleep(random.uniform(1.0, 2.5))
         killed_at = time.time()
         p.send_signal(signal.SIGKILL)

@@ -22,7 +22,7 @@ from gpuwatch.recording.writer import Recorder
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.sampler import Sampler
 
-from conftest import RAMP, ROOT
+from conftest import RAMP, ROOT, wait_for_stream
 
 
 def _recorder(tmp_path, flushes=5, ticks_per_flush=10, roll_every=300, compact=True):
@@ -234,10 +234,7 @@ def test_kill_9_loses_at_most_about_one_second(tmp_path, env, py):
     p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(out)],
                          env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not list(out.glob("*/samples-*.arrows")):
-            time.sleep(0.1)
-        assert list(out.glob("*/samples-*.arrows")), p.stderr.read1().decode() if p.poll() is not None else "no stream"
+        assert wait_for_stream(out, 60), p.stderr.read1().decode() if p.poll() is not None else "no stream"
         time.sleep(random.uniform(0.3, 2.0))
         children = psutil.Process(p.pid).children(recursive=True)
         assert children, "the sampler runs in a child process"

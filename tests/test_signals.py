@@ -12,7 +12,7 @@ import pytest
 
 from gpuwatch.recording.reader import open_recording
 
-from conftest import RAMP, ROOT
+from conftest import RAMP, ROOT, wait_for_stream
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
@@ -20,9 +20,7 @@ def test_record_stops_cleanly_on_a_signal(py, env, tmp_path, sig, code):
     p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(tmp_path), "--no-model"],
                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.arrows")):
-        time.sleep(0.1)
+    wait_for_stream(tmp_path, 30)
     time.sleep(1.0)
     # Ctrl-C in a terminal signals the whole foreground process group, the sampler child included
     import os

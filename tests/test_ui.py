@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ from gpuwatch.ui.app import make_app
 from gpuwatch.units import parse_goto
 from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
 
-from conftest import RAMP, ROOT
+from conftest import RAMP, ROOT, wait_for_stream
 from uihelpers import live_source
 
 
@@ -188,9 +187,7 @@ async def test_follow_a_session_another_process_is_writing(tmp_path, env, py):
     p = subprocess.Popen([py, "-m", "gpuwatch", "record", "--source", str(RAMP), "-o", str(tmp_path)],
                          env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not list(tmp_path.glob("*/samples-*.arrows")):
-            time.sleep(0.1)
+        wait_for_stream(tmp_path, 30)
         session = next(tmp_path.iterdir())
         src = ReplaySource(session, follow=True)
         app = make_app(src)

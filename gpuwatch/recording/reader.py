@@ -532,14 +532,26 @@ def table_files(folder: Path | str, table: str) -> list[Path]:
     return [folder / n for n in select_files(data_names(folder))[0][table]]
 
 
-def max_ts_us(path: Path) -> int | None:
-    """The newest `ts` in one data file, in UTC microseconds (None if empty); a Parquet file's from its
-    column alone. Raises like the file's reader (RecordingError, polars' errors)."""
+def column_max(path: Path, column: str) -> Any:
+    """The largest value of `column` in one data file (None if empty); a Parquet file's from that column
+    alone. Raises like the file's reader (RecordingError, polars' errors)."""
     if path.suffix == ".parquet":
-        ts = pl.scan_parquet(path).select(pl.col("ts").max()).collect().item()
-    else:
-        ts = read_table_file(path)[1]["ts"].max()
-    return None if ts is None else int(ts.timestamp() * 1e6)
+        return pl.scan_parquet(path).select(pl.col(column).max()).collect().item()
+    return read_table_file(path)[1][column].max()
+
+
+def table_max(folder: Path | str, table: str, column: str) -> Any:
+    """The largest value of `column` over the files of `table` in a session folder (None if none has
+    one); a damaged file is skipped (the others still say how far the data went)."""
+    best = None
+    for p in table_files(folder, table):
+        try:
+            v = column_max(p, column)
+        except Exception:  # noqa: BLE001 - a damaged file: the others still count
+            continue
+        if v is not None:
+            best = v if best is None else max(best, v)
+    return best
 
 
 def open_recording(path: Path | str) -> Recording:

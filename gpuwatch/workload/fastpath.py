@@ -274,9 +274,7 @@ class FastDeepseek:
 
     def describe(self, decode: bool = True) -> dict[str, Any]:
         """What runs: the decode step's path, or (prefill only) the expanded attention and the model's experts."""
-        if not decode:
-            return {"attention": "expanded MLA (SDPA)", "experts": "model's experts module",
-                    "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}
-        return {"attention": "absorbed MLA (latent cache)",
-                "experts": "dense bmm" if self.moe == "dense" else "model's experts module",
+        dense = decode and self.moe == "dense"
+        return {"attention": "absorbed MLA (latent cache)" if decode else "expanded MLA (SDPA)",
+                "experts": "dense bmm" if dense else "model's experts module",
                 "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}

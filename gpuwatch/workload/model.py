@@ -224,9 +224,10 @@ class DecodeEngine:
         self.batch, self.prompt_len = batch, prompt_len
 
     # -- what to (re)build -------------------------------------------------------------------------------
-    def _weights_key(self) -> tuple:
+    def _build_key(self, batch: int, prompt_len: int) -> tuple:
+        """What a build depends on: the shape, and the weights' dtype and storage (a precision change)."""
         p = self.model.get_input_embeddings().weight
-        return (p.dtype, p.data_ptr())
+        return (batch, prompt_len, self.new_tokens, p.dtype, p.data_ptr())
 
     def prepare(self, batch: int, prompt_len: int) -> float:
         self.compile_s = 0.0
@@ -235,7 +236,7 @@ class DecodeEngine:
             self._say_eager("CPU: no CUDA graphs, decode runs eager (dynamic cache)" if self.device.type != "cuda"
                             else "decode runs eager")
             return 0.0
-        key = (batch, prompt_len, self.new_tokens, *self._weights_key())
+        key = self._build_key(batch, prompt_len)
         if key == self._key:
             return 0.0
         if self._key is not None and self._steps_since_capture < 2:
@@ -357,7 +358,7 @@ class DecodeEngine:
         """Whether prepare() would (re)build - the runner shows the workload as compiling only then."""
         if self._forced_eager:
             return False
-        return (batch, prompt_len, self.new_tokens, *self._weights_key()) != self._key
+        return self._build_key(batch, prompt_len) != self._key
 
     def _fast(self, batch: int, max_len: int):
         """fastpath.FastDeepseek for this shape, or None (asked not to, or the model's layout is unknown:
