@@ -343,3 +343,28 @@ def test_field_values_call_gone_mid_run_falls_back_to_single_calls(driver):
     row = b.read_fast(0)
     assert b._batch[0] is None and row["gpu_power_w"] == 350.0  # nvmlDeviceGetPowerUsage from now on
     assert (b._direct[0] is not None) == (driver.path == "direct")
+
+
+@pytest.mark.parametrize("every", [None, "2"])
+def test_pcie_counters_read_every_n_slow_ticks(driver, monkeypatch, every):
+    tx, rx = nvml.PCIE_COUNTERS
+    if tx is None:
+        pytest.skip("this pynvml has no PCIe counter fields")
+    if every is None:
+        monkeypatch.delenv(nvml.PCIE_EVERY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(nvml.PCIE_EVERY_ENV, every)
+    driver.fields = {tx: 1000, rx: 2000}
+    b = nvml.NvmlBackend()
+    assert b.counters == [True, True] and not b.slow_blocks
+    reads = []
+    for k in range(5):
+        driver.fields = {tx: 1000 + 100 * k, rx: 2000 + 200 * k}
+        before = driver.calls["fields"]
+        slow = b.read_slow(0)
+        reads.append(driver.calls["fields"] > before)
+        if k and reads[-1]:
+            assert slow["gpu_pcie_tx_bytes_per_s"] > 0 and slow["gpu_pcie_rx_bytes_per_s"] > 0
+        if not reads[-1]:  # absent: the sampler carries the last rate
+            assert "gpu_pcie_tx_bytes_per_s" not in slow
+    assert reads == ([True] * 5 if every is None else [True, False, True, False, True])

@@ -121,6 +121,18 @@ ENERGY: dict[str, Callable[[Any], Any]] = {
 }
 LEGACY_SLOW = {**LEGACY_PCIE, **ENERGY}
 ENERGY_EVERY = 30  # slow ticks: ~4 ms of CPU per read, so every 30 s
+# GPUWATCH_PCIE_EVERY=N: read the PCIe byte counters every N slow ticks (default 1: every second). On an
+# H200 that field-values read costs ~1 ms of CPU in the driver, ~0.1 % of a core at 1 Hz; with N = 2 the
+# rate is the average over the last 2 s (each value carried on 20 rows instead of 10). An experiment
+# for `bench_sampler.py cost`; the legacy (blocking) PCIe calls are not affected.
+PCIE_EVERY_ENV = "GPUWATCH_PCIE_EVERY"
+
+
+def _pcie_every() -> int:
+    v = os.environ.get(PCIE_EVERY_ENV, "").strip()
+    return int(v) if v.isdigit() and int(v) > 0 else 1
+
+
 XID_WAIT_MS = 1000  # the XID thread wakes this often to see a stop (a wake-up a second; an XID comes at once)
 PCIE_COUNTERS = (getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
                  getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None))
@@ -373,6 +385,7 @@ class NvmlBackend:
         # the slow read blocks (~21 ms a GPU) only where PCIe must be read by the legacy calls
         self.slow_blocks = not all(self.counters)
         self._slow_n = [0] * count
+        self.pcie_every = _pcie_every()
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
         self._mem_fn = [_mem_v2 if _MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
                         for h in self._handles]
@@ -532,6 +545,8 @@ class NvmlBackend:
         out = self._read(i, ENERGY) if n % ENERGY_EVERY == 0 else {}
         if not self.counters[i]:
             return {**out, **self._read(i, LEGACY_PCIE)}
+        if n % self.pcie_every:  # not this slow tick: rows keep the last rate (over pcie_every seconds)
+            return out
         c, now = self._read(i, {"c": read_pcie_counters}).get("c"), time.monotonic()
         last, self._last_counters[i] = self._last_counters[i], (now, c) if c else None
         if c and last is not None and now > last[0]:
