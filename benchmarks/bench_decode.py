@@ -164,8 +164,9 @@ def engine_phases(eng, ids, dev) -> tuple[float, float]:
 # hf = DecodeEngine over transformers' forward and StaticCache with CUDA graphs (call 5's "graphs" arm);
 # fast = DecodeEngine with fastpath.FastDeepseek (absorbed MLA, experts chosen by `auto`), graphs;
 # fast-dense / fast-module = the same with the experts implementation forced; fast-nocompile = fast without
-# torch.compile of the one-token step (call 11's fast arm).
-ARMS = ("eager", "hf", "fast", "fast-nocompile", "fast-dense", "fast-module")
+# torch.compile of the one-token step (call 11's fast arm); fast-unfused = fast with torch ops only (no
+# Triton kernels: calls 13-14's fast arm).
+ARMS = ("eager", "hf", "fast", "fast-nocompile", "fast-dense", "fast-module", "fast-unfused")
 
 
 def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, events, graphs, min_steps=3,
@@ -179,11 +180,12 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
     else:
         moe = {"fast-dense": "dense", "fast-module": "module"}.get(arm, "auto")
         eng = M.DecodeEngine(model, batch, prompt, new, dev, lambda k, m, **d: events.append(m), graphs=graphs,
-                             fast=arm != "hf", moe=moe, compile=False if arm in ("hf", "fast-nocompile") else None)
+                             fast=arm != "hf", moe=moe, compile=False if arm in ("hf", "fast-nocompile") else None,
+                             fused=False if arm == "fast-unfused" else None)
         eng.prepare(batch, prompt)
         res["mode"], res["compile_s"], res["impl"] = eng.mode, round(eng.compile_s, 2), eng.impl
         res["detail"] = {k: v for k, v in eng.detail.items() if k in ("attention", "experts", "compiled",
-                                                                      "torch_compile_s")}
+                                                                      "torch_compile_s", "kernels")}
         step = lambda: eng.step(ids)  # noqa: E731
     step()  # warm-up (and, for eager, the allocator's first touch)
     sync(dev)
@@ -214,12 +216,14 @@ def run_arm(arm: str, model, fields, batch, prompt, new, dev, seconds, meter, ev
     return res
 
 
-def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, compile=False, top=18, new=8) -> dict:
+def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, compile=False, top=18, new=8,
+                   fused=None) -> dict:
     """Where one decode token's GPU time goes: the one-token body run eagerly (same kernels as the graph)
     under torch.profiler, CUDA time summed by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = M.DecodeEngine(model, batch, prompt, new, dev, graphs=False, fast=fast, moe=moe, compile=compile)
+    eng = M.DecodeEngine(model, batch, prompt, new, dev, graphs=False, fast=fast, moe=moe, compile=compile,
+                         fused=fused)
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = M.random_ids(fields["vocab_size"], batch, prompt, dev, gen)
     eng.step(ids)
@@ -244,6 +248,7 @@ def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, com
     kernels = [r for r in rows if not r[0].startswith(("cuda", "Memcpy", "Memset"))] if cuda else rows
     total = sum(r[1] for r in kernels)
     return {"impl": eng.impl, "moe": (eng._st.get("fast").moe if eng._st.get("fast") is not None else None),
+            "kernels": eng.detail.get("kernels"),
             "gpu_us_per_token": round(total, 1), "kernels_per_token": sum(r[2] for r in kernels),
             "top": [{"kernel": k, "us": round(t, 1), "share": round(t / total, 3), "calls": c} for k, t, c in kernels[:top]]}
 
@@ -338,7 +343,7 @@ def main() -> None:
         b, p = map(int, bp.split("x"))
         prof = {}
         kinds = {"transformers": {"fast": False}, "fast-dense": {"moe": "dense"}, "fast-module": {"moe": "module"},
-                 "fast-compiled": {"moe": "dense", "compile": True}}
+                 "fast-compiled": {"moe": "dense", "compile": True}, "fast-unfused": {"moe": "dense", "fused": False}}
         for name in a.profile_arms.split(","):
             kw = kinds[name]
             try:

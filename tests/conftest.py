@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU, the fast decode step's Triton kernels (gpuwatch/workload/kernels.py) run in Triton's
+# interpreter on CPU tensors, so the CPU tests exercise them (their decoration reads this at import: it
+# must be set before gpuwatch.workload.kernels is first imported). Never on a machine with a GPU: there
+# they compile for real.
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDINGS = ROOT / "recordings"
 RAMP = RECORDINGS / "sample-h200-ramp-train"  # real: v2-lite train ramp to OOM on an H200

@@ -128,7 +128,10 @@ def test_when_the_ungraphed_step_fails_too_decode_runs_eager(tiny, monkeypatch):
     assert eng.mode == "eager"
     said = [(m, d) for _, m, d in events if d.get("fallback") == "eager"]
     # one line that names every plan tried and why each failed
-    assert len(said) == 1 and "no such kernel" in said[0][0] and said[0][0].count("in CUDA graphs:") == 2
+    from gpuwatch.workload import kernels
+
+    plans_in_graphs = 3 if kernels.usable(torch.device("cpu")) is None else 2  # + the fused kernels' plan
+    assert len(said) == 1 and "no such kernel" in said[0][0] and said[0][0].count("in CUDA graphs:") == plans_in_graphs
     assert "gpuwatch's step without graphs: RuntimeError: no such kernel" in said[0][0]
 
 
@@ -263,22 +266,51 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("moe", ["dense", "module"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fast_path_computes_what_transformers_computes(variant, moe):
+def test_fast_path_computes_what_transformers_computes(variant, moe, fused):
+    """fused: the Triton kernels (in Triton's interpreter on a CPU, tests/conftest.py), or torch ops only."""
+    from gpuwatch.workload import kernels
     from gpuwatch.workload.fastpath import FastDeepseek
 
+    if fused and kernels.usable(torch.device("cpu")):
+        pytest.skip(kernels.usable(torch.device("cpu")))
     model = _variant(**VARIANTS[variant])
     ids = _ids(3, 21, seed=7)
     ref_tokens, ref_logits = _reference(model, ids, 6)
     events = []
     eng = M.DecodeEngine(model, 3, 21, 6, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
-                         record_tokens=True, moe=moe)
+                         record_tokens=True, moe=moe, fused=fused)
     eng.step(ids)
     assert eng.impl == "fast" and isinstance(eng._st["fast"], FastDeepseek) and eng._st["fast"].moe == moe
+    assert eng._st["fast"].fused is fused and eng.detail["kernels"].startswith("fused" if fused else "torch")
     assert torch.equal(eng.tokens, ref_tokens)
     assert torch.allclose(eng._st["logits"][:, 0], ref_logits, atol=1e-4, rtol=1e-4)
     assert "absorbed MLA" in events[0][0] and events[0][1]["impl"] == "fast"
+
+
+def test_a_fused_kernel_that_fails_falls_back_to_the_fast_step_without_it_and_says_so(monkeypatch):
+    from gpuwatch.workload import kernels
+
+    if kernels.usable(torch.device("cpu")):
+        pytest.skip(kernels.usable(torch.device("cpu")))
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX assembly aborted\nmore text")
+    monkeypatch.setattr(kernels, "route_act", broken)
+    model = _variant(**VARIANTS["tiny"])
+    ids = _ids(8, 9, seed=3)
+    ref_tokens, _ = _reference(model, ids, 3)
+    events = []
+    eng = M.DecodeEngine(model, 8, 9, 3, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
+                         record_tokens=True)
+    eng.step(ids)
+    assert eng.impl == "fast" and eng._st["fast"].fused is False and torch.equal(eng.tokens, ref_tokens)
+    said = [(m, d) for m, d in events if d.get("fallback")]
+    assert len(said) == 1 and said[0][1]["fallback"] == "unfused", events
+    assert "with fused kernels without graphs: RuntimeError: PTX assembly aborted" in said[0][0]
+    assert "running gpuwatch's step without graphs instead" in said[0][0]
 
 
 def test_fast_path_prefill_logits_match_transformers_at_every_position_of_the_cache():
@@ -389,3 +421,26 @@ def test_needs_build_is_true_only_when_prepare_would_rebuild(tiny):
     assert eng.needs_build(2, 8)
     eng.prepare(2, 8)
     assert not eng.needs_build(2, 8) and eng.needs_build(3, 8) and eng.needs_build(2, 9)
+
+
+def test_joined_projections_are_views_so_no_copy_is_kept_and_training_still_updates_what_decode_reads():
+    """The fast step joins the query and latent projections (and gate/up) into one GEMM each by re-pointing
+    the modules' weights into one matrix: the model keeps its parameters (same count, same values), a
+    rebuild reuses the matrix, and an optimizer step on the model is what the next decode reads."""
+    from gpuwatch.workload.fastpath import FastDeepseek
+
+    tiny = _build()  # its own model: this test trains it
+    before = {n: p.detach().clone() for n, p in tiny.named_parameters()}
+    with torch.inference_mode():
+        fast = FastDeepseek(tiny, 2, 20)
+        again = FastDeepseek(tiny, 3, 20)
+    assert {n: p.shape for n, p in tiny.named_parameters()} == {n: p.shape for n, p in before.items()}
+    assert all(torch.equal(p, before[n]) for n, p in tiny.named_parameters())
+    at = tiny.model.layers[0].self_attn
+    assert again._qkv_w[0] is fast._qkv_w[0]
+    assert at.q_proj.weight.untyped_storage().data_ptr() == fast._qkv_w[0].untyped_storage().data_ptr()
+    assert not at.q_proj.weight.is_inference() and at.q_proj.weight.requires_grad
+    opt = torch.optim.SGD(tiny.parameters(), lr=0.1)
+    M.step_train(tiny, _ids(2, 16), opt, None)
+    assert not torch.equal(at.q_proj.weight, before["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(fast._qkv_w[0][: at.q_proj.weight.shape[0]], at.q_proj.weight)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -233,7 +235,8 @@ def test_decode_capture_is_a_compiling_phase_and_the_step_rows_say_what_ran(monk
     w.run()
     assert seen and set(seen) == {"compiling"} and w.state == "finished"
     rows = bus.steps.latest(10)
-    assert rows and all(r["expert_impl"].endswith("+mla-absorbed/static") for r in rows), rows
+    # "+fused": the Triton kernels ran (in Triton's interpreter on a CPU: tests/conftest.py)
+    assert rows and all(re.fullmatch(r".+\+mla-absorbed(\+fused)?/static", r["expert_impl"]) for r in rows), rows
     compile_events = [e for e in bus.events.latest(50) if e.kind == "compile"]
     assert any("absorbed MLA" in e.message and e.detail.get("impl") == "fast" for e in compile_events)
     line = workload_lines(rows, {"state": "compiling", "preset": "tiny"}, None, wide=True)[0]

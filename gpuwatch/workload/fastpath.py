@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gpuwatch.workload import kernels
+
 DENSE_TOUCHED = 0.75  # dense experts when a batch is expected to touch at least this fraction of them
 
 
@@ -55,13 +57,37 @@ def choose_moe(config, tokens: int, moe: str = "auto") -> str:
     return "dense" if expected_touched(e, k, tokens) >= DENSE_TOUCHED * e else "module"
 
 
+def _fuse_rows(mods) -> torch.Tensor | None:
+    """One weight matrix for bias-free Linears that read the same input: their weights concatenated by rows,
+    each module's weight re-pointed to its rows of it (a view: the model computes what it did and no second
+    copy is kept). Reused while the modules still hold those views (a rebuild); None if they cannot be
+    joined (a bias, different widths or dtypes)."""
+    ws = [m.weight for m in mods]
+    if any(getattr(m, "bias", None) is not None for m in mods) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    held = getattr(mods[0], "_gw_fused", None)
+    if held is not None and [w.data_ptr() for w in ws] == held[1]:
+        return held[0]
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors: a train step may use them later
+        joined = torch.cat([w.detach() for w in ws], 0)
+        off = 0
+        for m, w in zip(mods, ws):
+            n = w.shape[0]
+            m.weight = torch.nn.Parameter(joined[off:off + n], requires_grad=w.requires_grad)
+            off += n
+    mods[0]._gw_fused = (joined, [m.weight.data_ptr() for m in mods])
+    return joined
+
+
 class FastDeepseek:
     """Prefill and one-token decode over a latent KV cache for `batch` sequences of up to `max_len` tokens.
 
     `prefill(ids)` (batch, S) fills positions [0, S) and returns the last position's logits (batch, 1, V);
     `decode(tok)` (batch, 1) appends one position and returns its logits. `pos` is a device tensor."""
 
-    def __init__(self, model, batch: int, max_len: int, moe: str = "auto") -> None:
+    def __init__(self, model, batch: int, max_len: int, moe: str = "auto", fused: bool | None = None) -> None:
+        """`fused`: the Triton kernels of `kernels` (None: where they can run, a CUDA device with Triton;
+        True: required; False: torch ops only)."""
         self.model = model
         cfg = model.config
         try:
@@ -101,8 +127,30 @@ class FastDeepseek:
         w = a0.kv_a_proj_with_mqa.weight
         dev, dt = w.device, w.dtype
         n = len(self.layers)
-        self.ckv = torch.zeros(n, batch, max_len, self.r, device=dev, dtype=dt)  # normed latents
-        self.kpe = torch.zeros(n, batch, max_len, self.dr, device=dev, dtype=dt)  # rotated shared keys
+        why = kernels.usable(dev)
+        if fused and why:
+            raise Unsupported(f"fused kernels asked for: {why}")
+        self.fused = why is None if fused is None else bool(fused)
+        self.unfused_why = why if not self.fused else None
+        self._silu = getattr(cfg, "hidden_act", "silu") in ("silu", "swish")
+        # one cache row per position: [normed latent (r) | rotated shared key (dr)], so the scores are one
+        # batched GEMM against [latent query | rotary query]; ckv and kpe are views of its two parts
+        self.kv = torch.zeros(n, batch, max_len, self.r + self.dr, device=dev, dtype=dt)
+        self.ckv, self.kpe = self.kv[..., : self.r], self.kv[..., self.r:]
+        self.qcat = torch.zeros(self.H, batch, self.r + self.dr, device=dev, dtype=dt)  # decode's [q_lat | q_rot]
+        # per layer: the projections that read the same input as one GEMM (the modules' weights become views
+        # of one matrix: no copy is kept): query (or its LoRA down-projection) + latent; [gate | up] of the
+        # shared experts / dense MLP
+        self._qkv_w, self._q_width, self._gu_w = [], [], []
+        for layer in self.layers:
+            at = layer.self_attn
+            q_in = at.q_proj if at.q_proj is not None else at.q_a_proj
+            self._qkv_w.append(_fuse_rows([q_in, at.kv_a_proj_with_mqa]))
+            self._q_width.append(q_in.weight.shape[0])
+            mlp = layer.mlp
+            gu = mlp.shared_experts if hasattr(mlp, "experts") else mlp
+            ok = self._silu and all(hasattr(gu, k) for k in ("gate_proj", "up_proj", "down_proj"))
+            self._gu_w.append(_fuse_rows([gu.gate_proj, gu.up_proj]) if ok else None)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)  # the next position to write
         self._ar = torch.arange(max_len, device=dev)
         self.moe = choose_moe(cfg, batch, moe)
@@ -153,6 +201,10 @@ class FastDeepseek:
         kv, k_rot = torch.split(c, [self.r, self.dr], dim=-1)
         return kv, k_rot.reshape(b, 1, s, self.dr)
 
+    def _route_logits(self, i: int, x):
+        """The router's fp32 logits; its weight cast to fp32 once (the module casts it on every call)."""
+        return F.linear(x.float(), self._router_w[i])
+
     def _route(self, i: int, mlp, x):
         """DeepseekV3TopkRouter's choice (sigmoid scores + correction bias, group-limited top-k, weights
         from the uncorrected scores, optional normalisation, scaling) as a dense (T, E) fp32 matrix. The
@@ -160,21 +212,8 @@ class FastDeepseek:
         group step skipped when every group is kept (n_group == topk_group: v2-lite), where it selects
         everything."""
         g = mlp.gate
-        scores = F.linear(x.float(), self._router_w[i]).sigmoid()
-        choice = scores + g.e_score_correction_bias
-        if g.topk_group < g.num_group:
-            n, per = g.num_group, g.num_experts // g.num_group
-            group_scores = choice.view(-1, n, per).topk(2, dim=-1)[0].sum(dim=-1)
-            group_idx = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-            choice = choice.masked_fill(~keep.unsqueeze(-1).expand(-1, n, per).reshape(-1, g.num_experts), float("-inf"))
-        idx = torch.topk(choice, k=g.top_k, dim=-1, sorted=False)[1]
-        w = scores.gather(1, idx)
-        if g.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        if g.routed_scaling_factor != 1.0:
-            w = w * g.routed_scaling_factor
-        return torch.zeros_like(scores).scatter_(1, idx, w)
+        return kernels.route_torch(self._route_logits(i, x), g.e_score_correction_bias, g.top_k, g.norm_topk_prob,
+                                   g.routed_scaling_factor, g.num_group, g.topk_group)
 
     @staticmethod
     def _linear_add(x, a, lin):
@@ -183,27 +222,73 @@ class FastDeepseek:
             return x + lin(a)
         return torch.addmm(x.flatten(0, -2), a.flatten(0, -2), lin.weight.t()).view_as(x)
 
-    def _experts_dense(self, i: int, mlp, h2, residual=None):
+    def _experts_dense(self, i: int, mlp, h2, residual):
         """All experts for all tokens (one GEMM for gate/up, one bmm for down), weighted by a dense (tokens,
-        experts) routing matrix;
-        plus the shared experts (and `residual`, if given, added inside the last GEMM)."""
-        ex = mlp.experts
+        experts) routing matrix, plus `residual`, plus the shared experts. The routing weight scales each
+        expert's intermediate (the down projection is linear), so the experts' outputs are summed by one
+        reduction. Fused: the route and the activation in one kernel, the sum and the residual in another."""
+        ex, g = mlp.experts, mlp.gate
         x = h2.reshape(-1, h2.shape[-1])  # (T, D)
-        route = self._route(i, mlp, x)
         w = ex.gate_up_proj  # (E, 2I, D), contiguous: all experts' gate/up rows are one (E*2I, D) matrix
         gu = F.linear(x, w.reshape(-1, w.shape[-1])).view(x.shape[0], w.shape[0], w.shape[1])  # one GEMM: (T, E, 2I)
-        gate, up = gu.chunk(2, dim=-1)
-        # the routing weight scales each expert's intermediate (the down projection is linear), so the
-        # experts' outputs are summed by one reduction instead of a transposed copy and a third bmm
-        a = ex.act_fn(gate) * up * route.unsqueeze(-1).to(gu.dtype)  # (T, E, I)
-        out = torch.bmm(a.transpose(0, 1), ex.down_proj.transpose(1, 2)).sum(0)  # (E, T, D) -> (T, D)
-        if residual is not None:
-            out = out + residual.reshape(out.shape)
-        sh = mlp.shared_experts
-        if all(hasattr(sh, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            inner = sh.act_fn(sh.gate_proj(h2)) * sh.up_proj(h2)
-            return self._linear_add(out.view_as(h2), inner, sh.down_proj)
-        return out.view_as(h2) + sh(h2)
+        down = ex.down_proj.transpose(1, 2)  # (E, I, D)
+        if self.fused and self._silu:
+            logits = self._route_logits(i, x)
+            route = None
+            if g.topk_group < g.num_group:  # group-limited routing: torch chooses, the kernel applies
+                route = kernels.route_torch(logits, g.e_score_correction_bias, g.top_k, g.norm_topk_prob,
+                                            g.routed_scaling_factor, g.num_group, g.topk_group)
+            a = kernels.route_act(gu, logits, g.e_score_correction_bias, g.top_k, g.norm_topk_prob,
+                                  g.routed_scaling_factor, route=route)  # (E, T, I)
+            y = kernels.sum_experts(torch.bmm(a, down), residual)
+        else:
+            route = self._route(i, mlp, x)
+            gate, up = gu.chunk(2, dim=-1)
+            a = ex.act_fn(gate) * up * route.unsqueeze(-1).to(gu.dtype)  # (T, E, I)
+            y = torch.bmm(a.transpose(0, 1), down).sum(0) + residual.reshape(x.shape)
+        return self._mlp_add(i, mlp.shared_experts, h2, y)
+
+    def _mlp_add(self, i: int, mod, h, y):
+        """y + mod(h) for a gated MLP (shared experts, dense MLP): [gate | up] as one GEMM, SiLU x up, and
+        the down projection with y added inside its GEMM."""
+        y = y.reshape(h.shape)
+        wgu = self._gu_w[i]
+        if wgu is not None:
+            gu = F.linear(h, wgu)
+            inner = kernels.silu_mul(gu) if self.fused else kernels.silu_mul_torch(gu)
+            return self._linear_add(y, inner, mod.down_proj)
+        if all(hasattr(mod, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return self._linear_add(y, mod.act_fn(mod.gate_proj(h)) * mod.up_proj(h), mod.down_proj)
+        return y + mod(h)
+
+    def _q_kv(self, i: int, at, h, b: int):
+        """This token's queries (b, H, dq) and [latent | rotary key] (b, r + dr), the query (or its LoRA
+        down-projection) and the latent from one GEMM where the weights could be joined."""
+        w = self._qkv_w[i]
+        if w is not None:
+            both = F.linear(h, w).view(b, -1)
+            nq = self._q_width[i]
+            q, kv = both[:, :nq], both[:, nq:]
+            if at.q_proj is None:
+                q = at.q_b_proj(at.q_a_layernorm(q))
+        else:
+            q = (at.q_proj(h) if at.q_proj is not None else at.q_b_proj(at.q_a_layernorm(at.q_a_proj(h)))).view(b, -1)
+            kv = at.kv_a_proj_with_mqa(h).view(b, -1)
+        return q.view(b, self.H, self.dn + self.dr), kv
+
+    def _rope_cache(self, i: int, at, q, kv, freqs) -> None:
+        """The new latent normalised and the rotary key rotated into cache[:, pos]; the queries' rotary part
+        rotated into qcat[..., r:]."""
+        if self._interleave:
+            fn = kernels.rope_cache if self.fused else kernels.rope_cache_torch
+            fn(q, self.dn, kv, at.kv_a_layernorm, freqs.reshape(-1), self.pos, self.kv[i], self.qcat)
+            return
+        b, r = q.shape[0], self.r
+        q_rot, k_rot = self._rope(q[:, :, self.dn:].unsqueeze(2), kv[:, r:].view(b, 1, 1, self.dr), *freqs)
+        at_pos = self.pos.view(1)
+        self.ckv[i].index_copy_(1, at_pos, self._rms(at.kv_a_layernorm, kv[:, :r]).unsqueeze(1))
+        self.kpe[i].index_copy_(1, at_pos, k_rot[:, 0])
+        self.qcat[:, :, r:].copy_(q_rot[:, :, 0].transpose(0, 1))
 
     # -- prefill: expanded attention with SDPA, latents written to the cache -----------------------------------
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -238,28 +323,25 @@ class FastDeepseek:
         visible = (self._ar <= self.pos).view(1, 1, -1)
         mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         mask = mask.expand(b, self.H, -1)
-        at_pos = self.pos.view(1)
         for i, layer in enumerate(self.layers):
             at = layer.self_attn
             h = self._rms(layer.input_layernorm, x)
-            q_nope, q_rot = self._q(at, h, b, 1)  # (b, H, 1, dn), (b, H, 1, dr)
-            kv, k_rot = self._latent(at, h, b, 1)  # (b, 1, r), (b, 1, 1, dr)
-            kv = self._rms(at.kv_a_layernorm, kv)
-            q_rot, k_rot = self._rotate(q_rot, k_rot, freqs)
-            ckv, kpe = self.ckv[i], self.kpe[i]
-            ckv.index_copy_(1, at_pos, kv)
-            kpe.index_copy_(1, at_pos, k_rot[:, 0])
-            q_lat = torch.bmm(q_nope[:, :, 0].transpose(0, 1), self._wuk[i]).transpose(0, 1)  # (b, H, r)
-            # scaled scores plus the mask in two fused multiply-adds; softmax accumulates in fp32 inside
-            scores = torch.baddbmm(mask, q_lat, ckv.transpose(1, 2), alpha=self.scaling)
-            scores = torch.baddbmm(scores, q_rot[:, :, 0], kpe.transpose(1, 2), alpha=self.scaling)
-            ctx = torch.bmm(scores.softmax(-1), ckv)  # (b, H, r)
+            q, kv = self._q_kv(i, at, h, b)  # (b, H, dq), (b, r + dr): views
+            self._rope_cache(i, at, q, kv, freqs)  # cache[:, pos] and qcat[..., r:] written
+            qcat, cache = self.qcat, self.kv[i]
+            # the query moved into the latent space, written beside its rotary part: (H, b, r)
+            torch.bmm(q[:, :, : self.dn].transpose(0, 1), self._wuk[i], out=qcat[:, :, : self.r])
+            # scaled scores plus the mask in one fused multiply-add; softmax accumulates in fp32 inside
+            scores = torch.baddbmm(mask, qcat.transpose(0, 1), cache.transpose(1, 2), alpha=self.scaling)
+            ctx = torch.bmm(scores.softmax(-1), cache[..., : self.r])  # (b, H, r)
             o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
             x = self._linear_add(x, o.reshape(b, 1, self.H * self.dv), at.o_proj)  # x + o_proj(o)
             h2 = self._rms(layer.post_attention_layernorm, x)
             mlp = layer.mlp
-            if self.moe == "dense" and hasattr(mlp, "experts"):
-                x = self._experts_dense(i, mlp, h2, residual=x)
+            if not hasattr(mlp, "experts"):
+                x = self._mlp_add(i, mlp, h2, x)
+            elif self.moe == "dense":
+                x = self._experts_dense(i, mlp, h2, x)
             else:
                 x = x + mlp(h2)
         self.pos.add_(1)
@@ -269,12 +351,12 @@ class FastDeepseek:
         """Rewind to position 0 and clear the cache: masked positions weigh 0, but 0 x inf is NaN, so a step
         that overflowed must not leave its values behind for the next one (one memset a step, not a token)."""
         self.pos.zero_()
-        self.ckv.zero_()
-        self.kpe.zero_()
+        self.kv.zero_()
 
     def describe(self, decode: bool = True) -> dict[str, Any]:
         """What runs: the decode step's path, or (prefill only) the expanded attention and the model's experts."""
         dense = decode and self.moe == "dense"
         return {"attention": "absorbed MLA (latent cache)" if decode else "expanded MLA (SDPA)",
                 "experts": "dense bmm" if dense else "model's experts module",
-                "cache_bytes": (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()}
+                "kernels": "fused (Triton)" if self.fused and decode else f"torch ({self.unfused_why or 'asked'})",
+                "cache_bytes": self.kv.numel() * self.kv.element_size()}

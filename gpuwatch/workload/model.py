@@ -194,8 +194,11 @@ class DecodeEngine:
 
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
                  graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False,
-                 fast: bool = True, moe: str = "auto", compile: bool | None = None) -> None:
+                 fast: bool = True, moe: str = "auto", compile: bool | None = None,
+                 fused: bool | None = None) -> None:
         self.model, self.new_tokens = model, int(new_tokens)
+        # the fast step's fused Triton kernels (workload/kernels.py): None = where they can run (CUDA + Triton)
+        self.want_fused = fused
         self.want_fast, self.moe = fast, moe  # fastpath.FastDeepseek (absorbed MLA, dense experts) or transformers'
         self.impl: str | None = None  # "fast" or "transformers": what the last build runs
         self.detail: dict[str, Any] = {}
@@ -251,16 +254,22 @@ class DecodeEngine:
             self._thrash = 0
         t0 = time.perf_counter()
         self.release()
-        # what to try, in order: as asked; the fast step without graphs; transformers' forward (with graphs
-        # if asked); then eager. What failed is not tried again on a rebuild ("for good").
-        plans = [(self.want_graphs, self.want_fast)]
+        # what to try, in order: as asked; the fast step without its fused kernels (a Triton that cannot
+        # compile them); without graphs; transformers' forward (with graphs if asked); then eager. What
+        # failed is not tried again on a rebuild ("for good").
+        from gpuwatch.workload import kernels
+
+        fused = self.want_fused is not False and kernels.usable(self.device) is None
+        plans = [(self.want_graphs, self.want_fast, fused)]
+        if self.want_fast and fused:
+            plans.append((self.want_graphs, True, False))
         if self.want_graphs and self.want_fast:
-            plans.append((False, True))
+            plans.append((False, True, False))
         if self.want_fast:
-            plans.append((self.want_graphs, False))
+            plans.append((self.want_graphs, False, False))
         failures: list[str] = []
-        for graphs, fast in plans:
-            self.want_graphs, self.want_fast = graphs, fast
+        for graphs, fast, fz in plans:
+            self.want_graphs, self.want_fast, self.want_fused = graphs, fast, fz
             try:
                 self._build(batch, prompt_len)
                 break
@@ -268,17 +277,18 @@ class DecodeEngine:
                 self.release()
                 if is_oom(e):
                     raise
-                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                failures.append(f"{self._plan_name(graphs, fast)}: {why}")
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+                failures.append(f"{self._plan_name(graphs, fast, fz)}: {why}")
         else:
             self.mode, self._forced_eager = "eager", True
             self.on_event("compile", f"decode: could not build the step ({'; '.join(failures)}); falling back to "
                           "eager", fallback="eager", reason="; ".join(failures))
             return 0.0
         if failures:
-            now = self._plan_name(self.want_graphs, self.want_fast)
+            now = self._plan_name(self.want_graphs, self.want_fast, self.want_fused)
             self.on_event("compile", f"decode: could not build the step ({'; '.join(failures)}); running {now} "
-                          "instead", fallback="static" if not self.want_graphs else "transformers",
+                          "instead", fallback=("transformers" if not self.want_fast else "static"
+                                      if plans[0][0] and not self.want_graphs else "unfused"),
                           reason="; ".join(failures))
         self._key = key
         self._steps_since_capture = 0
@@ -287,6 +297,7 @@ class DecodeEngine:
         what = {"graphs": "captured CUDA graphs", "static": "built a static cache (no graphs)",
                 "eager": "compute-bound prefill, runs eager (no graph)"}[self.mode]
         how = (f" ({self.detail['attention']}, experts: {self.detail['experts']}"
+               + (f", kernels: {self.detail['kernels']}" if self.new_tokens and self.detail.get("kernels") else "")
                + (f", torch.compile {self.detail['torch_compile_s']:.1f} s" if self.detail.get("compiled") else "")
                + ")" if self.impl == "fast" and self.mode != "eager" else "")
         self.on_event("compile", f"decode: {what} for batch {batch} x {prompt_len} (+{self.new_tokens} tokens) "
@@ -294,7 +305,7 @@ class DecodeEngine:
                       new_tokens=self.new_tokens, seconds=self.compile_s, impl=self.impl,
                       prefill_graph=self._st.get("g_prefill") is not None,
                       **{k: v for k, v in self.detail.items() if k in ("attention", "experts", "compiled",
-                                                                      "torch_compile_s")})
+                                                                      "torch_compile_s", "kernels")})
         return self.compile_s
 
     def _say_eager(self, message: str) -> None:
@@ -350,8 +361,8 @@ class DecodeEngine:
         self.mode = "graphs"
 
     @staticmethod
-    def _plan_name(graphs: bool, fast: bool) -> str:
-        return (("gpuwatch's step" if fast else "transformers' forward")
+    def _plan_name(graphs: bool, fast: bool, fused: bool = False) -> str:
+        return (("gpuwatch's step" + (" with fused kernels" if fused else "") if fast else "transformers' forward")
                 + (" in CUDA graphs" if graphs else " without graphs"))
 
     def needs_build(self, batch: int, prompt_len: int) -> bool:
@@ -371,7 +382,7 @@ class DecodeEngine:
         from gpuwatch.workload.fastpath import FastDeepseek, Unsupported
 
         try:
-            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe)
+            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe, fused=bool(self.want_fused))
         except Unsupported as e:
             if not self._said_unsupported:
                 self._said_unsupported = True

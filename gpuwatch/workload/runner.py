@@ -419,7 +419,7 @@ class Workload:
 
     def _impl_label(self) -> str | None:
         """What ran the step: the experts implementation, and for the decode engine its path and mode
-        (e.g. "dense-bmm+mla-absorbed/graphs", "grouped_mm/eager" after a fall-back)."""
+        (e.g. "dense-bmm+mla-absorbed+fused/graphs", "grouped_mm/eager" after a fall-back)."""
         d = self.decoder
         if self.model is not None:  # the decode engine may have switched it (grouped_mm for graphs)
             self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
@@ -430,7 +430,8 @@ class Workload:
         if d.impl == "fast":
             experts = "dense-bmm" if d.detail.get("experts") == "dense bmm" else self.expert_impl
             attention = "mla-absorbed" if d.new_tokens else "mla-sdpa"  # a prefill-only engine: expanded attention
-            return f"{experts}+{attention}{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
+            fused = "+fused" if d.new_tokens and d.detail.get("kernels", "").startswith("fused") else ""
+            return f"{experts}+{attention}{fused}{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
         return f"{self.expert_impl}/{d.mode}"
 
     def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
