@@ -138,6 +138,7 @@ class FastDeepseek:
         self.kv = torch.zeros(n, batch, max_len, self.r + self.dr, device=dev, dtype=dt)
         self.ckv, self.kpe = self.kv[..., : self.r], self.kv[..., self.r:]
         self.qcat = torch.zeros(self.H, batch, self.r + self.dr, device=dev, dtype=dt)  # decode's [q_lat | q_rot]
+        self.obuf = torch.zeros(batch, self.H, self.dv, device=dev, dtype=dt)  # decode's heads' outputs, o_proj's input
         # per layer: the projections that read the same input as one GEMM (the modules' weights become views
         # of one matrix: no copy is kept): query (or its LoRA down-projection) + latent; [gate | up] of the
         # shared experts / dense MLP
@@ -334,8 +335,9 @@ class FastDeepseek:
             # scaled scores plus the mask in one fused multiply-add; softmax accumulates in fp32 inside
             scores = torch.baddbmm(mask, qcat.transpose(0, 1), cache.transpose(1, 2), alpha=self.scaling)
             ctx = torch.bmm(scores.softmax(-1), cache[..., : self.r])  # (b, H, r)
-            o = torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1)  # (b, H, dv)
-            x = self._linear_add(x, o.reshape(b, 1, self.H * self.dv), at.o_proj)  # x + o_proj(o)
+            # each head's value projection written straight into (b, H, dv) rows, o_proj's input (no copy)
+            torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2), out=self.obuf.transpose(0, 1))
+            x = self._linear_add(x, self.obuf.view(b, 1, self.H * self.dv), at.o_proj)  # x + o_proj(o)
             h2 = self._rms(layer.post_attention_layernorm, x)
             mlp = layer.mlp
             if not hasattr(mlp, "experts"):

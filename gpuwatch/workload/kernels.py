@@ -127,13 +127,15 @@ if triton is not None:
         tl.store(out_ptr + t * J + offs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _sum_experts_kernel(o_ptr, res_ptr, out_ptr, T, D, E: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_experts_kernel(o_ptr, res_ptr, out_ptr, E, T, D, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
+        # one (E, BLOCK) tile per program, all loads issued at once, summed over E in fp32
         t = tl.program_id(0)
+        offs_e = tl.arange(0, BLOCK_E)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < D
-        acc = tl.load(res_ptr + t * D + offs, mask=m, other=0.0).to(tl.float32)
-        for e in range(E):
-            acc += tl.load(o_ptr + (e * T + t) * D + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(o_ptr + (offs_e[:, None] * T + t) * D + offs[None, :], mask=(offs_e < E)[:, None] & m[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.sum(x, axis=0) + tl.load(res_ptr + t * D + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -212,8 +214,9 @@ def sum_experts(o3: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     e, t, d = o3.shape
     res = residual.reshape(t, d)
     out = torch.empty(t, d, device=o3.device, dtype=o3.dtype)
-    block = min(1024, _pow2(d))
-    _sum_experts_kernel[(t, triton.cdiv(d, block))](o3, res, out, t, d, E=e, BLOCK=block)
+    be = _pow2(e)
+    block = max(16, min(_pow2(d), 8192 // be))
+    _sum_experts_kernel[(t, triton.cdiv(d, block))](o3, res, out, e, t, d, BLOCK_E=be, BLOCK=block)
     return out
 
 
