@@ -36,3 +36,31 @@ def test_sections_per_iteration_nested_by_path(tmp_path, monkeypatch):
     assert "slow/host.read_slow" in raw["slow"][0][1]
     assert raw["calibration"]["timer_cpu_ns_per_section"] > 0
     assert len(bus.ticks) == 25  # the sampler still did its work
+
+
+def test_the_slow_read_splits_pcie_counters_and_energy(tmp_path, monkeypatch):
+    import pynvml
+
+    from gpuwatch.telemetry import nvml
+    from test_nvml_boundary import FakeDriver
+
+    tx, rx = nvml.PCIE_COUNTERS
+    if tx is None:
+        import pytest
+        pytest.skip("this pynvml has no PCIe counter fields")
+    driver = FakeDriver(monkeypatch)
+    driver.fields = {tx: 1000, rx: 2000, pynvml.NVML_FI_DEV_POWER_AVERAGE: 350_000}
+    # the profile wraps module state of nvml: put it back after this test
+    monkeypatch.setattr(nvml, "read_pcie_counters", nvml.read_pcie_counters)
+    for k, fn in {**nvml.ENERGY, **nvml.LEGACY_PCIE}.items():
+        monkeypatch.setitem(nvml.ENERGY if k in nvml.ENERGY else nvml.LEGACY_PCIE, k, fn)
+    monkeypatch.setenv(profile.ENV, str(tmp_path / "p.json"))
+    prof = profile.from_env()
+    b = nvml.NvmlBackend()
+    s = Sampler(Bus(), b, None)
+    prof.instrument(s)
+    s.slow_tick()
+    prof.dump()
+    slow = json.loads((tmp_path / "p.json").read_text())["slow"][0][1]
+    assert {"slow/gpu0.read_slow/pcie_counters", "slow/gpu0.read_slow/gpu_energy_mj",
+            "slow/gpu1.read_slow/pcie_counters"} <= set(slow)

@@ -3,8 +3,8 @@
 Off unless the environment variable GPUWATCH_SAMPLER_PROFILE names a file: the sampler child looks at it
 once, at start-up, and only then wraps the pieces of the running sampler (host read, each GPU's read and
 each NVML read group inside it, the channel's append, pickle and send, the sleep and wake-up, the slow
-read) in timers; a normal run runs the unwrapped objects and pays nothing. At stop the child writes one
-JSON file: per loop iteration (one tick + its sleep) the CPU (thread_time) and wall nanoseconds of every
+read and in it the PCIe counter and energy reads) in timers; a normal run runs the unwrapped objects and
+pays nothing. At stop the child writes one JSON file: per loop iteration (one tick + its sleep) the CPU (thread_time) and wall nanoseconds of every
 section, nested by path ("tick/gpu0.read_fast/util"), plus the slow ticks and a calibration of the
 timers' own cost.
 
@@ -134,6 +134,13 @@ class TickProfile:
                     if d.fields_fn is not None:
                         d.fields_fn = t("field_values", d.fields_fn)
                 self.meta["nvml_direct"] = [d is not None for d in direct]
+            if hasattr(g, "_slow_n"):  # NvmlBackend's slow read: the PCIe counters and the energy read apart
+                from gpuwatch.telemetry import nvml  # (module state: this child is profiling, nothing else)
+
+                nvml.read_pcie_counters = t("pcie_counters", nvml.read_pcie_counters)
+                for table in (nvml.ENERGY, nvml.LEGACY_PCIE):
+                    for k, fn in list(table.items()):
+                        table[k] = t(k, fn)
             if hasattr(g, "_read_batch"):
                 g._read_batch = t("field_values", g._read_batch)
             if hasattr(g, "_read_fields"):
