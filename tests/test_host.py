@@ -103,3 +103,29 @@ def test_cpu_stat_failing_falls_back_to_proc_stat(tmp_path):
     assert h.cpu_source == str(stat) and h._cg_fd is None
     write_stat(stat, [(250 + 25, 5000 + 75)] * 4)
     assert h.read_fast()["host_cpu_pct"] == pytest.approx(25.0)
+
+
+def test_cpu_stat_that_drifts_from_proc_stat_is_dropped_after_three_seconds(tmp_path):
+    us_per_jiffy = 1_000_000 // TCK
+    busy_j = 1000
+    h, stat, clock = make(tmp_path, busy_j * us_per_jiffy)
+    cg = tmp_path / "cg"
+    h.read_slow()  # primes the check
+    # in step: 100 busy jiffies a second on both
+    for k in range(3):
+        busy_j += 100
+        write_stat(stat, [(busy_j // 4, 5000)] * 4)
+        write_cg(cg, busy_j * us_per_jiffy)
+        h.read_slow()
+    assert h.cpu_source == str(cg / "cpu.stat")
+    # cpu.stat leaves out half of what /proc/stat counts busy (e.g. steal): two seconds are tolerated...
+    usage = busy_j * us_per_jiffy
+    for k in range(3):
+        busy_j += 100
+        usage += 50 * us_per_jiffy
+        write_stat(stat, [(busy_j // 4, 5000)] * 4)
+        write_cg(cg, usage)
+        h.read_slow()
+        assert h.cpu_source == (str(cg / "cpu.stat") if k < 2 else str(stat))
+    assert h._cg_fd is None
+    assert h.read_fast()["host_cpu_pct"] is None  # the switch: /proc/stat has no earlier reading

@@ -8,8 +8,9 @@ cgroup (v2) is what /sys/fs/cgroup shows, the same busy time is read from its cp
 (`usage_usec`: the kernel sums the same per-CPU counters, user + nice + system + irq + softirq + steal,
 in microseconds), over the wall time elapsed times the online cores. That source is used only where it
 is the real root (no `cgroup.type` file there: a container's cgroup namespace shows its own cgroup,
-which has one) and its total since boot agrees with /proc/stat's at start-up; anything else, or any
-error, reads /proc/stat as before (`cpu_source` says which).
+which has one), while its total since boot agrees with /proc/stat's at start-up, and while each second's
+busy time agrees with /proc/stat's first line (which the 1 Hz per-core read reads anyway); anything
+else, or any error, reads /proc/stat as before (`cpu_source` says which).
 
 Per-core CPU, memory, swap, load and the process's RSS and CPU are read on the slow thread (1 Hz), on
 Linux by pread of /proc/meminfo, /proc/stat and /proc/<pid>/stat kept open (psutil's calls for the same
@@ -50,6 +51,8 @@ class HostSampler:
         self._clock_ns = clock_ns
         self._cg_fd: int | None = None  # the root cgroup's cpu.stat, kept open (None: /proc/stat is the source)
         self._cg: tuple[int, int] | None = None  # (usage us, clock ns) at the last read
+        self._cg_check: tuple[int, int] | None = None  # (/proc/stat busy us, usage us) at the last slow read
+        self._cg_bad = 0  # slow reads in a row where the two disagreed
         self._online = os.sysconf("SC_NPROCESSORS_ONLN") if hasattr(os, "sysconf") else (psutil.cpu_count() or 1)
         self.cpu_source = "/proc/stat"
         psutil.cpu_percent(percpu=True)  # prime: the first call has no interval to compare with
@@ -96,18 +99,51 @@ class HostSampler:
     def _cpu_cgroup(self) -> float | None:
         """Busy % of all online cores since the last call, from the root cgroup's usage_usec: one pread of
         a file kept open; /proc/stat from now on if it fails."""
+        fd = self._cg_fd
         try:
-            usage = _usage_us(os.pread(self._cg_fd, 128, 0))
-        except (OSError, ValueError, IndexError):
-            os.close(self._cg_fd)
-            self._cg_fd, self.cpu_source = None, self._proc_stat
-            self._stat = None  # no /proc/stat reading since the switch: this tick is null
+            usage = _usage_us(os.pread(fd, 128, 0))
+        except (OSError, ValueError, IndexError, TypeError):
+            self._drop_cgroup(fd)
             return self._cpu_total()
         now = self._clock_ns()
         (u0, t0), self._cg = self._cg, (usage, now)
         if now <= t0 or usage < u0:
             return None
         return min(100.0, 100_000.0 * (usage - u0) / ((now - t0) * self._online))
+
+    def _drop_cgroup(self, fd: int | None) -> None:
+        """/proc/stat is host_cpu_pct's source from now on (its first reading after the switch is null)."""
+        if fd is None or self._cg_fd != fd:
+            return
+        self._cg_fd, self.cpu_source = None, self._proc_stat
+        self._stat = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    def _check_cgroup(self, first_line: bytes) -> None:
+        """At each slow read: the busy time since the last one by cpu.stat against /proc/stat's first line
+        (read for the per-core columns anyway). Three seconds in a row apart by more than 60 ms + 5 %
+        (/proc/stat counts in 10 ms steps), e.g. a kernel whose usage_usec leaves out steal time while
+        the host is being stolen from: /proc/stat from then on."""
+        fd = self._cg_fd
+        try:
+            f = list(map(int, first_line.split()[1:9]))
+            usage = _usage_us(os.pread(fd, 128, 0))
+        except (OSError, ValueError, IndexError, TypeError):
+            return  # the fast read notices a broken cpu.stat
+        busy = (sum(f) - f[3] - f[4]) * 1_000_000 // _CLK_TCK
+        last, self._cg_check = self._cg_check, (busy, usage)
+        if last is None:
+            return
+        db, du = busy - last[0], usage - last[1]
+        if abs(du - db) <= 60_000 + 0.05 * max(db, du):
+            self._cg_bad = 0
+            return
+        self._cg_bad += 1
+        if self._cg_bad >= 3:
+            self._drop_cgroup(fd)
 
     def _pread_stat(self, size: int) -> bytes:
         if self._stat_fd is None:
@@ -153,7 +189,10 @@ class HostSampler:
                 mem[key] = int(rest.split()[0]) * 1024
         total, avail = mem[b"MemTotal"], mem[b"MemAvailable"]
         cores = []
-        for line in self._pread("stat", self._proc_stat, 65536).split(b"\n")[1:]:
+        lines = self._pread("stat", self._proc_stat, 65536).split(b"\n")
+        if self._cg_fd is not None:
+            self._check_cgroup(lines[0])
+        for line in lines[1:]:
             if not line.startswith(b"cpu"):
                 break
             f = list(map(int, line.split()[1:9]))
