@@ -290,6 +290,21 @@ def test_fast_path_computes_what_transformers_computes(variant, moe, fused):
     assert "absorbed MLA" in events[0][0] and events[0][1]["impl"] == "fast"
 
 
+@pytest.mark.slow
+def test_torch_compile_of_the_fast_step_traces_it_whole_on_a_cpu_too():
+    """torch.compile (fullgraph) traces neither Triton launches nor matmuls into strided out= views: asked to
+    compile, the step is built from torch ops only, compiles whole, and decodes transformers' tokens."""
+    model = _variant(**VARIANTS["tiny"])
+    ids = _ids(8, 9, seed=3)
+    ref_tokens, _ = _reference(model, ids, 3)
+    events = []
+    eng = M.DecodeEngine(model, 8, 9, 3, "cpu", lambda k, m, **d: events.append((m, d)), graphs=False,
+                         record_tokens=True, moe="dense", compile=True)
+    eng.step(ids)
+    assert eng.detail.get("compiled") is True, events
+    assert eng.detail["kernels"] == "torch (for torch.compile)" and torch.equal(eng.tokens, ref_tokens)
+
+
 def test_a_fused_kernel_that_fails_falls_back_to_the_fast_step_without_it_and_says_so(monkeypatch):
     from gpuwatch.workload import kernels
 

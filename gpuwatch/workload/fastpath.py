@@ -85,9 +85,14 @@ class FastDeepseek:
     `prefill(ids)` (batch, S) fills positions [0, S) and returns the last position's logits (batch, 1, V);
     `decode(tok)` (batch, 1) appends one position and returns its logits. `pos` is a device tensor."""
 
-    def __init__(self, model, batch: int, max_len: int, moe: str = "auto", fused: bool | None = None) -> None:
+    def __init__(self, model, batch: int, max_len: int, moe: str = "auto", fused: bool | None = None,
+                 for_compile: bool = False) -> None:
         """`fused`: the Triton kernels of `kernels` (None: where they can run, a CUDA device with Triton;
-        True: required; False: torch ops only)."""
+        True: required; False: torch ops only). `for_compile`: for torch.compile, which traces neither
+        the Triton launches nor matmuls into strided `out=` views: torch ops, results copied."""
+        if for_compile:
+            fused = False
+        self.for_compile = for_compile
         self.model = model
         cfg = model.config
         try:
@@ -131,7 +136,7 @@ class FastDeepseek:
         if fused and why:
             raise Unsupported(f"fused kernels asked for: {why}")
         self.fused = why is None if fused is None else bool(fused)
-        self.unfused_why = why if not self.fused else None
+        self.unfused_why = None if self.fused else "for torch.compile" if for_compile else why
         self._silu = getattr(cfg, "hidden_act", "silu") in ("silu", "swish")
         # one cache row per position: [normed latent (r) | rotated shared key (dr)], so the scores are one
         # batched GEMM against [latent query | rotary query]; ckv and kpe are views of its two parts
@@ -331,12 +336,19 @@ class FastDeepseek:
             self._rope_cache(i, at, q, kv, freqs)  # cache[:, pos] and qcat[..., r:] written
             qcat, cache = self.qcat, self.kv[i]
             # the query moved into the latent space, written beside its rotary part: (H, b, r)
-            torch.bmm(q[:, :, : self.dn].transpose(0, 1), self._wuk[i], out=qcat[:, :, : self.r])
+            q_nope = q[:, :, : self.dn].transpose(0, 1)
+            if self.for_compile:
+                qcat[:, :, : self.r].copy_(torch.bmm(q_nope, self._wuk[i]))
+            else:
+                torch.bmm(q_nope, self._wuk[i], out=qcat[:, :, : self.r])
             # scaled scores plus the mask in one fused multiply-add; softmax accumulates in fp32 inside
             scores = torch.baddbmm(mask, qcat.transpose(0, 1), cache.transpose(1, 2), alpha=self.scaling)
             ctx = torch.bmm(scores.softmax(-1), cache[..., : self.r])  # (b, H, r)
             # each head's value projection written straight into (b, H, dv) rows, o_proj's input (no copy)
-            torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2), out=self.obuf.transpose(0, 1))
+            if self.for_compile:
+                self.obuf.copy_(torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2)).transpose(0, 1))
+            else:
+                torch.bmm(ctx.transpose(0, 1), self._wuv[i].transpose(1, 2), out=self.obuf.transpose(0, 1))
             x = self._linear_add(x, self.obuf.view(b, 1, self.H * self.dv), at.o_proj)  # x + o_proj(o)
             h2 = self._rms(layer.post_attention_layernorm, x)
             mlp = layer.mlp

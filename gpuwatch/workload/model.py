@@ -382,7 +382,9 @@ class DecodeEngine:
         from gpuwatch.workload.fastpath import FastDeepseek, Unsupported
 
         try:
-            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe, fused=bool(self.want_fused))
+            compiling = self.want_compile and not self._compile_failed  # torch.compile traces torch ops only
+            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe, fused=bool(self.want_fused) and not compiling,
+                                for_compile=compiling)
         except Unsupported as e:
             if not self._said_unsupported:
                 self._said_unsupported = True
