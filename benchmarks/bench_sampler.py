@@ -99,6 +99,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> di
     procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
         dict(only, GPUWATCH_SAMPLER_CPU="last"))
+    procs["gpuwatch record, PCIe counters every 2 s (GPUWATCH_PCIE_EVERY=2)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie2")],
+        dict(only, GPUWATCH_PCIE_EVERY="2"))
     if n > 1:
         procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],
@@ -652,6 +655,8 @@ def print_profile(res: dict) -> None:
           f"{h.get('idle_driver', '?')}, max_cstate {h.get('intel_idle_max_cstate', '?')}; idle entries/s (all CPUs) "
           f"{res.get('idle_state_entries_per_s_all_cpus')}")
     print(f"recorded intervals: {res.get('recorded_interval_ms')}")
+    meta = res.get("child_meta", {})
+    print(f"host_cpu_pct source: {meta.get('host_cpu_source')}; PCIe counters every {meta.get('pcie_every')} slow read(s)")
     if res.get("error"):
         print("ERROR:", res["error"])
 

@@ -4,9 +4,9 @@ Off unless the environment variable GPUWATCH_SAMPLER_PROFILE names a file: the s
 once, at start-up, and only then wraps the pieces of the running sampler (host read, each GPU's read and
 each NVML read group inside it, the channel's append, pickle and send, the sleep and wake-up, the slow
 read and in it the PCIe counter and energy reads) in timers; a normal run runs the unwrapped objects and
-pays nothing. At stop the child writes one JSON file: per loop iteration (one tick + its sleep) the CPU (thread_time) and wall nanoseconds of every
-section, nested by path ("tick/gpu0.read_fast/util"), plus the slow ticks and a calibration of the
-timers' own cost.
+pays nothing. At stop the child writes one JSON file: per loop iteration (one tick + its sleep) the CPU
+(thread_time) and wall nanoseconds of every section, nested by path ("tick/gpu0.read_fast/util"), plus
+the slow ticks and a calibration of the timers' own cost.
 
 GPUWATCH_SAMPLER_PROFILE_FAKE_NVML=N (no GPU here): pynvml's functions are replaced by a driver that
 answers at once for N GPUs (real ctypes field-value structures), so the sampler's own Python can be
@@ -112,12 +112,14 @@ class TickProfile:
         s._wait = t("wake", s._wait)
         s.slow_tick = t("slow", s.slow_tick)
         if s.host is not None:
+            self.meta["host_cpu_source"] = getattr(s.host, "cpu_source", None)
             s.host.read_fast = t("host.read_fast", s.host.read_fast)
             s.host.read_slow = t("host.read_slow", s.host.read_slow)
         g = s.gpu
         if g is not None:
             g.read_fast = t(lambda i: f"gpu{i}.read_fast", g.read_fast)
             g.read_slow = t(lambda i: f"gpu{i}.read_slow", g.read_slow)
+            self.meta["pcie_every"] = getattr(g, "pcie_every", None)
             fast = getattr(g, "_fast", None)  # NvmlBackend: one reader per NVML call (group) per GPU
             if isinstance(fast, list):
                 for i, readers in enumerate(fast):
