@@ -459,3 +459,13 @@ def test_joined_projections_are_views_so_no_copy_is_kept_and_training_still_upda
     M.step_train(tiny, _ids(2, 16), opt, None)
     assert not torch.equal(at.q_proj.weight, before["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(fast._qkv_w[0][: at.q_proj.weight.shape[0]], at.q_proj.weight)
+    # a precision change gives the modules new tensors: the old matrix is not kept alive, a rebuild joins anew
+    import weakref
+
+    old = weakref.ref(fast._qkv_w[0])
+    del fast, again
+    tiny.to(torch.float64)
+    assert old() is None
+    with torch.inference_mode():
+        fast = FastDeepseek(tiny, 2, 20)
+    assert fast._qkv_w[0].dtype == torch.float64 and at.q_proj.weight.data_ptr() == fast._qkv_w[0].data_ptr()

@@ -31,6 +31,7 @@ and replayed for every token.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -66,8 +67,9 @@ def _fuse_rows(mods) -> torch.Tensor | None:
     if any(getattr(m, "bias", None) is not None for m in mods) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
         return None
     held = getattr(mods[0], "_gw_fused", None)
-    if held is not None and [w.data_ptr() for w in ws] == held[1]:
-        return held[0]
+    joined = held[0]() if held is not None else None
+    if joined is not None and [w.data_ptr() for w in ws] == held[1]:
+        return joined
     with torch.inference_mode(False), torch.no_grad():  # normal tensors: a train step may use them later
         joined = torch.cat([w.detach() for w in ws], 0)
         off = 0
@@ -75,7 +77,8 @@ def _fuse_rows(mods) -> torch.Tensor | None:
             n = w.shape[0]
             m.weight = torch.nn.Parameter(joined[off:off + n], requires_grad=w.requires_grad)
             off += n
-    mods[0]._gw_fused = (joined, [m.weight.data_ptr() for m in mods])
+    # a weak reference: after model.to(dtype) the modules hold new tensors and the old matrix must go
+    mods[0]._gw_fused = (weakref.ref(joined), [m.weight.data_ptr() for m in mods])
     return joined
 
 
