@@ -99,9 +99,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> di
     procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
         dict(only, GPUWATCH_SAMPLER_CPU="last"))
-    procs["gpuwatch record, PCIe counters every 2 s (GPUWATCH_PCIE_EVERY=2)"] = ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie2")],
-        dict(only, GPUWATCH_PCIE_EVERY="2"))
+    procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
+        dict(only, GPUWATCH_PCIE_EVERY="1"))
     if n > 1:
         procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],

@@ -121,16 +121,19 @@ ENERGY: dict[str, Callable[[Any], Any]] = {
 }
 LEGACY_SLOW = {**LEGACY_PCIE, **ENERGY}
 ENERGY_EVERY = 30  # slow ticks: ~4 ms of CPU per read, so every 30 s
-# GPUWATCH_PCIE_EVERY=N: read the PCIe byte counters every N slow ticks (default 1: every second). On an
-# H200 that field-values read costs ~1 ms of CPU in the driver, ~0.1 % of a core at 1 Hz; with N = 2 the
-# rate is the average over the last 2 s (each value carried on 20 rows instead of 10). An experiment
-# for `bench_sampler.py cost`; the legacy (blocking) PCIe calls are not affected.
+# The PCIe byte counters are read every PCIE_EVERY slow ticks (GPUWATCH_PCIE_EVERY=N overrides). On an H200
+# that one field-values read costs ~0.8-1 ms of CPU in the driver (every other field of a tick costs 2-60
+# us): at 1 Hz it alone was ~0.08 % of a core, the largest single item of the sampler's cost (profile,
+# docs/BENCHMARKS.md "Issue 10"). The counters are cumulative, so no byte is missed: the rate is the exact
+# average over the last 2 s, carried on the 20 rows until the next read (N = 1: 1 s, 10 rows). The legacy
+# (blocking, pre-Hopper) PCIe calls are not affected.
+PCIE_EVERY = 2
 PCIE_EVERY_ENV = "GPUWATCH_PCIE_EVERY"
 
 
 def _pcie_every() -> int:
     v = os.environ.get(PCIE_EVERY_ENV, "").strip()
-    return int(v) if v.isdigit() and int(v) > 0 else 1
+    return int(v) if v.isdigit() and int(v) > 0 else PCIE_EVERY
 
 
 XID_WAIT_MS = 1000  # the XID thread wakes this often to see a stop (a wake-up a second; an XID comes at once)
