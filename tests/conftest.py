@@ -6,11 +6,20 @@ from pathlib import Path
 
 import pytest
 
-# Without a GPU, the fast decode step's Triton kernels (gpuwatch/workload/kernels.py) run in Triton's
+# Without a usable GPU (none, hidden, or a CPU build of torch), the fast decode step's Triton kernels (gpuwatch/workload/kernels.py) run in Triton's
 # interpreter on CPU tensors, so the CPU tests exercise them (their decoration reads this at import: it
 # must be set before gpuwatch.workload.kernels is first imported). Never on a machine with a GPU: there
 # they compile for real.
-if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+def _cuda_usable() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if "TRITON_INTERPRET" not in os.environ and not _cuda_usable():
     os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,17 +41,8 @@ def wait_for_stream(out: Path, timeout: float) -> bool:
     return bool(list(out.glob("*/samples-*.arrows")))
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
+    if _cuda_usable():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CI has none)")
     for item in items:

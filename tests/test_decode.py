@@ -263,6 +263,9 @@ VARIANTS = {
     "v3-like": dict(q_lora_rank=48, n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=4,
                     norm_topk_prob=True, routed_scaling_factor=2.5),
     "no-interleave": dict(rope_interleave=False, num_hidden_layers=3, first_k_dense_replace=2),
+    # normalised, scaled top-k without group limits: the fused kernel's own choice against the router's
+    "norm-scaled": dict(n_routed_experts=12, num_experts_per_tok=3, norm_topk_prob=True, routed_scaling_factor=2.5,
+                        n_group=1, topk_group=1),
 }
 
 
@@ -305,6 +308,26 @@ def test_torch_compile_of_the_fast_step_traces_it_whole_on_a_cpu_too():
     assert eng.detail["kernels"] == "torch (for torch.compile)" and torch.equal(eng.tokens, ref_tokens)
 
 
+def test_a_failed_capture_keeps_the_fused_kernels_for_the_step_without_graphs():
+    """Graphs fail (no CUDA here): the step runs without them, still with the kernels - the kernels did not fail."""
+    from gpuwatch.workload import kernels
+
+    if kernels.usable(torch.device("cpu")):
+        pytest.skip(kernels.usable(torch.device("cpu")))
+    model = _variant(**VARIANTS["tiny"])
+    ids = _ids(8, 9, seed=3)
+    ref_tokens, _ = _reference(model, ids, 3)
+    events = []
+    eng = M.DecodeEngine(model, 8, 9, 3, "cpu", lambda k, m, **d: events.append((m, d)), graphs=True, record_tokens=True)
+    eng.step(ids)
+    assert eng.mode == "static" and eng._st["fast"].fused is True and torch.equal(eng.tokens, ref_tokens)
+    said = [(m, d) for m, d in events if d.get("fallback")]
+    assert len(said) == 1 and said[0][1]["fallback"] == "static"
+    assert "running gpuwatch's step with fused kernels without graphs instead" in said[0][0]
+    eng.step(_ids(3, 9))  # a rebuild: the plan that worked, at once
+    assert eng._st["fast"].fused is True and sum(bool(d.get("fallback")) for _, d in events) == 1
+
+
 def test_a_fused_kernel_that_fails_falls_back_to_the_fast_step_without_it_and_says_so(monkeypatch):
     from gpuwatch.workload import kernels
 
@@ -322,6 +345,7 @@ def test_a_fused_kernel_that_fails_falls_back_to_the_fast_step_without_it_and_sa
                          record_tokens=True)
     eng.step(ids)
     assert eng.impl == "fast" and eng._st["fast"].fused is False and torch.equal(eng.tokens, ref_tokens)
+    assert eng.detail["kernels"] == "torch (the fused kernels failed to build (see the compile events))"
     said = [(m, d) for m, d in events if d.get("fallback")]
     assert len(said) == 1 and said[0][1]["fallback"] == "unfused", events
     assert "with fused kernels without graphs: RuntimeError: PTX assembly aborted" in said[0][0]

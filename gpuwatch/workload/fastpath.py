@@ -89,9 +89,9 @@ class FastDeepseek:
     `decode(tok)` (batch, 1) appends one position and returns its logits. `pos` is a device tensor."""
 
     def __init__(self, model, batch: int, max_len: int, moe: str = "auto", fused: bool | None = None,
-                 for_compile: bool = False) -> None:
+                 for_compile: bool = False, unfused_why: str | None = None) -> None:
         """`fused`: the Triton kernels of `kernels` (None: where they can run, a CUDA device with Triton;
-        True: required; False: torch ops only). `for_compile`: for torch.compile, which traces neither
+        True: required; False: torch ops only, `unfused_why` says why). `for_compile`: for torch.compile, which traces neither
         the Triton launches nor matmuls into strided `out=` views: torch ops, results copied."""
         if for_compile:
             fused = False
@@ -139,7 +139,7 @@ class FastDeepseek:
         if fused and why:
             raise Unsupported(f"fused kernels asked for: {why}")
         self.fused = why is None if fused is None else bool(fused)
-        self.unfused_why = None if self.fused else "for torch.compile" if for_compile else why
+        self.unfused_why = None if self.fused else "for torch.compile" if for_compile else why or unfused_why
         self._silu = getattr(cfg, "hidden_act", "silu") in ("silu", "swish")
         # one cache row per position: [normed latent (r) | rotated shared key (dr)], so the scores are one
         # batched GEMM against [latent query | rotary query]; ckv and kpe are views of its two parts

@@ -87,7 +87,7 @@ if triton is not None:
     def _route_act_kernel(logit_ptr, bias_ptr, route_ptr, gu_ptr, out_ptr, T, E, I, scale, s_gut, s_gue,
                           HAS_ROUTE: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_I: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # int64 offsets: (T, E, 2I) and (E, T, I) pass 2**31 elements
         offs_e = tl.arange(0, BLOCK_E)
         me = offs_e < E
         if HAS_ROUTE:
@@ -108,18 +108,22 @@ if triton is not None:
             if NORM:
                 w = w / (tl.sum(w, axis=0) + 1e-20)
             w = w * scale
+            # a NaN logit is never chosen above (no comparison holds): make the whole token NaN instead, as
+            # torch's top-k (which ranks NaN highest) would, so the step's non-finite check sees it
+            bad = tl.sum(tl.where(s != s, 1, 0), axis=0) > 0
+            w = tl.where(bad, float("nan"), w)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         m2 = me[:, None] & (offs_i < I)[None, :]
         src = gu_ptr + t * s_gut + offs_e[:, None] * s_gue + offs_i[None, :]
         g = tl.load(src, mask=m2, other=0.0).to(tl.float32)
         u = tl.load(src + I, mask=m2, other=0.0).to(tl.float32)
         a = g * tl.sigmoid(g) * u * w[:, None]
-        dst = out_ptr + offs_e[:, None] * (T * I) + t * I + offs_i[None, :]
+        dst = out_ptr + offs_e[:, None].to(tl.int64) * T * I + t * I + offs_i[None, :]
         tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, J, s_xt, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < J
         g = tl.load(x_ptr + t * s_xt + offs, mask=m, other=0.0).to(tl.float32)
@@ -129,8 +133,8 @@ if triton is not None:
     @triton.jit
     def _sum_experts_kernel(o_ptr, res_ptr, out_ptr, E, T, D, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
         # one (E, BLOCK) tile per program, all loads issued at once, summed over E in fp32
-        t = tl.program_id(0)
-        offs_e = tl.arange(0, BLOCK_E)
+        t = tl.program_id(0).to(tl.int64)
+        offs_e = tl.arange(0, BLOCK_E).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < D
         x = tl.load(o_ptr + (offs_e[:, None] * T + t) * D + offs[None, :], mask=(offs_e < E)[:, None] & m[None, :],
@@ -139,10 +143,10 @@ if triton is not None:
         tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_cache_kernel(q_ptr, s_qb, kv_ptr, s_kvb, lnw_ptr, eps, f_ptr, pos_ptr, c_ptr, s_cb, s_cl,
+    def _rope_cache_kernel(q_ptr, s_qb, kv_ptr, s_kvb, lnw_ptr, eps, f_ptr, pos_ptr, c_ptr, s_cb, s_cl, L,
                            qc_ptr, s_qch, s_qcb, H, DQ, DN, R, HALF,
                            BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr)
         dst = c_ptr + b * s_cb + pos * s_cl
         # the new latent, RMS-normalised, into the cache
@@ -150,7 +154,8 @@ if triton is not None:
         mr = offs_r < R
         x = tl.load(kv_ptr + b * s_kvb + offs_r, mask=mr, other=0.0).to(tl.float32)
         y = x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps) * tl.load(lnw_ptr + offs_r, mask=mr, other=0.0).to(tl.float32)
-        tl.store(dst + offs_r, y.to(c_ptr.dtype.element_ty), mask=mr)
+        # a position past the cache writes nothing (the torch code raises; the engine never gets there)
+        tl.store(dst + offs_r, y.to(c_ptr.dtype.element_ty), mask=mr & (offs_r * 0 + pos < L))
         # interleaved pairs (x0, x1) -> (x0 c - x1 s, x0 s + x1 c); f = (cos, sin) pairs, fp32
         offs_j = tl.arange(0, BLOCK_J)
         mj = offs_j < HALF
@@ -159,8 +164,8 @@ if triton is not None:
         k = kv_ptr + b * s_kvb + R + 2 * offs_j
         k0 = tl.load(k, mask=mj, other=0.0).to(tl.float32)
         k1 = tl.load(k + 1, mask=mj, other=0.0).to(tl.float32)
-        tl.store(dst + R + 2 * offs_j, (k0 * c - k1 * s).to(c_ptr.dtype.element_ty), mask=mj)
-        tl.store(dst + R + 2 * offs_j + 1, (k0 * s + k1 * c).to(c_ptr.dtype.element_ty), mask=mj)
+        tl.store(dst + R + 2 * offs_j, (k0 * c - k1 * s).to(c_ptr.dtype.element_ty), mask=mj & (offs_j * 0 + pos < L))
+        tl.store(dst + R + 2 * offs_j + 1, (k0 * s + k1 * c).to(c_ptr.dtype.element_ty), mask=mj & (offs_j * 0 + pos < L))
         offs_h = tl.arange(0, BLOCK_H)
         m2 = (offs_h < H)[:, None] & mj[None, :]
         q = q_ptr + b * s_qb + offs_h[:, None] * DQ + DN + 2 * offs_j[None, :]
@@ -251,5 +256,5 @@ def rope_cache(q: torch.Tensor, dn: int, kv: torch.Tensor, ln, freqs: torch.Tens
     assert q.stride(2) == 1 and q.stride(1) == dq and kv.stride(1) == 1 and cache.stride(2) == 1 and qcat.stride(2) == 1
     _rope_cache_kernel[(b,)](
         q, q.stride(0), kv, kv.stride(0), ln.weight, float(ln.variance_epsilon), f, pos, cache, cache.stride(0),
-        cache.stride(1), qcat, qcat.stride(0), qcat.stride(1), h, dq, dn, r, dr // 2,
+        cache.stride(1), cache.shape[1], qcat, qcat.stride(0), qcat.stride(1), h, dq, dn, r, dr // 2,
         BLOCK_R=_pow2(r), BLOCK_H=_pow2(h), BLOCK_J=_pow2(dr // 2))

@@ -197,8 +197,10 @@ class DecodeEngine:
                  fast: bool = True, moe: str = "auto", compile: bool | None = None,
                  fused: bool | None = None) -> None:
         self.model, self.new_tokens = model, int(new_tokens)
-        # the fast step's fused Triton kernels (workload/kernels.py): None = where they can run (CUDA + Triton)
-        self.want_fused = fused
+        # the fast step's fused Triton kernels (workload/kernels.py): None = where they can run (CUDA + Triton);
+        # False: never (asked, or a build with them failed); `_plan_fused`: the plan being built
+        self.want_fused, self._asked_fused = fused, fused
+        self._plan_fused = False
         self.want_fast, self.moe = fast, moe  # fastpath.FastDeepseek (absorbed MLA, dense experts) or transformers'
         self.impl: str | None = None  # "fast" or "transformers": what the last build runs
         self.detail: dict[str, Any] = {}
@@ -255,23 +257,29 @@ class DecodeEngine:
         t0 = time.perf_counter()
         self.release()
         # what to try, in order: as asked; the fast step without its fused kernels (a Triton that cannot
-        # compile them); without graphs; transformers' forward (with graphs if asked); then eager. What
-        # failed is not tried again on a rebuild ("for good").
+        # compile them); without graphs (with the kernels, then without); transformers' forward (with graphs
+        # if asked); then eager. What failed is not tried again on a rebuild ("for good"): the flags keep
+        # the plan that worked.
         from gpuwatch.workload import kernels
 
-        fused = self.want_fused is not False and kernels.usable(self.device) is None
+        compiling = self.want_compile and not self._compile_failed  # torch.compile traces torch ops only
+        fused = bool(self.want_fast and self.want_fused is not False and not compiling
+                     and kernels.usable(self.device) is None)
         plans = [(self.want_graphs, self.want_fast, fused)]
-        if self.want_fast and fused:
+        if fused:
             plans.append((self.want_graphs, True, False))
         if self.want_graphs and self.want_fast:
+            plans += [(False, True, True)] if fused else []
             plans.append((False, True, False))
         if self.want_fast:
             plans.append((self.want_graphs, False, False))
         failures: list[str] = []
         for graphs, fast, fz in plans:
-            self.want_graphs, self.want_fast, self.want_fused = graphs, fast, fz
+            self.want_graphs, self.want_fast, self._plan_fused = graphs, fast, fz
             try:
                 self._build(batch, prompt_len)
+                if fused and fast and not fz:  # the fast step works only without the kernels: off for good
+                    self.want_fused = False
                 break
             except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: next plan
                 self.release()
@@ -285,7 +293,7 @@ class DecodeEngine:
                           "eager", fallback="eager", reason="; ".join(failures))
             return 0.0
         if failures:
-            now = self._plan_name(self.want_graphs, self.want_fast, self.want_fused)
+            now = self._plan_name(self.want_graphs, self.want_fast, self._plan_fused)
             self.on_event("compile", f"decode: could not build the step ({'; '.join(failures)}); running {now} "
                           "instead", fallback=("transformers" if not self.want_fast else "static"
                                       if plans[0][0] and not self.want_graphs else "unfused"),
@@ -382,9 +390,13 @@ class DecodeEngine:
         from gpuwatch.workload.fastpath import FastDeepseek, Unsupported
 
         try:
+            from gpuwatch.workload import kernels
+
             compiling = self.want_compile and not self._compile_failed  # torch.compile traces torch ops only
-            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe, fused=bool(self.want_fused) and not compiling,
-                                for_compile=compiling)
+            why = ("asked" if self._asked_fused is False else kernels.usable(self.device)
+                   or "the fused kernels failed to build (see the compile events)")
+            fast = FastDeepseek(self.model, batch, max_len, moe=self.moe, fused=self._plan_fused,
+                                for_compile=compiling, unfused_why=why)
         except Unsupported as e:
             if not self._said_unsupported:
                 self._said_unsupported = True
@@ -413,6 +425,7 @@ class DecodeEngine:
             if is_oom(e):
                 raise
             self._compile_failed = True
+            fast.for_compile = False  # eager from here: the matmuls write in place again (no copies)
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
             self.on_event("compile", f"decode: torch.compile failed ({why}); the step runs uncompiled",
                           fallback="uncompiled", reason=why)
