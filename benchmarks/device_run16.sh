@@ -6,6 +6,7 @@
 #            default now) beside the same with PCIe every 1 s, nvidia-smi -lms 100, a bare pynvml loop, ...
 #   cost2    (2 GPUs) the same over both GPUs, and a GPU-0-only record beside: the cost of one more GPU
 #   profile  bench_sampler.py profile --gpus 1 (host_cpu_pct source and PCIe cadence on its last line)
+#   decode   bench_decode.py fast arm 32x512+128 (the final tree's kernels: int64 offsets)
 #   stress   `gpuwatch stress --preset v2-lite --mode decode --batch 32` as a user runs it, recorded
 set -u
 R=/tmp/results16; mkdir -p $R
@@ -30,6 +31,9 @@ if [ "$NG" -ge 2 ]; then
 fi
 EXT=txt stage profile 40 python3 benchmarks/bench_sampler.py profile --seconds 20 --gpus 1 --json $R/sampler_profile.json
 head -n 48 $R/profile.txt
+stage decode 90 python3 benchmarks/bench_decode.py --preset v2-lite --precision bf16 --decode 32x512+128 \
+  --prefill "" --arms fast --seconds 3 --budget 60 --out $R/decode_partial.json
+tail -n 4 $R/decode.err
 stage stress 80 python3 -m gpuwatch stress --preset v2-lite --mode decode --batch 32 --duration 45s --no-model \
   -o /tmp/rec16 --summary-json $R/stress_summary.json
 REC=/tmp/rec16 python3 benchmarks/stress_check.py > $R/stress_check.json 2>&1; head -c 700 $R/stress_check.json; echo
