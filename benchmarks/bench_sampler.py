@@ -59,12 +59,30 @@ while True:
 BASH_LOOP = "while true; do nvidia-smi --query-gpu=%s --format=csv,noheader >/dev/null; free -b >/dev/null; sleep 0.1; done" % FIELDS
 
 
+def _schedstat_s(pid: int) -> float | None:
+    """CPU time of every live thread of `pid` in ns precision (/proc/PID/task/TID/schedstat, field 1), or None
+    (not Linux). utime/stime count in 10 ms clock ticks: over 45 s that is +-0.02 % of a core per process."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
 def cpu_seconds(p: psutil.Process) -> float:
     total = 0.0
     for q in [p, *p.children(recursive=True)]:
         try:
             t = q.cpu_times()  # children_*: reaped short-lived children (the bash loop's nvidia-smi calls)
-            total += t.user + t.system + t.children_user + t.children_system
+            live = _schedstat_s(q.pid)
+            total += (t.user + t.system if live is None else live) + t.children_user + t.children_system
         except psutil.NoSuchProcess:
             pass
     return total
@@ -83,22 +101,26 @@ def _gpu_count() -> int:
         return 0
 
 
-def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> dict:
+def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, variants: str = "all") -> dict:
     """`max_gpus`: every tool samples the first N GPUs (None: all). With all GPUs on a machine of more than
     one, a second `gpuwatch record` sampling GPU 0 only runs beside them: the difference is the cost of
-    the additional GPUs."""
+    the additional GPUs. `variants="side-by-side"`: only `gpuwatch record` (default, and PCIe every 1 s),
+    nvidia-smi and the pynvml loop - no bash loop starting nvidia-smi ten times a second (each start
+    initialises NVML in the driver beside the others' reads) and no scoring run."""
     rec_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
     dur = f"{seconds + warmup + 3}s"
     n_gpus = _gpu_count()
     n = min(n_gpus, max_gpus) if max_gpus else n_gpus
     only = {"GPUWATCH_MAX_GPUS": str(max_gpus)} if max_gpus else {}
+    full = variants == "all"
     procs = {f"gpuwatch record (sampler+recorder, all fields, {n} GPU)": ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)], only),
-             "gpuwatch record + risk scoring (2 Hz)": ([
-        sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")], only)}
-    procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
-        dict(only, GPUWATCH_SAMPLER_CPU="last"))
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)], only)}
+    if full:
+        procs["gpuwatch record + risk scoring (2 Hz)"] = ([
+            sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")], only)
+        procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
+            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
+            dict(only, GPUWATCH_SAMPLER_CPU="last"))
     procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
         dict(only, GPUWATCH_PCIE_EVERY="1"))
@@ -111,7 +133,8 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> di
         procs[f"nvidia-smi --query-gpu (8 fields) -lms 100, {n} GPU"] = (
             ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv", "-lms", "100", *ids], {})
         procs[f"bare pynvml loop, 6 fields, {n} GPU"] = ([sys.executable, "-c", PYNVML_LOOP], {"LOOP_GPUS": str(n or 1)})
-        procs["bash loop: nvidia-smi + free every 0.1 s"] = (["bash", "-c", BASH_LOOP], {})
+        if full:
+            procs["bash loop: nvidia-smi + free every 0.1 s"] = (["bash", "-c", BASH_LOOP], {})
     running = {k: subprocess.Popen(v, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                                    env=dict(os.environ, **e), start_new_session=True) for k, (v, e) in procs.items()}
     time.sleep(warmup)
@@ -128,6 +151,7 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None) -> di
         if k.startswith("gpuwatch"):
             p.wait(timeout=60)
     result = {"measure": "cpu_pct_of_one_core", "seconds": round(dt, 1), "gpus": n_gpus, "max_gpus": max_gpus,
+              "variants": variants, "clock": "schedstat (ns)" if _schedstat_s(os.getpid()) is not None else "utime+stime",
               "cpu_pct": out}
     result.update(disk_usage(rec_dir))
     shutil.rmtree(rec_dir, ignore_errors=True)
@@ -810,6 +834,7 @@ def main() -> None:
     ap.add_argument("--gpus", default=None, help="cost/compare: 'all' (default) or N = sample only the first N GPUs")
     ap.add_argument("--sampler", default="process", choices=["process", "thread"], help="threads: which sampler")
     ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--variants", default="all", choices=["all", "side-by-side"], help="cost: which tools run")
     ap.add_argument("--out", "--json", dest="out", type=Path)
     ap.add_argument("--fake-nvml", type=int, default=0, metavar="N",
                     help="profile: replace the NVML driver calls by ones that answer at once for N GPUs (no GPU here)")
@@ -825,7 +850,7 @@ def main() -> None:
     if a.what == "compare":
         res = compare(a.trees, a.seconds or 60, a.runs, fake_nvml=a.fake_nvml, max_gpus=max_gpus)
     elif a.what == "cost":
-        res = cost(a.seconds or 60, max_gpus=max_gpus)
+        res = cost(a.seconds or 60, max_gpus=max_gpus, variants=a.variants)
     elif a.what == "jitter":
         res = jitter(a.seconds or 20)
     elif a.what == "threads":
