@@ -124,6 +124,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, varia
     procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
         dict(only, GPUWATCH_PCIE_EVERY="1"))
+    procs["gpuwatch record --sampler thread (no child process, no pipe)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--sampler", "thread", "--duration", dur,
+        "-o", str(rec_dir / "thread")], only)
     if n > 1:
         procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],

@@ -308,6 +308,21 @@ def test_torch_compile_of_the_fast_step_traces_it_whole_on_a_cpu_too():
     assert eng.detail["kernels"] == "torch (for torch.compile)" and torch.equal(eng.tokens, ref_tokens)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_kernels_compiled_on_cuda_decode_what_transformers_decodes(variant):
+    """The CPU variants (query LoRA, group-limited routing, normalised/scaled top-k, no interleave, ...) on
+    CUDA in fp32 with the Triton kernels compiled for real, dense experts: transformers' exact tokens."""
+    model = _variant(**VARIANTS[variant]).to("cuda:0")
+    ids = _ids(8, 21, "cuda:0", seed=7)
+    ref_tokens, ref_logits = _reference(model, ids, 6)
+    eng = M.DecodeEngine(model, 8, 21, 6, "cuda:0", graphs=False, record_tokens=True, moe="dense")
+    eng.step(ids)
+    assert eng.impl == "fast" and eng._st["fast"].fused is True and eng.detail["kernels"] == "fused (Triton)"
+    assert torch.equal(eng.tokens, ref_tokens)
+    assert torch.allclose(eng._st["logits"][:, 0], ref_logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_failed_capture_keeps_the_fused_kernels_for_the_step_without_graphs():
     """Graphs fail (no CUDA here): the step runs without them, still with the kernels - the kernels did not fail."""
     from gpuwatch.workload import kernels
