@@ -121,6 +121,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, varia
         procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
             dict(only, GPUWATCH_SAMPLER_CPU="last"))
+    procs["gpuwatch record, Python sampler loop (GPUWATCH_SAMPLER_LOOP=python; default: the C loop)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pyloop")],
+        dict(only, GPUWATCH_SAMPLER_LOOP="python"))
     procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
         dict(only, GPUWATCH_PCIE_EVERY="1"))
@@ -280,7 +283,8 @@ def threads(seconds: float, extra: list[str]) -> dict:
 # A stand-in libnvidia-ml.so.1 whose functions answer at once (no GPU here): pynvml and gpuwatch's own
 # NVML code run unchanged against it (dlopen through LD_LIBRARY_PATH), so their Python + ctypes cost is
 # what a profile shows. FAKE_NVML_GPUS GPUs; FAKE_NVML_PROCS running processes (default none); XID events
-# not supported. FAKE_NVML_LOST_FILE=PATH (tests): while PATH exists, every fast read answers "GPU is lost".
+# not supported. FAKE_NVML_LOST_FILE=PATH (tests): while PATH exists, every fast read answers "GPU is lost";
+# FAKE_NVML_NOTSUP_FILE=PATH: while PATH exists, the temperature answers "not supported".
 FAKE_NVML_C = r"""
 #include <stdlib.h>
 #include <string.h>
@@ -289,6 +293,7 @@ typedef void *H;
 static int ngpu(void) { const char *e = getenv("FAKE_NVML_GPUS"); return e ? atoi(e) : 1; }
 static int lost(void) { const char *e = getenv("FAKE_NVML_LOST_FILE"); return e && access(e, F_OK) == 0; }
 #define L if (lost()) return 15;
+static int notsup(void) { const char *e = getenv("FAKE_NVML_NOTSUP_FILE"); return e && access(e, F_OK) == 0; }
 int nvmlInitWithFlags(unsigned f) { return 0; }
 int nvmlInit_v2(void) { return 0; }
 int nvmlShutdown(void) { return 0; }
@@ -307,7 +312,7 @@ int nvmlDeviceGetMemoryInfo(H h, struct mem1 *m) { L m->total = 151ULL << 30; m-
 int nvmlDeviceGetMemoryInfo_v2(H h, struct mem2 *m) { L m->total = 151ULL << 30; m->reserved = 615ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->used; return 0; }
 struct util { unsigned gpu, memory; };
 int nvmlDeviceGetUtilizationRates(H h, struct util *u) { L u->gpu = 97; u->memory = 40; return 0; }
-int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { L *v = 60; return 0; }
+int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { L if (notsup()) return 3; *v = 60; return 0; }
 int nvmlDeviceGetPowerUsage(H h, unsigned *v) { L *v = 350000; return 0; }
 int nvmlDeviceGetClockInfo(H h, int t, unsigned *v) { L *v = t == 2 ? 2619 : 1980; return 0; }
 int nvmlDeviceGetCurrentClocksEventReasons(H h, unsigned long long *v) { L *v = 4; return 0; }

@@ -111,6 +111,27 @@ def test_gpu_lost_mid_run_is_an_event_and_the_run_goes_on(py, fenv, tmp_path):
     assert gone["host_cpu_pct"].drop_nulls().len() >= gone.height - 1
 
 
+def test_a_field_not_supported_mid_run_is_dropped_and_the_c_loop_goes_on(py, fenv, tmp_path):
+    """The temperature starts answering not-supported: null from then on (the C thread restarted without the
+    call), the other fields and the tick numbers go on."""
+    flag = tmp_path / "notsup"
+    p = _record(py, dict(fenv, FAKE_NVML_NOTSUP_FILE=str(flag)), tmp_path / "r", seconds=4)
+    time.sleep(2.5)
+    flag.touch()
+    time.sleep(0.5)
+    flag.unlink()  # asked again it would answer: it is not asked again
+    meta, rec = _read(p, tmp_path / "r")
+    assert meta["sampler_loop"] == "c", meta["sampler_loop_note"]
+    s = rec.samples
+    temps = s["gpu_temp_c"].to_list()
+    k = temps.index(None)
+    assert k >= 5 and set(temps[:k]) == {60} and set(temps[k:]) == {None} and len(temps) - k >= 5
+    assert s["gpu_util_pct"].null_count() == 0 and s["tick"].to_list() == list(range(s.height))
+    iv = s["sampler_interval_us"].drop_nulls()
+    assert iv.min() > 50_000 and iv.max() < 200_000, iv.to_list()  # the restarted C thread keeps the deadlines
+    assert rec.events.filter(rec.events["kind"] == "gpu_lost").height == 0
+
+
 SCRIPT = r"""
 import time
 from gpuwatch.telemetry.bus import Bus

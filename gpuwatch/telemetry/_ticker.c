@@ -44,7 +44,7 @@ typedef struct {
     gw_spec *specs; int n;
     char *tmpl;                                /* copies of the templates, at spec.off */
     int host_fd; int64_t host_off, host_size;
-    int64_t interval_ns; int notify_fd, notify_every;
+    int64_t interval_ns, first_ns; int notify_fd, notify_every;
     int64_t rec_size; int cap;
     char *ring, *work;                         /* cap records; the record being built */
     int64_t head, count, dropped, late;        /* head: next slot written; guarded by mu */
@@ -92,9 +92,12 @@ static void *loop(void *arg) {
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals are Python's business, on its threads */
-    int64_t deadline = now_ns(CLOCK_MONOTONIC);
+    int64_t deadline = t->first_ns ? t->first_ns : now_ns(CLOCK_MONOTONIC);
     int since = 0;
     while (!t->stop) {
+        struct timespec ts = { deadline / 1000000000LL, deadline % 1000000000LL };
+        while (!t->stop && clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
+        if (t->stop) break;
         tick(t);
         if (++since >= t->notify_every) {  /* wake the Python side: records to decode */
             since = 0;
@@ -103,15 +106,14 @@ static void *loop(void *arg) {
         deadline += t->interval_ns;
         int64_t now = now_ns(CLOCK_MONOTONIC);
         if (now > deadline + t->interval_ns) { __atomic_add_fetch(&t->late, 1, __ATOMIC_RELAXED); deadline = now; }  /* skip missed deadlines */
-        struct timespec ts = { deadline / 1000000000LL, deadline % 1000000000LL };
-        while (!t->stop && clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
     }
     return NULL;
 }
 
-/* Start the thread. The specs (and the templates they point to) are copied: the caller may free them. */
+/* Start the thread; its first tick at monotonic `first_ns` (0: now; a restart keeps the old deadlines).
+ * The specs (and the templates they point to) are copied: the caller may free them. */
 gw_ticker *gw_start(const gw_spec *specs, int n, int host_fd, int64_t host_off, int64_t host_size,
-                    int64_t rec_size, int64_t interval_ns, int cap, int notify_fd, int notify_every) {
+                    int64_t rec_size, int64_t interval_ns, int64_t first_ns, int cap, int notify_fd, int notify_every) {
     gw_ticker *t = calloc(1, sizeof *t);
     if (!t) return NULL;
     t->specs = malloc(sizeof(gw_spec) * (n ? n : 1));
@@ -122,10 +124,13 @@ gw_ticker *gw_start(const gw_spec *specs, int n, int host_fd, int64_t host_off, 
     memcpy(t->specs, specs, sizeof(gw_spec) * n);
     for (int i = 0; i < n; i++) memcpy(t->tmpl + specs[i].off, specs[i].tmpl, specs[i].size);
     t->n = n; t->host_fd = host_fd; t->host_off = host_off; t->host_size = host_size;
-    t->rec_size = rec_size; t->interval_ns = interval_ns; t->cap = cap;
+    t->rec_size = rec_size; t->interval_ns = interval_ns; t->first_ns = first_ns; t->cap = cap;
     t->notify_fd = notify_fd; t->notify_every = notify_every > 0 ? notify_every : 1;
     pthread_mutex_init(&t->mu, NULL);
-    if (pthread_create(&t->th, NULL, loop, t) == 0) return t;
+    if (pthread_create(&t->th, NULL, loop, t) == 0) {
+        pthread_setname_np(t->th, "gw-ticker");  /* top -H, bench_sampler.py threads: the C loop's own line */
+        return t;
+    }
     pthread_mutex_destroy(&t->mu);
 fail:
     free(t->specs); free(t->tmpl); free(t->ring); free(t->work); free(t);

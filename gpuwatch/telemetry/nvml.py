@@ -295,7 +295,10 @@ class _DirectGpu:
         from this reader for good."""
         out: dict[str, Any] = {}
         drop = None
+        skip = self.skip if specs is not self.specs else ()  # a record taken before a field dropped out
         for spec, ret in zip(specs, rets):
+            if spec[0] in skip:
+                continue
             if ret:
                 if ret == _LOST_CODE:
                     raise _Lost
@@ -352,7 +355,10 @@ class _DirectGpu:
                 raise _Unbatched
             return
         drop = None
+        asked = {f[0] for f in self.batch} if batch is not self.batch else None  # a record taken before a drop
         for (col, _, scale), v in zip(batch, arr):
+            if asked is not None and col not in asked:
+                continue
             r = v.nvmlReturn
             if r == 0:
                 x = _field_value(v)

@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.gw_start.restype = ctypes.c_void_p
     lib.gw_start.argtypes = [ctypes.POINTER(_Spec), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.gw_drain.restype = ctypes.c_int
     lib.gw_drain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.gw_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
@@ -186,8 +186,10 @@ class CLoop:
 
     def _start(self) -> _Layout:
         lay = _Layout(self.s)
+        interval = int(self.s.interval * 1e9)
+        first = self._last_ns + interval if self._last_ns is not None else 0  # a restart: the same deadlines
         h = self.lib.gw_start(lay.specs, lay.n, lay.host_fd, lay.host_off, lay.host_size, lay.rec_size,
-                              int(self.s.interval * 1e9), self.cap, self._w, self.s.deliver_n)
+                              interval, first, self.cap, self._w, self.s.deliver_n)
         if not h:
             raise OSError("gw_start failed")
         self._h = h
@@ -212,15 +214,11 @@ class CLoop:
 
     def run(self, slow_inline: bool = False) -> None:
         s = self.s
+        slow_every = max(1, round(s.slow_interval / s.interval)) if slow_inline else 0
+        n, why = 0, None
+        s._wake = self.wake
         try:
             lay = self._start()
-        except (OSError, AttributeError, TypeError, ValueError) as e:
-            s.loop, s.loop_note = "python", f"python loop (C loop failed to start: {e})"
-            return s.run(slow_inline)
-        s._wake = self.wake
-        slow_every = max(1, round(s.slow_interval / s.interval)) if slow_inline else 0
-        n = 0
-        try:
             while True:
                 try:
                     os.read(self._r, 4096)  # blocks until ticks are delivered (or stop)
@@ -238,12 +236,18 @@ class CLoop:
                     n = self._drain(lay, n, slow_every)
                     self._free()
                     lay = self._start()
+        except (OSError, AttributeError, TypeError, ValueError) as e:  # could not (re)start the C thread
+            why = e
         finally:
             s._wake = None
             if self._h is not None:
                 self._free()
             os.close(self._r)
             os.close(self._w)
+        if why is not None and not s._stop.is_set():
+            s.loop, s.loop_note = "python", f"python loop (the C loop failed: {why})"
+            s.bus.emit("sampler_loop", s.loop_note, "warning")
+            s.run(slow_inline)
 
     def _drain(self, lay: _Layout, n: int, slow_every: int) -> int:
         one, drain, h = lay.one, self.lib.gw_drain, self._h
