@@ -49,8 +49,9 @@ def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for d in (os.path.join(base, "gpuwatch"), os.path.join(tempfile.gettempdir(), f"gpuwatch-{os.getuid()}")):
         try:
-            os.makedirs(d, exist_ok=True)
-            if os.access(d, os.W_OK):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            st = os.stat(d)
+            if st.st_uid == os.getuid() and not st.st_mode & 0o022:  # ours alone: a library is loaded from it
                 return Path(d)
         except OSError:
             continue
