@@ -121,6 +121,9 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, varia
         procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
             sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
             dict(only, GPUWATCH_SAMPLER_CPU="last"))
+    procs["gpuwatch record, Python sampler loop (GPUWATCH_SAMPLER_LOOP=python; default: the C loop)"] = ([
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pyloop")],
+        dict(only, GPUWATCH_SAMPLER_LOOP="python"))
     procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
         dict(only, GPUWATCH_PCIE_EVERY="1"))
@@ -279,12 +282,18 @@ def threads(seconds: float, extra: list[str]) -> dict:
 
 # A stand-in libnvidia-ml.so.1 whose functions answer at once (no GPU here): pynvml and gpuwatch's own
 # NVML code run unchanged against it (dlopen through LD_LIBRARY_PATH), so their Python + ctypes cost is
-# what a profile shows. FAKE_NVML_GPUS GPUs; no running processes; XID events not supported.
+# what a profile shows. FAKE_NVML_GPUS GPUs; FAKE_NVML_PROCS running processes (default none); XID events
+# not supported. FAKE_NVML_LOST_FILE=PATH (tests): while PATH exists, every fast read answers "GPU is lost";
+# FAKE_NVML_NOTSUP_FILE=PATH: while PATH exists, the temperature answers "not supported".
 FAKE_NVML_C = r"""
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 typedef void *H;
 static int ngpu(void) { const char *e = getenv("FAKE_NVML_GPUS"); return e ? atoi(e) : 1; }
+static int lost(void) { const char *e = getenv("FAKE_NVML_LOST_FILE"); return e && access(e, F_OK) == 0; }
+#define L if (lost()) return 15;
+static int notsup(void) { const char *e = getenv("FAKE_NVML_NOTSUP_FILE"); return e && access(e, F_OK) == 0; }
 int nvmlInitWithFlags(unsigned f) { return 0; }
 int nvmlInit_v2(void) { return 0; }
 int nvmlShutdown(void) { return 0; }
@@ -299,21 +308,26 @@ int nvmlDeviceGetEnforcedPowerLimit(H h, unsigned *v) { *v = 700000; return 0; }
 int nvmlDeviceGetTemperatureThreshold(H h, int t, unsigned *v) { *v = 89; return 0; }
 struct mem1 { unsigned long long total, free, used; };
 struct mem2 { unsigned version; unsigned long long total, reserved, free, used; };
-int nvmlDeviceGetMemoryInfo(H h, struct mem1 *m) { m->total = 151ULL << 30; m->used = 11ULL << 30; m->free = m->total - m->used; return 0; }
-int nvmlDeviceGetMemoryInfo_v2(H h, struct mem2 *m) { m->total = 151ULL << 30; m->reserved = 615ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->used; return 0; }
+int nvmlDeviceGetMemoryInfo(H h, struct mem1 *m) { L m->total = 151ULL << 30; m->used = 11ULL << 30; m->free = m->total - m->used; return 0; }
+int nvmlDeviceGetMemoryInfo_v2(H h, struct mem2 *m) { L m->total = 151ULL << 30; m->reserved = 615ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->used; return 0; }
 struct util { unsigned gpu, memory; };
-int nvmlDeviceGetUtilizationRates(H h, struct util *u) { u->gpu = 97; u->memory = 40; return 0; }
-int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { *v = 60; return 0; }
-int nvmlDeviceGetPowerUsage(H h, unsigned *v) { *v = 350000; return 0; }
-int nvmlDeviceGetClockInfo(H h, int t, unsigned *v) { *v = t == 2 ? 2619 : 1980; return 0; }
-int nvmlDeviceGetCurrentClocksEventReasons(H h, unsigned long long *v) { *v = 4; return 0; }
+int nvmlDeviceGetUtilizationRates(H h, struct util *u) { L u->gpu = 97; u->memory = 40; return 0; }
+int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { L if (notsup()) return 3; *v = 60; return 0; }
+int nvmlDeviceGetPowerUsage(H h, unsigned *v) { L *v = 350000; return 0; }
+int nvmlDeviceGetClockInfo(H h, int t, unsigned *v) { L *v = t == 2 ? 2619 : 1980; return 0; }
+int nvmlDeviceGetCurrentClocksEventReasons(H h, unsigned long long *v) { L *v = 4; return 0; }
 int nvmlDeviceGetCurrentClocksThrottleReasons(H h, unsigned long long *v) { *v = 4; return 0; }
-int nvmlDeviceGetTotalEccErrors(H h, int a, int b, unsigned long long *v) { *v = 0; return 0; }
-int nvmlDeviceGetComputeRunningProcesses_v3(H h, unsigned *c, void *p) { *c = 0; return 0; }
+int nvmlDeviceGetTotalEccErrors(H h, int a, int b, unsigned long long *v) { L *v = 0; return 0; }
+struct proc { unsigned pid; unsigned long long used; unsigned gi, ci; };
+int nvmlDeviceGetComputeRunningProcesses_v3(H h, unsigned *c, struct proc *p) { L
+  const char *e = getenv("FAKE_NVML_PROCS"); unsigned n = e ? atoi(e) : 0, cap = *c; *c = n;
+  if (n > cap) return 7;  /* NVML_ERROR_INSUFFICIENT_SIZE */
+  for (unsigned i = 0; i < n; i++) { p[i].pid = 1000 + i; p[i].used = i % 3 ? (i + 1ULL) << 20 : ~0ULL; p[i].gi = p[i].ci = 0; }
+  return 0; }
 int nvmlDeviceGetPcieThroughput(H h, int c, unsigned *v) { *v = 100; return 0; }
 int nvmlDeviceGetTotalEnergyConsumption(H h, unsigned long long *v) { *v = 5000; return 0; }
 struct fv { unsigned fieldId, scopeId; long long ts, lat; unsigned type, ret; unsigned long long value; };
-int nvmlDeviceGetFieldValues(H h, int n, struct fv *v) {
+int nvmlDeviceGetFieldValues(H h, int n, struct fv *v) { L
   for (int i = 0; i < n; i++) { v[i].type = 3; v[i].ret = 0; v[i].value = 1000 + v[i].fieldId; v[i].ts = 1; }
   return 0; }
 int nvmlEventSetCreate(void *es) { return 3; }

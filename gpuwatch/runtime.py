@@ -218,6 +218,7 @@ class Session:
             "host": socket.gethostname(), "platform": platform.platform(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
+            "sampler_loop": getattr(self.sampler, "loop", None), "sampler_loop_note": getattr(self.sampler, "loop_note", None),
             "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
             "memory_api": getattr(self.gpu, "memory_api", None),
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],

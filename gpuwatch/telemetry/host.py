@@ -74,6 +74,22 @@ class HostSampler:
         # % of all cores since the last tick
         return {"host_cpu_pct": self._cpu_total() if self._cg_fd is None else self._cpu_cgroup()}
 
+    def raw_source(self) -> tuple[int, int] | None:
+        """(fd, bytes) that read_fast preads, for the C ticker (gpuwatch/telemetry/ticker.py) to read in
+        its place; None where it has no file open (psutil)."""
+        if self._cg_fd is not None:
+            return self._cg_fd, 128
+        return (self._stat_fd, 256) if self._stat_fd is not None else None
+
+    def decode_fast(self, fd: int, data: bytes | None, now_ns: int) -> dict[str, Any]:
+        """read_fast's columns from what the C ticker read from `fd` at monotonic `now_ns` (data None: the
+        read failed). Where the source changed since (fd is no longer the one read), a read now."""
+        if fd == self._cg_fd:
+            return {"host_cpu_pct": self._cpu_cgroup(data, now_ns) if data is not None else self._cpu_cgroup()}
+        if fd == self._stat_fd and self._cg_fd is None and data is not None:
+            return {"host_cpu_pct": self._cpu_total(data)}
+        return self.read_fast()
+
     def _open_cgroup(self, root: str) -> None:
         """Use `root`/cpu.stat for host_cpu_pct if `root` is the real root cgroup (v2) and its busy time
         since boot agrees with /proc/stat's (within 2 % and 10 ms per core and column)."""
@@ -96,16 +112,17 @@ class HostSampler:
         self._cg_fd, self._cg = fd, (usage, self._clock_ns())
         self.cpu_source = os.path.join(root, "cpu.stat")
 
-    def _cpu_cgroup(self) -> float | None:
+    def _cpu_cgroup(self, data: bytes | None = None, now: int | None = None) -> float | None:
         """Busy % of all online cores since the last call, from the root cgroup's usage_usec: one pread of
-        a file kept open; /proc/stat from now on if it fails."""
+        a file kept open (or `data` read at `now` by the C ticker); /proc/stat from now on if it fails."""
         fd = self._cg_fd
         try:
-            usage = _usage_us(os.pread(fd, 128, 0))
+            usage = _usage_us(os.pread(fd, 128, 0) if data is None else data)
         except (OSError, ValueError, IndexError, TypeError):
             self._drop_cgroup(fd)
             return self._cpu_total()
-        now = self._clock_ns()
+        if now is None:
+            now = self._clock_ns()
         (u0, t0), self._cg = self._cg, (usage, now)
         if now <= t0 or usage < u0:
             return None
@@ -150,11 +167,12 @@ class HostSampler:
             self._stat_fd = os.open(self._proc_stat, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return os.pread(self._stat_fd, size, 0)
 
-    def _cpu_total(self) -> float | None:
+    def _cpu_total(self, data: bytes | None = None) -> float | None:
         """Busy % of all cores since the last call, from /proc/stat's first line: one pread on a file
-        kept open (~10 us on Linux; an open/read/close costs twice that); psutil.cpu_percent() elsewhere."""
+        kept open (~10 us on Linux; an open/read/close costs twice that), or `data` (the C ticker's pread);
+        psutil.cpu_percent() elsewhere."""
         try:
-            f = [int(x) for x in self._pread_stat(256).split(b"\n", 1)[0].split()[1:9]]
+            f = [int(x) for x in (self._pread_stat(256) if data is None else data).split(b"\n", 1)[0].split()[1:9]]
         except (OSError, ValueError):
             return psutil.cpu_percent()
         idle, total = f[3] + f[4], sum(f)  # idle + iowait; user..steal

@@ -270,17 +270,40 @@ class _DirectGpu:
         self._farr = arr
         self._fargs = (self.h, ctypes.c_int32(len(batch)), ctypes.byref(arr))
 
+    def call(self) -> tuple:
+        """Every fast NVML call, in spec order: (return codes, procs return, fields return); the outputs
+        stay in the buffers. `decode` turns them into columns (the C ticker makes the same calls)."""
+        rets = [spec[1](*spec[2]) for spec in self.specs]
+        pret = fret = None
+        if self.procs_fn is not None:
+            self._pcount.value = self._pcap
+            pret = self.procs_fn(*self._pargs)
+        if self.fields_fn is not None:
+            fret = self.fields_fn(*self._fargs)
+        return rets, pret, fret
+
     def read(self) -> dict[str, Any]:
         """The fast columns. Raises _Lost (GPU is lost) and _Unbatched (the field-values call went away)."""
+        rets, pret, fret = self.call()
+        return self.decode(self.specs, rets, pret, self._pcount.value, self._parr, fret,
+                           self.batch, getattr(self, "_farr", None))
+
+    def decode(self, specs: list, rets, pret: int | None, pcount: int, parr, fret: int | None,
+               batch: list | None, farr) -> dict[str, Any]:
+        """The columns from one tick's return codes and output buffers (`specs`, `parr`, `farr`: this
+        reader's or views of a C ticker record taken with them). A field answering not-supported is dropped
+        from this reader for good."""
         out: dict[str, Any] = {}
         drop = None
-        for spec in self.specs:
-            ret = spec[1](*spec[2])
+        skip = self.skip if specs is not self.specs else ()  # a record taken before a field dropped out
+        for spec, ret in zip(specs, rets):
+            if spec[0] in skip:
+                continue
             if ret:
                 if ret == _LOST_CODE:
                     raise _Lost
                 if ret in _NOT_AVAILABLE_CODES:
-                    drop = (drop or []) + [spec]
+                    drop = (drop or set()) | {spec[0]}
                 continue  # transient: null this tick
             kind, buf = spec[4], spec[3]
             if kind == _K_VALUE:
@@ -298,22 +321,22 @@ class _DirectGpu:
                 out["gpu_mem_used_bytes"] = buf.used
                 out["gpu_mem_total_bytes"] = buf.total
         if drop:
-            self.specs = [s for s in self.specs if s not in drop]
-            self.skip.update(s[0] for s in drop)
-        if self.procs_fn is not None:
-            self._read_procs(out)
-        if self.fields_fn is not None:
-            self._read_fields(out)
+            self.specs = [s for s in self.specs if s[0] not in drop]
+            self.skip.update(drop)
+        if pret is not None and self.procs_fn is not None:
+            self._decode_procs(out, pret, pcount, parr)
+        if fret is not None and self.fields_fn is not None:
+            self._decode_fields(out, fret, batch, farr)
         return out
 
-    def _read_procs(self, out: dict[str, Any]) -> None:
-        c = self._pcount
-        c.value = self._pcap
-        ret = self.procs_fn(*self._pargs)
-        if ret == _INSUFFICIENT:
-            self._grow_procs(c.value * 2 + 5)
+    def _decode_procs(self, out: dict[str, Any], ret: int, count: int, arr) -> None:
+        if ret == _INSUFFICIENT:  # the array is short: grow it and ask again now
+            if len(arr) >= self._pcap:
+                self._grow_procs(count * 2 + 5)
+            c = self._pcount
             c.value = self._pcap
-            ret = self.procs_fn(*self._pargs)
+            ret, arr = self.procs_fn(*self._pargs), self._parr
+            count = c.value
         if ret:
             if ret == _LOST_CODE:
                 raise _Lost
@@ -321,12 +344,10 @@ class _DirectGpu:
                 self.procs_fn = None
                 self.skip.add("gpu_procs")
             return
-        arr = self._parr
         out["gpu_procs"] = [{"pid": p.pid, "used_bytes": None if p.usedGpuMemory == _ULL_NA else p.usedGpuMemory}
-                            for p in arr[:c.value]]
+                            for p in arr[:count]]
 
-    def _read_fields(self, out: dict[str, Any]) -> None:
-        ret = self.fields_fn(*self._fargs)
+    def _decode_fields(self, out: dict[str, Any], ret: int, batch: list, arr) -> None:
         if ret:
             if ret == _LOST_CODE:
                 raise _Lost
@@ -334,7 +355,10 @@ class _DirectGpu:
                 raise _Unbatched
             return
         drop = None
-        for (col, _, scale), v in zip(self.batch, self._farr):
+        asked = {f[0] for f in self.batch} if batch is not self.batch else None  # a record taken before a drop
+        for (col, _, scale), v in zip(batch, arr):
+            if asked is not None and col not in asked:
+                continue
             r = v.nvmlReturn
             if r == 0:
                 x = _field_value(v)
@@ -478,24 +502,32 @@ class NvmlBackend:
         """The 100 ms fields for GPU i, as samples-schema columns; absent keys are null."""
         d = self._direct[i]
         if d is not None:
-            if i in self.lost:
-                raise GpuLost(f"GPU {i} was lost")
-            try:
-                raw = d.read()
-            except _Lost:
-                self.lost.add(i)
-                raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
-            except _Unbatched:  # the field-values call went away: the single calls from now on
-                self._batch[i] = None
-                self._fast[i] = dict(FAST, mem=self._mem_fn[i])
-                self._direct[i] = self._make_direct(i)
-                return self.read_fast(i)
-            if d.batch is not self._batch[i]:  # a batched field dropped out: `probe` reads the backend's list
-                self._batch[i] = d.batch
-            info = self.gpus[i]
-            raw["gpu_power_limit_w"] = info.power_limit_w
-            raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
-            return raw
+            return self.direct_row(i, d.read)
+        return self._wrapper_row(i)
+
+    def direct_row(self, i: int, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """GPU i's row from `read` (its direct reader's read, or a decode of a C ticker record)."""
+        d = self._direct[i]
+        if i in self.lost:
+            raise GpuLost(f"GPU {i} was lost")
+        try:
+            raw = read()
+        except _Lost:
+            self.lost.add(i)
+            raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
+        except _Unbatched:  # the field-values call went away: the single calls from now on
+            self._batch[i] = None
+            self._fast[i] = dict(FAST, mem=self._mem_fn[i])
+            self._direct[i] = self._make_direct(i)
+            return self.read_fast(i)
+        if d.batch is not self._batch[i]:  # a batched field dropped out: `probe` reads the backend's list
+            self._batch[i] = d.batch
+        info = self.gpus[i]
+        raw["gpu_power_limit_w"] = info.power_limit_w
+        raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
+        return raw
+
+    def _wrapper_row(self, i: int) -> dict[str, Any]:
         raw = self._read(i, self._fast[i])
         util = raw.pop("util", None)
         if util is not None:

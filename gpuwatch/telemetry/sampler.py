@@ -38,8 +38,11 @@ class Sampler:
     def __init__(self, bus: Bus, gpu: GpuBackend | None, host, interval: float = 0.1,
                  slow_interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
-                 wait: Callable[[float], bool] | None = None, first_tick: int = 0) -> None:
-        """`first_tick`: the number of the first tick (a resumed session goes on from its last one)."""
+                 wait: Callable[[float], bool] | None = None, first_tick: int = 0, deliver_n: int = 1,
+                 c_loop: bool = False) -> None:
+        """`first_tick`: the number of the first tick (a resumed session goes on from its last one).
+        `c_loop`: run the 10 Hz loop in C where it can (gpuwatch/telemetry/ticker.py; the sampler child),
+        handing ticks to the bus `deliver_n` at a time."""
         self.bus, self.gpu, self.host = bus, gpu, host
         self.interval, self.slow_interval = interval, slow_interval
         self.clock, self.wall_us = clock, wall_us
@@ -51,6 +54,10 @@ class Sampler:
         self.late_ticks = 0  # ticks that started more than one interval late (skipped deadlines)
         self._threads: list[threading.Thread] = []
         self.active_gpus = [g.index for g in gpu.gpus] if gpu else []
+        self.deliver_n, self.c_loop = deliver_n, c_loop
+        self.loop, self.loop_note = "python", "python loop"  # which loop runs ("c" / "python") and why
+        self._c = None  # the C loop (ticker.CLoop) once chosen
+        self._wake: Callable[[], None] | None = None  # the C loop's: wakes its decoding thread at stop
 
     # -- one tick ---------------------------------------------------------------------------------
     def tick(self) -> Tick:
@@ -152,17 +159,31 @@ class Sampler:
         if why:
             self.bus.emit("xid", why, "info", watching=False)
 
+    def choose_loop(self) -> str:
+        """The C loop where `c_loop` asks for it and it can run (compiled on first use), else Python's."""
+        if self.c_loop and self._c is None and self.loop == "python":
+            from gpuwatch.telemetry import ticker
+
+            self._c, self.loop_note = ticker.make(self)
+            self.loop = "c" if self._c is not None else "python"
+        return self.loop
+
     def start(self) -> None:
         self.slow_tick()
+        self.choose_loop()
+        run = self._c.run if self._c is not None else self.run
         if self.slow_inline():
-            targets = [(lambda: self.run(slow_inline=True), "gpuwatch-sampler")]
+            targets = [(lambda: run(slow_inline=True), "gpuwatch-sampler")]
         else:
-            targets = [(self.run, "gpuwatch-sampler"), (self._run_slow, "gpuwatch-sampler-slow")]
+            targets = [(run, "gpuwatch-sampler"), (self._run_slow, "gpuwatch-sampler-slow")]
         if self.gpu is not None and hasattr(self.gpu, "watch_xid"):
             targets.append((self._run_xid, "gpuwatch-xid"))
         self._threads += [start_thread(fn, name) for fn, name in targets]
 
     def stop(self) -> None:
         self._stop.set()
+        wake = self._wake
+        if wake is not None:
+            wake()
         for th in self._threads:
             th.join(timeout=2.0)

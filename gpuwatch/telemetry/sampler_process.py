@@ -135,16 +135,21 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
         except (BrokenPipeError, EOFError, OSError):
             pass
         return
+    deliver_n = max(1, round(deliver_s / interval))
+    bus = _PipeBus(conn, stop, deliver_n)
+    # the C loop (ticker.py) hands ticks over `deliver_n` at a time itself: the channel sends them on as they come
+    s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval, first_tick=first_tick,
+                deliver_n=deliver_n, c_loop=prof is None)
+    s.choose_loop()
     try:
         conn.send(("hello", {"note": note, "kind": getattr(gpu, "kind", None), "label": getattr(gpu, "label", None),
                              "driver_version": getattr(gpu, "driver_version", None),
-                             "gpus": [asdict(g) for g in gpu.gpus] if gpu else []}))
+                             "gpus": [asdict(g) for g in gpu.gpus] if gpu else [],
+                             "sampler_loop": s.loop, "sampler_loop_note": s.loop_note}))
     except (BrokenPipeError, EOFError, OSError):  # the parent died while this child started: nothing to say
         if gpu is not None:
             gpu.close()
         return
-    bus = _PipeBus(conn, stop, max(1, round(deliver_s / interval)))
-    s = Sampler(bus, gpu, HostSampler(pid), interval=interval, slow_interval=slow_interval, first_tick=first_tick)
     if prof is not None:
         prof.instrument(s, bus.ticks)
     # Everything built so far lives as long as the process: out of the cyclic collector's sight, so its
@@ -205,6 +210,7 @@ class SamplerProcess:
         self.late_ticks = 0
         self.gpu: RemoteGpu | None = None
         self.note = ""
+        self.loop, self.loop_note = "python", ""  # the child's 10 Hz loop: "c" (ticker.py) or "python"
         self._thread: threading.Thread | None = None
 
     def launch(self, timeout: float = 30.0) -> tuple[RemoteGpu | None, str]:
@@ -229,6 +235,7 @@ class SamplerProcess:
         if "error" in hello:
             raise GpuwatchError(hello["error"])
         self.note = hello["note"]
+        self.loop, self.loop_note = hello.get("sampler_loop", "python"), hello.get("sampler_loop_note", "")
         self.gpu = RemoteGpu(hello) if hello.get("gpus") else None
         return self.gpu, self.note
 
