@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_sampler import build_fake_nvml  # noqa: E402
+from conftest import wait_for_stream  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the C loop is Linux only")
 
@@ -97,8 +98,10 @@ def test_load_raises_without_a_compiler(monkeypatch, tmp_path):
 
 def test_gpu_lost_mid_run_is_an_event_and_the_run_goes_on(py, fenv, tmp_path):
     lost = tmp_path / "lost"
-    p = _record(py, dict(fenv, FAKE_NVML_LOST_FILE=str(lost)), tmp_path / "r", seconds=4)
-    time.sleep(2.5)  # start-up (~1 s) and a second or so of rows
+    p = _record(py, dict(fenv, FAKE_NVML_LOST_FILE=str(lost)), tmp_path / "r", seconds=5)
+    # the loss after the first rows are on disk (a slower start-up, as on the GPU machine, must not lose them all)
+    assert wait_for_stream(tmp_path / "r", 30)
+    time.sleep(0.5)
     lost.touch()
     meta, rec = _read(p, tmp_path / "r")
     assert meta["sampler_loop"] == "c", meta["sampler_loop_note"]
