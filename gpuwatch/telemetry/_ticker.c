@@ -48,7 +48,7 @@ typedef struct {
     int64_t rec_size; int cap;
     char *ring, *work;                         /* cap records; the record being built */
     int64_t head, count, dropped, late;        /* head: next slot written; guarded by mu */
-    pthread_mutex_t mu; pthread_t th; volatile int stop;
+    pthread_mutex_t mu; pthread_t th; int stop;  /* stop: read and written with __atomic builtins */
 } gw_ticker;
 
 static int64_t now_ns(clockid_t c) { struct timespec t; clock_gettime(c, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
@@ -87,17 +87,16 @@ static void tick(gw_ticker *t) {
     pthread_mutex_unlock(&t->mu);
 }
 
+static int stopping(gw_ticker *t) { return __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); }
+
 static void *loop(void *arg) {
-    gw_ticker *t = arg;
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals are Python's business, on its threads */
+    gw_ticker *t = arg;  /* created with every signal blocked (gw_start): signals are Python's business */
     int64_t deadline = t->first_ns ? t->first_ns : now_ns(CLOCK_MONOTONIC);
     int since = 0;
-    while (!t->stop) {
+    while (!stopping(t)) {
         struct timespec ts = { deadline / 1000000000LL, deadline % 1000000000LL };
-        while (!t->stop && clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
-        if (t->stop) break;
+        while (!stopping(t) && clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
+        if (stopping(t)) break;
         tick(t);
         if (++since >= t->notify_every) {  /* wake the Python side: records to decode */
             since = 0;
@@ -127,7 +126,12 @@ gw_ticker *gw_start(const gw_spec *specs, int n, int host_fd, int64_t host_off, 
     t->rec_size = rec_size; t->interval_ns = interval_ns; t->first_ns = first_ns; t->cap = cap;
     t->notify_fd = notify_fd; t->notify_every = notify_every > 0 ? notify_every : 1;
     pthread_mutex_init(&t->mu, NULL);
-    if (pthread_create(&t->th, NULL, loop, t) == 0) {
+    sigset_t all, old;  /* the thread inherits this mask: blocked from its first instruction */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int rc = pthread_create(&t->th, NULL, loop, t);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc == 0) {
         pthread_setname_np(t->th, "gw-ticker");  /* top -H, bench_sampler.py threads: the C loop's own line */
         return t;
     }
@@ -158,7 +162,7 @@ void gw_stats(gw_ticker *t, int64_t *late, int64_t *dropped) {
 
 /* Stop and join the thread (within one interval); the ring stays readable until gw_free. */
 void gw_stop(gw_ticker *t) {
-    if (!t->stop) { t->stop = 1; pthread_join(t->th, NULL); }
+    if (!stopping(t)) { __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE); pthread_join(t->th, NULL); }
 }
 
 void gw_free(gw_ticker *t) {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import struct
@@ -58,26 +59,43 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache directory")
 
 
+def so_path() -> Path:
+    """Where the compiled library is cached: per source, architecture and libc (a shared home on mixed nodes)."""
+    tag = hashlib.sha256(SRC.read_bytes() + platform.machine().encode() + platform.libc_ver()[1].encode())
+    return _cache_dir() / f"ticker-{tag.hexdigest()[:16]}.so"
+
+
 def load() -> ctypes.CDLL:
     """The compiled _ticker.c: from the per-user cache (keyed by the source's hash), else compiled now with
     $CC or cc/gcc. Raises OSError (no compiler, the compile or the load failed)."""
-    src = SRC.read_bytes()
-    so = _cache_dir() / f"ticker-{hashlib.sha256(src).hexdigest()[:16]}.so"
-    if not so.exists():
-        cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-        if not cc[0]:
-            raise OSError("no C compiler")
-        tmp = so.with_name(f".{so.name}.{os.getpid()}.tmp")
+    so = so_path()
+    if so.exists():
         try:
-            r = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SRC)],
-                               capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise OSError(f"compiler failed: {e}") from None
-        if r.returncode != 0 or not tmp.exists():
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"compile failed (exit {r.returncode}): {r.stderr.strip()[-200:]}")
-        os.replace(tmp, so)  # atomic: a concurrent start loads one or the other, never half a file
-    lib = ctypes.CDLL(str(so))
+            return _bind(ctypes.CDLL(str(so)))
+        except OSError:  # truncated, or built elsewhere: build it again, once
+            so.unlink(missing_ok=True)
+    _compile(so)
+    return _bind(ctypes.CDLL(str(so)))
+
+
+def _compile(so: Path) -> None:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not cc[0]:
+        raise OSError("no C compiler")
+    tmp = so.with_name(f".{so.name}.{os.getpid()}.tmp")
+    try:  # ~0.2 s normally; the parent waits 30 s for the child's hello, which comes after this
+        r = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SRC)],
+                           capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError) as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"compiler failed: {e}") from None
+    if r.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"compile failed (exit {r.returncode}): {r.stderr.strip()[-200:]}")
+    os.replace(tmp, so)  # atomic: a concurrent start loads one or the other, never half a file
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gw_start.restype = ctypes.c_void_p
     lib.gw_start.argtypes = [ctypes.POINTER(_Spec), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -170,7 +188,10 @@ def key(sampler) -> tuple:
 class CLoop:
     def __init__(self, sampler, lib) -> None:
         self.s, self.lib = sampler, lib
-        self.cap = max(64, 4 * sampler.deliver_n)  # records the ring holds
+        # records the ring holds: 60 s at 10 Hz, so only a decoding thread stalled that long loses ticks
+        # (counted as late ticks and said in an event, like the Python loop's skipped deadlines)
+        self.cap = max(round(60 / sampler.interval), 4 * sampler.deliver_n)
+        self._closed = False
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)  # the C thread's notify never blocks
         self._h: int | None = None
@@ -180,6 +201,8 @@ class CLoop:
 
     def wake(self) -> None:
         """Sampler.stop: the decoding thread wakes, stops the C thread, decodes what is left."""
+        if self._closed:
+            return
         try:
             os.write(self._w, b"s")
         except OSError:
@@ -210,14 +233,21 @@ class CLoop:
     def _stats(self) -> None:
         late, dropped = ctypes.c_int64(), ctypes.c_int64()
         self.lib.gw_stats(self._h, ctypes.byref(late), ctypes.byref(dropped))
-        self.s.late_ticks = self._late + late.value
-        self.dropped = self._dropped + dropped.value
+        dropped = self._dropped + dropped.value
+        if dropped > self.dropped:
+            self.s.bus.emit("sampler_error", f"sampler: {dropped - self.dropped} ticks dropped (the decoding thread "
+                            "fell behind the C loop by more than its ring holds)", "warning",
+                            dropped=dropped - self.dropped)
+        self.dropped = dropped
+        self.s.late_ticks = self._late + late.value + dropped
 
     def run(self, slow_inline: bool = False) -> None:
         s = self.s
         slow_every = max(1, round(s.slow_interval / s.interval)) if slow_inline else 0
         n, why = 0, None
         s._wake = self.wake
+        if s._stop.is_set():  # a stop() that came before _wake was set would not wake the read below
+            self.wake()
         try:
             lay = self._start()
             while True:
@@ -241,13 +271,14 @@ class CLoop:
             why = e
         finally:
             s._wake = None
+            self._closed = True
             if self._h is not None:
                 self._free()
             os.close(self._r)
             os.close(self._w)
         if why is not None and not s._stop.is_set():
             s.loop, s.loop_note = "python", f"python loop (the C loop failed: {why})"
-            s.bus.emit("sampler_loop", s.loop_note, "warning")
+            s.bus.emit("sampler_error", s.loop_note, "warning")
             s.run(slow_inline)
 
     def _drain(self, lay: _Layout, n: int, slow_every: int) -> int:
