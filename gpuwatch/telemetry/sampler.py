@@ -67,6 +67,18 @@ class Sampler:
         t0, c0 = clock(), time.thread_time_ns()
         ts = self.wall_us()
         common = self.host.read_fast() if self.host else {}
+
+        def timing() -> tuple[int | None, int, int]:  # after the reads: the tick's interval, cost and CPU (us)
+            last, self._last_t = self._last_t, t0
+            return (int((t0 - last) * 1e6) if last is not None else None, int((clock() - t0) * 1e6),
+                    (time.thread_time_ns() - c0) // 1000)
+        return self.emit(ts, common, self.gpu.read_fast if self.gpu else None, timing)
+
+    def emit(self, ts: int, common: dict[str, Any], read_gpu, timing) -> Tick:
+        """The rows of one tick, handed to the bus: `read_gpu(i)` gives GPU i's fast columns (GpuLost drops the
+        GPU), the last slow values are merged in, `common` (the host's columns) goes into every row, and
+        `timing()`, called after the reads, gives (sampler_interval_us, sampler_cost_us, sampler_cpu_us).
+        The Python loop (`tick`) and the C loop's decoding (`ticker.CLoop`) both build their rows here."""
         slow = self._slow
         host_slow = slow.get("host")
         if host_slow:
@@ -74,7 +86,7 @@ class Sampler:
         rows = []
         for i in self.active_gpus:
             try:
-                row = self.gpu.read_fast(i)
+                row = read_gpu(i)
             except GpuLost as e:
                 self._lost(i, e)
                 continue
@@ -85,12 +97,9 @@ class Sampler:
             rows.append(row)
         if not rows:
             rows.append({"gpu": None})
-        last, self._last_t = self._last_t, t0
         common["ts"] = ts
         common["tick"] = self._tick
-        common["sampler_interval_us"] = int((t0 - last) * 1e6) if last is not None else None
-        common["sampler_cost_us"] = int((clock() - t0) * 1e6)
-        common["sampler_cpu_us"] = (time.thread_time_ns() - c0) // 1000
+        common["sampler_interval_us"], common["sampler_cost_us"], common["sampler_cpu_us"] = timing()
         for row in rows:
             row.update(common)
         t = Tick(self._tick, ts, rows)

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.telemetry.bus import Tick
-from gpuwatch.telemetry.nvml import GpuLost
 
 ENV = "GPUWATCH_SAMPLER_LOOP"  # "python": never the C loop
 SRC = Path(__file__).with_name("_ticker.c")
@@ -303,41 +302,18 @@ class CLoop:
             common = s.host.decode_fast(lay.host_fd, data, mono)
         else:
             common = {}
-        slow = s._slow
-        host_slow = slow.get("host")
-        if host_slow:
-            common.update(host_slow)
-        rows = []
         gpu = s.gpu
-        for i in s.active_gpus:
+
+        def read_gpu(i: int) -> dict[str, Any]:
             g = lay.gpus.get(i)
-            try:
-                if g is None or gpu._direct[i] is not g[0]:  # the reader was rebuilt since: read now
-                    row = gpu.read_fast(i)
-                else:
-                    d, specs, lo, hi, p, parr, f, farr, batch = g
-                    row = gpu.direct_row(i, lambda: d.decode(
-                        specs, rets[lo:hi], rets[p] if p is not None else None, counts[p] if p is not None else 0,
-                        parr, rets[f] if f is not None else None, batch, farr))
-            except GpuLost as e:
-                s._lost(i, e)
-                continue
-            gpu_slow = slow.get(i)
-            if gpu_slow:
-                row.update(gpu_slow)
-            row["gpu"] = i
-            rows.append(row)
-        if not rows:
-            rows.append({"gpu": None})
-        last, self._last_ns = self._last_ns, mono
-        common["ts"] = ts
-        common["tick"] = s._tick
-        common["sampler_interval_us"] = (mono - last) // 1000 if last is not None else None
-        common["sampler_cost_us"] = cost // 1000
-        common["sampler_cpu_us"] = cpu // 1000
-        for row in rows:
-            row.update(common)
-        t = Tick(s._tick, ts, rows)
-        s._tick += 1
-        s.bus.ticks.append(t)
-        return t
+            if g is None or gpu._direct[i] is not g[0]:  # the reader was rebuilt since: read now
+                return gpu.read_fast(i)
+            d, specs, lo, hi, p, parr, f, farr, batch = g
+            return gpu.direct_row(i, lambda: d.decode(
+                specs, rets[lo:hi], rets[p] if p is not None else None, counts[p] if p is not None else 0,
+                parr, rets[f] if f is not None else None, batch, farr))
+
+        def timing() -> tuple[int | None, int, int]:  # the C thread's
+            last, self._last_ns = self._last_ns, mono
+            return (mono - last) // 1000 if last is not None else None, cost // 1000, cpu // 1000
+        return s.emit(ts, common, read_gpu, timing)
