@@ -10,6 +10,7 @@ workloads and the recorder are still stopped (and the recording closed).
 
 from __future__ import annotations
 
+import os
 import platform
 import signal
 import socket
@@ -215,7 +216,7 @@ class Session:
                   "workloads": [w.describe() for w in self.workloads],
                   "guard": asdict(c.guard), "source": c.source}
         return {
-            "host": socket.gethostname(), "platform": platform.platform(),
+            "host": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
             "sampler_loop": getattr(self.sampler, "loop", None), "sampler_loop_note": getattr(self.sampler, "loop_note", None),

@@ -223,7 +223,7 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
 _INT, _NUM, _STR, _BOOL, _LIST, _DICT = (int,), (int, float), (str,), (bool,), (list,), (dict,)
 _META_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "start": (_STR, True), "end": (_STR, True), "complete": (_BOOL, True), "host": (_STR, True),
-    "platform": (_STR, True), "cpu_count": (_INT, True), "gpu_backend": (_STR, True),
+    "platform": (_STR, True), "pid": (_INT, True), "cpu_count": (_INT, True), "gpu_backend": (_STR, True),
     "sampler": (_STR, True), "gpu_note": (_STR, True), "driver_version": (_STR, True),
     "gpus": (_LIST, True), "versions": (_DICT, True), "argv": (_LIST, True), "config": (_DICT, True),
     "rows": (_INT, True), "bytes": (_INT, True), "dropped": (_INT, True),

@@ -1,0 +1,163 @@
+"""Record healthy running near the memory limit, several capped workloads side by side on one GPU.
+
+Each scenario is calibrated first (a few steps under a generous cap: its real per-step peak of torch
+allocated memory), then run for the rest of the time under a `--gpu-memory-limit` set so that this
+peak sits at the scenario's target fraction of the cap (90-97 %), with `--guard observe` (the model
+scores every window and says what it would do; nothing acts). `--gpu-memory-limit` is torch's
+per-process cap, so the workloads do not limit each other; the physical card must hold all the caps
+at once, which `--budget-gib` checks before anything starts. A background `nvidia-smi` log shows
+what the card held.
+
+    python3 benchmarks/nearcap.py --seconds 520 --out /tmp/nearcap [--only NAME ...]
+
+Writes one session folder per scenario under OUT/sessions/NAME, its log as OUT/logs/NAME.log, and
+OUT/nearcap.json (each scenario: command, calibrated peak, cap, target, exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GiB = 2**30
+
+# name: (stress arguments, target peak/cap, calibration cap GiB, calibration steps, expected cap GiB)
+SCENARIOS: dict[str, tuple[list[str], float, float, int, float]] = {
+    "nc-v3slice-prefill-b8": (["--preset", "v3-slice", "--mode", "prefill", "--batch", "8", "--seq-len", "512"], 0.94, 62, 4, 52),
+    "nc-v2lite-prefill-b64": (["--preset", "v2-lite", "--mode", "prefill", "--batch", "64", "--seq-len", "512"], 0.93, 44, 4, 37),
+    "nc-small-train-frag-b16": (["--preset", "small", "--mode", "train", "--batch", "16", "--fragment"], 0.93, 14, 12, 10),
+    "nc-small-prefill-b256": (["--preset", "small", "--mode", "prefill", "--batch", "256"], 0.95, 12, 4, 9),
+    "nc-small-decode-b32": (["--preset", "small", "--mode", "decode", "--batch", "32"], 0.94, 8, 3, 4),
+    "nc-small-train-rampmax-b16": (["--preset", "small", "--mode", "train", "--schedule", "ramp", "--batch", "16", "--max-batch", "16"], 0.96, 14, 4, 9.5),
+    "nc-small-train-soak-b12": (["--preset", "small", "--mode", "train", "--schedule", "soak", "--batch", "12"], 0.92, 12, 4, 8),
+    # the same command as recordings/h200-oom-2026-11-30/ok-small-prefill-cap20, recorded alone there:
+    # its per-step memory must match (shared GPU vs one workload)
+    "sbs-small-prefill-cap20": (["--preset", "small", "--mode", "prefill", "--batch", "64", "--gpu-memory-limit", "20GiB"], 0.0, 0, 0, 4),
+}
+CALIBRATE_ARGS = {  # what calibration runs at: the steady peak of the shape the scenario reaches
+    "nc-small-train-rampmax-b16": ["--preset", "small", "--mode", "train", "--batch", "16"],
+    "nc-small-train-soak-b12": ["--preset", "small", "--mode", "train", "--batch", "13"],  # the soak's 110 % overload
+}
+
+
+def newest_session(d: Path) -> Path | None:
+    found = sorted((p for p in d.iterdir() if p.is_dir() and (p / "meta.json").exists()), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def peak_of(session: Path) -> int | None:
+    import pyarrow.parquet as pq
+
+    f = session / "steps.parquet"
+    if not f.exists():
+        return None
+    t = pq.read_table(f, columns=["torch_peak_bytes"]).column(0).to_pylist()
+    t = [v for v in t if v]
+    return max(t) if t else None
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> int:
+    with open(log, "ab") as fh:
+        fh.write((" ".join(cmd) + "\n").encode())
+        fh.flush()
+        try:
+            return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def scenario(name: str, out: Path, deadline: float, result: dict) -> None:
+    args, target, calib_gib, calib_steps, _ = SCENARIOS[name]
+    py = [sys.executable, "-m", "gpuwatch", "stress"]
+    log = out / "logs" / f"{name}.log"
+    r = result[name] = {"args": args, "target": target}
+    cap_args: list[str] = []
+    if target:
+        cdir = out / "calib" / name
+        cdir.mkdir(parents=True, exist_ok=True)
+        cal = CALIBRATE_ARGS.get(name, args)
+        rc = run(py + cal + ["--gpu-memory-limit", f"{calib_gib}GiB", "--steps", str(calib_steps), "--no-model",
+                             "--guard", "off", "--progress", "0", "-o", str(cdir)], log, 150)
+        s = newest_session(cdir)
+        peak = peak_of(s) if s else None
+        r.update(calib_rc=rc, calib_peak_bytes=peak)
+        if not peak:
+            r["error"] = "calibration recorded no step"
+            return
+        cap = int(peak / target)
+        r["cap_bytes"] = cap
+        cap_args = ["--gpu-memory-limit", str(cap)]
+    secs = int(deadline - time.time())
+    if secs < 60:
+        r["error"] = f"only {secs} s left"
+        return
+    sdir = out / "runs" / name
+    sdir.mkdir(parents=True, exist_ok=True)
+    cmd = py + args + cap_args + ["--guard", "observe", "--duration", f"{secs}s", "--progress", "30s", "-o", str(sdir)]
+    r["command"] = " ".join(["gpuwatch", "stress"] + args + cap_args + ["--guard", "observe", "--duration", f"{secs}s"])
+    t0 = time.time()
+    r["rc"] = run(cmd, log, secs + 120)
+    r["wall_s"] = round(time.time() - t0, 1)
+    s = newest_session(sdir)
+    if s:
+        dest = out / "sessions" / name
+        shutil.move(str(s), dest)
+        r["session"] = str(dest)
+
+
+def smi_log(path: Path, stop: threading.Event) -> None:
+    if not shutil.which("nvidia-smi"):
+        return
+    with open(path, "w") as fh:
+        p = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,memory.used,memory.total,utilization.gpu,power.draw",
+                              "--format=csv", "-l", "5"], stdout=fh, stderr=subprocess.STDOUT)
+        stop.wait()
+        p.terminate()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=520, help="wall time for everything")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--budget-gib", type=float, default=134.0, help="what the caps may add up to on the card")
+    a = ap.parse_args()
+    names = a.only or list(SCENARIOS)
+    total = sum(SCENARIOS[n][4] for n in names)
+    print(f"{len(names)} scenarios, expected caps {total:.0f} GiB of a {a.budget_gib:.0f} GiB budget", flush=True)
+    if total > a.budget_gib:
+        print("over budget", file=sys.stderr)
+        return 2
+    for d in ("logs", "sessions", "runs", "calib"):
+        (a.out / d).mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + a.seconds
+    result: dict = {}
+    stop = threading.Event()
+    threading.Thread(target=smi_log, args=(a.out / "nvidia-smi.csv", stop), daemon=True).start()
+    threads = []
+    for n in names:  # the largest first: its calibration has the card to itself for a moment
+        t = threading.Thread(target=scenario, args=(n, a.out, deadline, result))
+        t.start()
+        threads.append(t)
+        time.sleep(2)
+    for t in threads:
+        t.join()
+    stop.set()
+    (a.out / "nearcap.json").write_text(json.dumps(result, indent=1))
+    for n in names:
+        r = result.get(n, {})
+        print(f"{n}: rc={r.get('rc')} cap={r.get('cap_bytes', 0) / GiB:.2f} GiB "
+              f"peak={(r.get('calib_peak_bytes') or 0) / GiB:.2f} GiB {r.get('error', '')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
