@@ -6,7 +6,8 @@
 #
 # Stages:
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
-#               --guard observe (benchmarks/nearcap.py; ~9 minutes): issue 20's training data
+#               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1|2 picks the scenario table,
+#               NEARCAP_S the seconds): issue 20's training data
 #   tests       the GPU test suite in one process (tests marked gpu)
 set -u
 T0=$(date +%s)
@@ -17,7 +18,7 @@ echo "tree $(git rev-parse --short HEAD 2>/dev/null || cat REV 2>/dev/null)" | t
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 
 stage_nearcap() {
-  python3 benchmarks/nearcap.py --seconds "${NEARCAP_S:-520}" --out /tmp/nearcap 2>&1 | tee $R/nearcap.txt
+  python3 benchmarks/nearcap.py --set "${NEARCAP_SET:-1}" --seconds "${NEARCAP_S:-520}" --out /tmp/nearcap 2>&1 | tee $R/nearcap.txt
   cp /tmp/nearcap/nearcap.json /tmp/nearcap/nvidia-smi.csv $R/ 2>/dev/null
   tar czf "$OUT/nearcap-sessions.tgz" -C /tmp/nearcap sessions calib logs 2>/dev/null
 }
