@@ -218,7 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "run time); the workload flags are the recorded ones and may not contradict them")
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
-    t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH")
+    t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
+                   help="where the model, its manifest and its card go (default models/risk.joblib, the shipped "
+                        "model: replacing an existing file needs --force)")
+    t.add_argument("--force", action="store_true", help="replace an existing model at -o")
+    t.add_argument("--no-counterfactual", action="store_true",
+                   help="train on the recorded sessions only, without their counterfactual-cap copies")
     t.add_argument("--stride", type=_pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
     t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
     t.add_argument("--threshold", type=_unit, default=None,
@@ -454,9 +459,15 @@ def cmd_train(args) -> int:
         if not p.exists():
             raise UsageError(f"{p}: no such session")
     from gpuwatch.predict.dataset import HORIZON_S
+    from gpuwatch.predict.model import check_output
 
+    check_output(args.output, args.force)
+    command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
+        (" --no-counterfactual" if args.no_counterfactual else "") + f" -o {args.output}" + \
+        ("" if not args.sessions else f" <{len(sessions)} sessions>")
     rep = train(sessions, args.output, progress=_status, stride=args.stride, evaluate=not args.no_eval,
-                horizon_s=args.horizon or HORIZON_S, threshold=args.threshold)
+                horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
+                counterfactual=not args.no_counterfactual, command=command)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "

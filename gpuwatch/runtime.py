@@ -208,7 +208,8 @@ class Session:
             return []
         caps = {w.cfg.gpu_index: w.cfg.faults.memory_limit_bytes for w in self.workloads}
         return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
-                        mem_limit_bytes=caps.get(g.index)) for g in self.gpu.gpus]
+                        mem_limit_bytes=caps.get(g.index), pid=os.getpid() if g.index in caps else None)
+                for g in self.gpu.gpus]
 
     def meta(self) -> dict[str, Any]:
         c = self.config

@@ -43,6 +43,11 @@ class Timeline:
     step_ts: np.ndarray  # finished steps' times (us), for lead times in steps
     interval_s: float = 0.1
     meta: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # the recorded session it comes from (itself, unless derived)
+    derived: bool = False  # a counterfactual-cap copy: training only, never evaluated
+
+    def __post_init__(self) -> None:
+        self.source = self.source or self.session
 
 
 def scenario_of(meta: dict[str, Any]) -> str:
@@ -98,6 +103,17 @@ def failure_marks(steps_ts: np.ndarray, events: pl.DataFrame, gpu: int | None, k
     return f.astype(np.int64), warn, rend
 
 
+def plan_changes(steps: pl.DataFrame) -> np.ndarray:
+    """The moments a step ended planning a different next step (batch, length or precision): live, the
+    guard rescores the plan right there, between the steps, so training and evaluation score those
+    moments too, whatever the stride."""
+    if not steps.height or "next_batch" not in steps.columns:
+        return np.empty(0, dtype=np.int64)
+    changed = ((steps["next_batch"] != steps["batch"]) | (steps["next_seq_len"] != steps["seq_len"])
+               | (steps["next_precision"] != steps["precision"])).fill_null(False).to_numpy()
+    return steps["ts"].dt.epoch("us").to_numpy()[changed].astype(np.int64)
+
+
 def session_timelines(path: Path | str, stride: int = 1, horizon_s: float = HORIZON_S,
                       feature_fn: Callable = features) -> list[Timeline]:
     """Every GPU of one recorded session, scored at every `stride`-th sample."""
@@ -108,13 +124,15 @@ def session_timelines(path: Path | str, stride: int = 1, horizon_s: float = HORI
         ts_all = src._ts.get(g)
         if ts_all is None or not ts_all.size:
             continue
-        ts = ts_all[::stride]
         steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df
         steps_ts = steps["ts"].dt.epoch("us").to_numpy()
+        ts = np.union1d(ts_all[::stride], plan_changes(steps))
         X = np.array([vector(feature_fn(src.window_at(g, int(t)))) for t in ts], dtype=np.float64)
         f, warn, rend = failure_marks(steps_ts, src.events_df, g)
-        out.append(Timeline(src.reader.path.name, scenario_of(meta), g, ts.astype(np.int64), X,
-                            label(ts, f, warn, rend, horizon_s), f, warn, steps_ts, src.interval_s, meta))
+        d = meta.get("derived") if isinstance(meta.get("derived"), dict) else None
+        out.append(Timeline(src.reader.path.name, d.get("scenario", "") if d else scenario_of(meta), g,
+                            ts.astype(np.int64), X, label(ts, f, warn, rend, horizon_s), f, warn, steps_ts,
+                            src.interval_s, meta, source=str(d.get("from", "")) if d else "", derived=bool(d)))
     return out
 
 
@@ -128,22 +146,53 @@ def default_sessions(root: Path) -> list[Path]:
 
 
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
-                  horizon_s: float = HORIZON_S) -> tuple[list[Timeline], list[str]]:
-    """Timelines of every readable session; unreadable ones are skipped with a one-line warning."""
+                  horizon_s: float = HORIZON_S, counterfactual: Path | None = None
+                  ) -> tuple[list[Timeline], list[str]]:
+    """Timelines of every readable session; unreadable ones are skipped with a one-line warning. With
+    `counterfactual` (a folder), each session's counterfactual-cap copies are derived there and
+    loaded too, marked `derived` (predict/counterfactual.py)."""
+    from gpuwatch.predict.counterfactual import derive
+
     out, warnings = [], []
     for p in paths:
         try:
-            out += session_timelines(p, stride, horizon_s)
-        except RecordingError as e:
-            warnings.append(str(e))
+            tls = session_timelines(p, stride, horizon_s)
+        except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
+            warnings.append(_why_unreadable(p, e))
             continue
+        out += tls
+        n_derived = 0
+        if counterfactual is not None and tls:
+            try:
+                for r in derive(Path(p), counterfactual):
+                    d = session_timelines(r.path, stride, horizon_s)
+                    n_derived += len(d)
+                    out += d
+            except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
+                warnings.append(f"{Path(p).name}: no counterfactual copies ({_why_unreadable(p, e)})")
         if progress:
-            progress(f"{Path(p).name}: {sum(t.ts_us.size for t in out if t.session == Path(p).name)} windows")
+            progress(f"{Path(p).name}: {sum(t.ts_us.size for t in tls)} windows"
+                     + (f", {n_derived} counterfactual-cap copies" if n_derived else ""))
     return out, warnings
 
 
+def _why_unreadable(p: Path, e: Exception) -> str:
+    """One line for a session that cannot be cut into windows (a retyped or truncated table, say)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if str(p) in text else f"{p}: unusable for training ({text[:160]})"
+
+
+def _step_s(t: Timeline) -> float:
+    return float(np.median(np.diff(t.ts_us))) / 1e6 if t.ts_us.size > 1 else t.interval_s
+
+
 def describe(timelines: list[Timeline]) -> dict[str, Any]:
-    return {"sessions": len({t.session for t in timelines}), "windows": int(sum(t.y.size for t in timelines)),
-            "positives": int(sum((t.y == 1).sum() for t in timelines)),
-            "failures": int(sum(t.failures.size for t in timelines)),
+    real = [t for t in timelines if not t.derived]
+    der = [t for t in timelines if t.derived]
+    return {"sessions": len({t.session for t in real}), "windows": int(sum(t.y.size for t in real)),
+            "positives": int(sum((t.y == 1).sum() for t in real)),
+            "failures": int(sum(t.failures.size for t in real)),
+            "healthy_minutes": round(sum(float((t.y == 0).sum()) * _step_s(t) for t in real) / 60, 1),
+            "derived_sessions": len({t.session for t in der}), "derived_windows": int(sum(t.y.size for t in der)),
+            "derived_failures": int(sum(t.failures.size for t in der)),
             "scenarios": sorted({t.scenario for t in timelines}), "features": list(NAMES)}

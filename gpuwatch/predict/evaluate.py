@@ -41,6 +41,9 @@ class Metrics:
     lead_steps_median: float | None
     lead_steps_p10: float | None
     pr_auc: float | None = None
+    near_hours: float = 0.0  # healthy time at >= NEAR_FRAC of the effective limit
+    near_false_alarms: int = 0  # false alarms that began there
+    near_fa_per_hour: float | None = None
 
     def row(self) -> dict:
         return asdict(self)
@@ -52,10 +55,13 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
     n = caught = ep = ep_caught = onsets = false = 0
     healthy_s = 0.0
     leads_s, leads_steps = [], []
+    near_s, near_false = 0.0, 0
     for tl, sc in zip(timelines, scores):
         alarm = alarm_state(sc, threshold)
         valid = tl.y != -1
         healthy_s += float(((tl.y == 0)).sum()) * _stride_s(tl)
+        near = np.nan_to_num(_col(tl, "mem_used_frac"), nan=0.0) >= NEAR_FRAC
+        near_s += float(((tl.y == 0) & near).sum()) * _stride_s(tl)
         prev_f = None
         for tf, we in zip(tl.failures, tl.warn_end):
             n += 1
@@ -73,6 +79,8 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
             onsets += 1
             if not ((tl.failures >= t) & (tl.failures <= t + 2 * h)).any():
                 false += 1
+                i = min(int(np.searchsorted(tl.ts_us, t)), tl.ts_us.size - 1)
+                near_false += bool(near[i])
     hours = healthy_s / 3600
     return Metrics(
         threshold=float(threshold), oom_events=n, caught=caught, recall=caught / n if n else None,
@@ -81,9 +89,12 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
         healthy_hours=hours, false_alarms_per_hour=false / hours if hours > 0 else None,
         lead_s_median=_pct(leads_s, 50), lead_s_p10=_pct(leads_s, 10),
         lead_steps_median=_pct(leads_steps, 50), lead_steps_p10=_pct(leads_steps, 10),
-        pr_auc=pr_auc(timelines, scores) if with_auc else None)
+        pr_auc=pr_auc(timelines, scores) if with_auc else None,
+        near_hours=near_s / 3600, near_false_alarms=near_false,
+        near_fa_per_hour=near_false / (near_s / 3600) if near_s > 0 else None)
 
 
+NEAR_FRAC = 0.90  # "near the limit": memory in use at or above this share of the effective limit
 CLEAR_RATIO = 0.5  # an alarm, once raised, holds until the score falls below threshold x this
 
 
@@ -150,22 +161,33 @@ def _candidates(scores: list[np.ndarray], n: int = 60) -> np.ndarray:
     return np.unique(np.round(grid, 4))
 
 
+def _fa(m: Metrics, near: bool) -> float | None:
+    return m.near_fa_per_hour if near else m.false_alarms_per_hour
+
+
 def pick_threshold(timelines: list[Timeline], scores: list[np.ndarray], max_fa_per_hour: float = 1.0,
-                   horizon_s: float = HORIZON_S, min_recall: float = 0.95) -> tuple[float, str]:
+                   horizon_s: float = HORIZON_S, min_recall: float = 0.95, near: bool = False) -> tuple[float, str]:
     """The threshold that catches the most OOMs with at most `max_fa_per_hour` false alarms per
-    healthy hour, if that still catches `min_recall` of them; else the one with the fewest false
-    alarms among those that do (the false-alarm target then is not met, and the card says so)."""
+    healthy hour (with `near`: per healthy hour at >= NEAR_FRAC of the limit), if that still catches
+    `min_recall` of them; else the one with the fewest false alarms among those that do (the
+    false-alarm target then is not met, and the card says so)."""
     rows = [(float(t), event_metrics(timelines, scores, float(t), horizon_s)) for t in _candidates(scores)]
     if not rows:
         return 0.5, "no scores to choose from"
-    ok = [(t, m) for t, m in rows if m.false_alarms_per_hour is not None and m.false_alarms_per_hour <= max_fa_per_hour]
+    ok = [(t, m) for t, m in rows if _fa(m, near) is not None and _fa(m, near) <= max_fa_per_hour]
     best = max(ok, key=lambda tm: (tm[1].caught, tm[0])) if ok else None
+    if near and best is not None:  # near the limit the false-alarm target comes first: an alarm that
+        m = best[1]                # fires every few minutes gets the guard switched off
+        met = (m.recall or 0) >= min_recall
+        return best[0], (f"the highest recall with at most {max_fa_per_hour:g} false alarms per healthy hour at >= "
+                         f"{NEAR_FRAC:.0%} of the limit on out-of-fold scores"
+                         + ("" if met else f" (recall {m.recall or 0:.2f}: the {min_recall:.0%} target is not met at that rate)"))
     if best is not None and (best[1].recall or 0) >= min_recall:
-        return best[0], (f"the highest recall with at most {max_fa_per_hour:g} false alarm per healthy hour "
-                         "on out-of-fold scores")
+        return best[0], (f"the highest recall with at most {max_fa_per_hour:g} false alarms per healthy hour"
+                         + (f" at >= {NEAR_FRAC:.0%} of the limit" if near else "") + " on out-of-fold scores")
     enough = [(t, m) for t, m in rows if (m.recall or 0) >= min_recall]
     if enough:
-        t, m = min(enough, key=lambda tm: (tm[1].false_alarms, -tm[0]))
+        t, m = min(enough, key=lambda tm: ((tm[1].near_false_alarms if near else tm[1].false_alarms), tm[1].false_alarms, -tm[0]))
         return t, (f"at most {max_fa_per_hour:g} false alarm per healthy hour would catch "
                    f"{best[1].caught if best else 0} of {m.oom_events} OOMs, so this is the threshold with the fewest "
                    f"false alarms that still catches {min_recall:.0%} of them (out-of-fold scores)")
@@ -183,9 +205,11 @@ BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
     "mem>95%": ("memory in use > 95 % of the effective limit", lambda tl: _col(tl, "mem_used_frac") > 0.95),
     "time-to-full": (f"time to full at the 5 s memory slope < {HORIZON_S:g} s",
                      lambda tl: _col(tl, "time_to_full_s") < HORIZON_S),
-    "next-step peak": ("estimated next-step peak > 100 % of the effective limit",
+    "next-step peak": ("estimated next-step peak > 100 % of the usable limit",
                        lambda tl: np.nan_to_num(_col(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
 }
+ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon peaks over the usable limit) >= 0.5 (predict/peak.py, no learning)",
+                  lambda tl: np.nan_to_num(_col(tl, "peak_cross_p"), nan=0.0))
 
 
 def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) -> dict[str, Metrics]:
@@ -194,12 +218,13 @@ def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) ->
 
 
 def recall_at_fa(timelines: list[Timeline], scores: list[np.ndarray], fa_per_hour: float,
-                 horizon_s: float = HORIZON_S) -> Metrics | None:
-    """The model's best metrics with no more false alarms per healthy hour than `fa_per_hour`."""
+                 horizon_s: float = HORIZON_S, near: bool = False) -> Metrics | None:
+    """The model's best metrics with no more false alarms per healthy hour (near the limit, with
+    `near`) than `fa_per_hour`."""
     best = None
     for t in _candidates(scores):
         m = event_metrics(timelines, scores, float(t), horizon_s)
-        if m.false_alarms_per_hour is not None and m.false_alarms_per_hour <= fa_per_hour + 1e-9:
+        if _fa(m, near) is not None and _fa(m, near) <= fa_per_hour + 1e-9:
             if best is None or m.caught > best.caught:
                 best = m
     return best

@@ -10,32 +10,37 @@ model handles it), never a made-up value.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import polars as pl
 
+from gpuwatch.predict.peak import GROWTH_STEPS, forecast, usable_limit
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
 
 GiB = 2**30
 HORIZON_CAP_S = 600.0  # times beyond this read as this (nothing happens within any horizon we use)
-PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
 
 # name -> (unit, what it is). Order is the model's column order.
 FEATURES: dict[str, tuple[str, str]] = {
-    "mem_used_frac": ("fraction", "GPU memory in use (NVML used + reserved) / effective limit, last sample"),
+    "mem_used_frac": ("fraction", "memory this workload's process holds on the GPU (NVML's per-process figure; the whole GPU's used + reserved where the process is not known) / its effective limit, last sample"),
     "mem_headroom_gib": ("GiB", "effective limit - memory in use, last sample"),
     "mem_max_frac_30s": ("fraction", "highest memory in use over the window / effective limit"),
     "mem_slope_5s": ("GiB/s", "least-squares slope of memory in use over the last 5 s (by sample time)"),
     "mem_slope_30s": ("GiB/s", "the same over the whole window"),
     "mem_accel": ("GiB/s", "mem_slope_5s - mem_slope_30s (memory growth speeding up)"),
     "time_to_full_s": ("s", f"headroom / mem_slope_5s while rising, else {HORIZON_CAP_S:.0f}"),
-    "torch_reserved_gap_frac": ("fraction", "(torch reserved - allocated) / effective limit, last step: the caching allocator's slack"),
-    "torch_peak_frac": ("fraction", "torch peak allocated during the last step / effective limit"),
-    "torch_peak_max_frac": ("fraction", "highest step peak among the window's steps / effective limit"),
-    "alloc_growth_frac_per_step": ("fraction/step", "mean growth of torch allocated per step over the last 10 steps / effective limit (a leak)"),
-    "next_peak_est_frac": ("fraction", "estimated peak of the planned next step / effective limit: allocated + (last peak - allocated) x planned/last tokens x precision bytes ratio + one step of allocated growth"),
+    "others_mem_frac": ("fraction", "memory of the GPU's other processes / the card, last sample (a shared GPU)"),
+    "torch_reserved_gap_frac": ("fraction", "(torch reserved - allocated) / torch's limit, last step: the caching allocator's slack"),
+    "torch_reserved_frac": ("fraction", "torch reserved / torch's limit, last step: how full the allocator's segments are (fragmentation fails a new, larger shape first)"),
+    "torch_peak_frac": ("fraction", "torch peak allocated during the last step / torch's limit"),
+    "torch_peak_max_frac": ("fraction", "highest step peak among the window's steps / torch's limit"),
+    "alloc_growth_frac_per_step": ("fraction/step", "median growth of torch allocated per step over the last 10 steps / torch's limit (a leak)"),
+    "next_peak_est_frac": ("fraction", "the planned next step's peak, estimated online from the steps that ran (predict/peak.py) / the usable limit for a step's peak"),
+    "peak_margin_sigmas": ("sigmas", "(usable limit - estimated next peak) / the estimate's spread, clipped to -10..50"),
+    "peak_cross_p": ("probability", "P(a step within the horizon peaks over the usable limit): the planned step, and the growth trend carried on"),
     "plan_vs_max_fit": ("ratio", "planned next-step tokens (batch x seq_len) / the most tokens any step in the window ran"),
     "plan_growth": ("ratio", "planned next-step tokens / the last step's tokens"),
     "step_time_trend": ("ratio", "median step time of the last 3 steps / of the window's steps"),
@@ -51,15 +56,28 @@ FEATURES: dict[str, tuple[str, str]] = {
 }
 NAMES = tuple(FEATURES)
 NAN = float("nan")
+NONTORCH_MAX = 8 * GiB  # a process's memory outside torch's allocator (CUDA context, NCCL, cuBLAS) above this is not believed
+
+
+@dataclass
+class Limits:
+    """The memory basis of one window: whose memory, against what."""
+
+    used: np.ndarray  # bytes in use per sample (the process's own where known)
+    t: np.ndarray  # seconds before the window's end, per sample
+    limit: float | None  # what `used` is measured against
+    alloc_limit: float | None  # what torch may allocate (the cap, else what the card leaves it)
+    others: float  # other processes' memory, last sample (bytes)
+    total: float | None
 
 
 def features(w: Window, plan: dict[str, Any] | None = None) -> dict[str, float]:
     """The features of one window. `plan` (batch, seq_len, precision) is the workload's plan for its
     next step when it is known live; otherwise the last step row's `next_*` columns say it."""
     out = dict.fromkeys(NAMES, NAN)
-    limit = _limit(w)
-    _memory(out, w, limit)
-    last = _steps(out, w, limit, plan)
+    lim = limits(w)
+    _memory(out, lim)
+    last = _steps(out, w, lim, plan)
     _events(out, w)
     _health(out, w)
     out["train_mode"] = 1.0 if last is not None and last.get("mode") == "train" else 0.0 if last is not None else NAN
@@ -70,24 +88,75 @@ def vector(f: dict[str, float]) -> list[float]:
     return [f[n] for n in NAMES]
 
 
-def _limit(w: Window) -> float | None:
-    if w.meta is not None and w.meta.effective_limit_bytes:
-        return float(w.meta.effective_limit_bytes)
-    if w.samples.height:
-        tot = w.samples["gpu_mem_total_bytes"].drop_nulls()
-        return float(tot[-1]) if tot.len() else None
-    return None
-
-
-def _memory(out: dict[str, float], w: Window, limit: float | None) -> None:
+def limits(w: Window) -> Limits:
+    """Memory in use and the limits it meets. Where the workload's process is known (its PID in
+    meta, NVML's per-process list), the process's own memory counts and other processes on the GPU
+    lower its limit - right on a shared GPU, and the same as the whole GPU's figures when the
+    process is alone. Otherwise the whole GPU's used + reserved (v1's "used" included the reserve)."""
     s = w.samples
-    if not s.height or not limit:
-        return
-    used = (s["gpu_mem_used_bytes"].cast(pl.Float64) + s["gpu_mem_reserved_bytes"].cast(pl.Float64).fill_null(0.0)).to_numpy()
-    t = (s["ts"].dt.epoch("us").to_numpy() - w.end_us) / 1e6
+    cap = float(w.meta.mem_limit_bytes) if w.meta is not None and w.meta.mem_limit_bytes else None
+    empty = np.empty(0)
+    if not s.height:
+        return Limits(empty, empty, cap, cap, 0.0, None)
+    t = (_us(s["ts"]) - w.end_us) / 1e6
+    whole = _f64(s["gpu_mem_used_bytes"])
+    drv = np.nan_to_num(_f64(s["gpu_mem_reserved_bytes"]), nan=0.0)
+    tot = _f64(s["gpu_mem_total_bytes"])
+    tot = tot[np.isfinite(tot)]
+    total = float(tot[-1]) if tot.size else (float(w.meta.mem_total_bytes) if w.meta and w.meta.mem_total_bytes else None)
+    st = w.steps
+    reserved = float(st["torch_reserved_bytes"][-1]) if st.height and st["torch_reserved_bytes"][-1] is not None else None
+    own = _own(s, w.meta.pid if w.meta is not None else None, bool(reserved))
+    if own is not None and np.isfinite(own[-1]):
+        used = own
+        others = max(0.0, float(whole[-1]) - float(own[-1])) if np.isfinite(whole[-1]) else 0.0
+        nontorch = min(NONTORCH_MAX, max(0.0, float(own[-1]) - reserved)) if reserved is not None else 0.0
+        if cap:
+            limit, alloc = cap + nontorch, cap
+        elif total:
+            limit = total - others - float(drv[-1])
+            alloc = limit - nontorch
+        else:
+            limit = alloc = None
+    else:
+        used = whole + drv
+        others = 0.0
+        limit = cap or total
+        nontorch = min(NONTORCH_MAX, max(0.0, float(used[-1]) - reserved)) if reserved is not None and np.isfinite(used[-1]) else 0.0
+        alloc = cap if cap else (total - nontorch if total else None)
     ok = ~np.isnan(used)
-    used, t = used[ok], t[ok]
-    if not used.size:
+    return Limits(used[ok], t[ok], limit, alloc, others, total)
+
+
+def _own(s: pl.DataFrame, pid: int | None, torch_active: bool) -> np.ndarray | None:
+    """The process's own NVML memory per sample, or None where it cannot be told. A listed process
+    list without the PID is 0 (nothing allocated yet) - unless torch already holds memory, where
+    NVML sees another PID namespace (a container) and the process cannot be found: None. Without a
+    PID (sessions recorded before meta.json had one), the one process NVML lists, where it is alone."""
+    if "gpu_procs" not in s.columns:
+        return None
+    procs = s["gpu_procs"]
+    if pid is None:  # an older session (no pid in meta): a process alone on the GPU is the workload's
+        if procs.list.len().max() != 1:
+            return None
+        own = procs.list.first().struct.field("used_bytes")
+        out = _f64(own)
+        return np.where(np.isnan(out) & procs.is_not_null().to_numpy(), 0.0, out)
+    own = procs.list.eval(
+        pl.element().filter(pl.element().struct.field("pid") == pid).struct.field("used_bytes")).list.first()
+    out = _f64(own)
+    if not np.isfinite(out).any() and torch_active:
+        return None
+    listed = procs.is_not_null().to_numpy()
+    out = np.where(np.isnan(out) & listed, 0.0, out)
+    return out if np.isfinite(out).any() else None
+
+
+def _memory(out: dict[str, float], lim: Limits) -> None:
+    used, t, limit = lim.used, lim.t, lim.limit
+    if lim.total:
+        out["others_mem_frac"] = lim.others / lim.total
+    if not used.size or not limit:
         return
     out["mem_used_frac"] = used[-1] / limit
     out["mem_headroom_gib"] = (limit - used[-1]) / GiB
@@ -111,18 +180,30 @@ def _slope(t: np.ndarray, y: np.ndarray) -> float | None:
     return float((tc * (y - y.mean())).sum() / den) if den > 0 else None
 
 
+def _f64(col: pl.Series) -> np.ndarray:
+    """A numeric column as float64 with NaN for nulls, without a polars expression (each costs a
+    query plan: ten per window were most of a window's cost)."""
+    return np.asarray(col.to_numpy(), dtype=np.float64)
+
+
+def _us(col: pl.Series) -> np.ndarray:
+    """A Datetime(us) column as int64 microseconds."""
+    return col.to_physical().to_numpy()
+
+
 def _col(df: pl.DataFrame, name: str) -> np.ndarray:
-    return df[name].cast(pl.Float64).to_numpy()
+    return _f64(df[name])
 
 
-def _steps(out: dict[str, float], w: Window, limit: float | None, plan: dict[str, Any] | None) -> dict | None:
+def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] | None) -> dict | None:
     st = w.steps
     if not st.height:
         return None
     last = st.row(st.height - 1, named=True)
-    tokens = _col(st, "batch") * _col(st, "seq_len")
+    batch, seq = _col(st, "batch"), _col(st, "seq_len")
+    tokens = batch * seq
     times = _col(st, "step_time_s")
-    ts = st["ts"].dt.epoch("us").to_numpy()
+    ts = _us(st["ts"])
     out["steps_per_s"] = float(((ts > w.end_us - 5e6) & (ts <= w.end_us)).sum()) / 5.0
     if np.isfinite(times).sum() >= 3:
         out["step_time_trend"] = float(np.nanmedian(times[-3:]) / max(np.nanmedian(times), 1e-9))
@@ -132,23 +213,29 @@ def _steps(out: dict[str, float], w: Window, limit: float | None, plan: dict[str
         planned = float(nb) * float(ns)
         out["plan_growth"] = planned / last_tok
         out["plan_vs_max_fit"] = planned / max(float(np.nanmax(tokens)), 1.0)
+    limit = lim.alloc_limit
     if not limit:
         return last
     alloc, peak, res = _col(st, "torch_allocated_bytes"), _col(st, "torch_peak_bytes"), _col(st, "torch_reserved_bytes")
     if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
         out["torch_reserved_gap_frac"] = (res[-1] - alloc[-1]) / limit
+    if np.isfinite(res[-1]):
+        out["torch_reserved_frac"] = res[-1] / limit
     if np.isfinite(peak[-1]):
         out["torch_peak_frac"] = peak[-1] / limit
         out["torch_peak_max_frac"] = float(np.nanmax(peak)) / limit
-    a = alloc[-11:]
+    a = alloc[-(GROWTH_STEPS + 1):]
     a = a[np.isfinite(a)]
-    growth = float(np.diff(a).mean()) if a.size >= 2 else 0.0
-    out["alloc_growth_frac_per_step"] = growth / limit if a.size >= 2 else NAN
-    if np.isfinite(alloc[-1]) and np.isfinite(peak[-1]) and nb and ns and last_tok:
-        ratio = float(nb) * float(ns) / last_tok
-        prec = PRECISION_BYTES.get(str(npr), 2.0) / PRECISION_BYTES.get(str(last.get("precision")), 2.0)
-        act = max(0.0, peak[-1] - alloc[-1])
-        out["next_peak_est_frac"] = (alloc[-1] + act * ratio * prec + max(0.0, growth)) / limit
+    if a.size >= 2:
+        out["alloc_growth_frac_per_step"] = float(np.median(np.diff(a))) / limit
+    if nb and ns:
+        micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
+        fc = forecast(batch, seq, micro, st["precision"].to_list(), alloc, peak, times, float(nb), float(ns),
+                      npr, usable_limit(limit))
+        if fc is not None:
+            out["next_peak_est_frac"] = fc.mean / fc.limit
+            out["peak_margin_sigmas"] = float(np.clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0))
+            out["peak_cross_p"] = fc.p_horizon
     return last
 
 
@@ -160,11 +247,11 @@ def _plan_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, An
 
 def _events(out: dict[str, float], w: Window) -> None:
     ev = w.events
-    oom = ev.filter(pl.col("kind") == "oom") if ev.height else ev
-    if not oom.height:
+    is_oom = (ev["kind"].to_numpy() == "oom") if ev.height else np.zeros(0, dtype=bool)
+    if not is_oom.any():
         out["secs_since_oom"], out["ooms_60s"] = HORIZON_CAP_S, 0.0
         return
-    ts = oom["ts"].dt.epoch("us").to_numpy()
+    ts = _us(ev["ts"])[is_oom]
     out["secs_since_oom"] = min(HORIZON_CAP_S, (w.end_us - float(ts[-1])) / 1e6)
     out["ooms_60s"] = float((ts > w.end_us - 60e6).sum())
 
@@ -174,9 +261,9 @@ def _health(out: dict[str, float], w: Window) -> None:
     if not s.height:
         out["missing_frac"] = 1.0
         return
-    iv = s["sampler_interval_us"].drop_nulls()
-    out["gap_max_ratio"] = float(iv.max()) / (w.interval_s * 1e6) if iv.len() else NAN
-    ts = s["ts"].dt.epoch("us")
+    iv = _f64(s["sampler_interval_us"])
+    out["gap_max_ratio"] = float(np.nanmax(iv)) / (w.interval_s * 1e6) if np.isfinite(iv).any() else NAN
+    ts = _us(s["ts"])
     span = max(w.interval_s, (w.end_us - float(ts[0])) / 1e6 + w.interval_s)
     out["missing_frac"] = max(0.0, 1.0 - s.height / (span / w.interval_s))
     last = s.row(s.height - 1, named=True)

@@ -33,12 +33,39 @@ class ModelError(GpuwatchError):
     """A model file that cannot be used (missing, tampered, mismatched): one line, exit 1."""
 
 
-def sha256(path: Path) -> str:
+MAX_MODEL_BYTES = 256 * 2**20  # far above any model gpuwatch writes (~1 MB); bounds what loading reads
+
+
+def sha256(path: Path, limit: int = MAX_MODEL_BYTES) -> str:
+    """The file's sha256, reading at most `limit` bytes (a device or an endless file is refused by
+    `check_file` first; this bound holds even if it changes under us)."""
     h = hashlib.sha256()
+    left = limit
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+        while left > 0:
+            block = fh.read(min(1 << 20, left))
+            if not block:
+                break
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
+
+
+def check_file(path: Path) -> None:
+    """A model must be a regular file of sane size: a symlink to /dev/zero, a FIFO or a device
+    would hang the hash and the unpickler (ModelError, one line)."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelError(f"{path}: is a folder, not a model file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{path}: not a regular file (a device, FIFO or socket); refusing to read it")
+    if st.st_size > MAX_MODEL_BYTES:
+        raise ModelError(f"{path}: {st.st_size} bytes, more than any gpuwatch model ({MAX_MODEL_BYTES} at most)")
 
 
 def manifest_path(path: Path) -> Path:
@@ -91,8 +118,12 @@ def save_model(estimator: Any, manifest: dict[str, Any], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    joblib.dump(estimator, tmp, compress=3)
-    os.replace(tmp, path)
+    try:
+        joblib.dump(estimator, tmp, compress=3)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     man = {"format": MANIFEST_FORMAT, "kind": "oom", "features": list(NAMES),
            "schema_version": schema.SCHEMA_VERSION, "versions": lib_versions(), **manifest,
            "file": path.name, "sha256": sha256(path)}
@@ -103,11 +134,40 @@ def save_model(estimator: Any, manifest: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def check_output(path: Path, force: bool = False) -> None:
+    """Before training: can the model and its manifest be written at `path`, and may they replace
+    what is there? UsageError (one line) where not - so a long fit never ends in a failed write, and
+    a shipped model is never overwritten by surprise."""
+    from gpuwatch.errors import UsageError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"-o {path}: is a folder; give a file name, e.g. {path / 'risk.joblib'}")
+    if path.suffix != ".joblib":
+        raise UsageError(f"-o {path}: a model file ends in .joblib (its manifest and card go beside it)")
+    if (path.exists() or manifest_path(path).exists()) and not force:
+        shipped = " (the shipped model)" if path.resolve() == DEFAULT_MODEL.resolve() else ""
+        raise UsageError(f"-o {path}: exists{shipped}; pass --force to replace it, or give another path")
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise UsageError(f"-o {path}: cannot write in {parent} ({e.strerror or e})") from None
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     mp = manifest_path(path)
     if not mp.exists():
         raise ModelError(f"{path}: no manifest ({mp.name}) beside it; gpuwatch loads only models it wrote")
     try:
+        import stat
+
+        if not stat.S_ISREG(mp.stat().st_mode) or mp.stat().st_size > 16 * 2**20:
+            raise ModelError(f"{mp}: not a regular manifest file of sane size")
         man = json.loads(mp.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"{mp}: unreadable manifest ({str(e).splitlines()[0][:100]})") from None
@@ -138,8 +198,7 @@ def load_model(path: Path | str | None = None, trust: bool = False, threshold: f
     path = Path(path) if path is not None else DEFAULT_MODEL
     if not path.exists():
         raise ModelError(f"{path}: no such model file" + (" (train one with `gpuwatch train`)" if path == DEFAULT_MODEL else ""))
-    if path.is_dir():
-        raise ModelError(f"{path}: is a folder, not a model file")
+    check_file(path)
     man = read_manifest(path)
     check_manifest(path, man, trust)
     try:

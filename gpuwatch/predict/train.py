@@ -19,41 +19,51 @@ import numpy as np
 
 from gpuwatch.errors import UsageError
 from gpuwatch.predict import evaluate as E
+from gpuwatch.predict.card import FEATURE_TABLE, write_card  # noqa: F401 (FEATURE_TABLE: kept importable here)
 from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, load_sessions
-from gpuwatch.predict.features import FEATURES, NAMES
+from gpuwatch.predict.features import NAMES
 from gpuwatch.predict.model import save_model
 
-MAX_FA_PER_HOUR = 1.0
+MAX_FA_PER_HOUR = 2.0  # false alarms per healthy hour at >= 90 % of the limit (evaluate.NEAR_FRAC)
 SESSION_FOLDS = 5
+SEED = 0
 
 
 # More memory pressure never lowers the risk, more room never raises it: monotone constraints keep
 # the trees from learning a session's quirks (+1 rising, -1 falling, 0 free).
 MONOTONE = {"mem_used_frac": 1, "mem_max_frac_30s": 1, "mem_slope_5s": 1, "mem_slope_30s": 1, "mem_accel": 1,
             "torch_peak_frac": 1, "torch_peak_max_frac": 1, "alloc_growth_frac_per_step": 1,
-            "next_peak_est_frac": 1, "plan_vs_max_fit": 1, "plan_growth": 1, "ooms_60s": 1,
+            "next_peak_est_frac": 1, "peak_cross_p": 1, "peak_margin_sigmas": -1, "plan_vs_max_fit": 1,
+            "plan_growth": 1, "ooms_60s": 1, "others_mem_frac": 1, "torch_reserved_gap_frac": 1,
+            "torch_reserved_frac": 1,
             "mem_headroom_gib": -1, "time_to_full_s": -1, "secs_since_oom": -1}
 
+# The estimator's own figures (predict/peak.py): the backbone of the risk.
+ESTIMATOR = ("peak_cross_p", "next_peak_est_frac", "peak_margin_sigmas")
+# What the estimator cannot see - leaks and slow growth, fragmentation, other processes, gaps - for
+# the classifier on top of it.
+CONTEXT = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "alloc_growth_frac_per_step",
+           "torch_reserved_gap_frac", "torch_reserved_frac", "others_mem_frac", "plan_growth", "plan_vs_max_fit",
+           "secs_since_oom", "missing_frac")
+CORE = ESTIMATOR + CONTEXT
+KINDS = {"hgb-core": CORE, "hgb-no-estimator": CONTEXT}  # the shipped model, and the ablation without the estimator
 
-CORE = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "next_peak_est_frac", "plan_vs_max_fit",
-        "alloc_growth_frac_per_step", "torch_peak_frac", "secs_since_oom")
 
-
-def make_estimator(seed: int = 0, kind: str | None = None):
+def make_estimator(seed: int = SEED, kind: str | None = None):
     import os
 
     kind = kind or os.environ.get("GPUWATCH_MODEL_KIND", "hgb-core")
-    if kind == "hgb-core":  # the trees over the physical core of the features only
+    if kind in KINDS:  # the trees over a physical core of the features only
         from sklearn.compose import ColumnTransformer
+        from sklearn.ensemble import HistGradientBoostingClassifier
         from sklearn.pipeline import make_pipeline
 
-        cols = [NAMES.index(n) for n in CORE]
-        from sklearn.ensemble import HistGradientBoostingClassifier
-
+        names = KINDS[kind]
+        cols = [NAMES.index(n) for n in names]
         return make_pipeline(ColumnTransformer([("core", "passthrough", cols)]),
                              HistGradientBoostingClassifier(max_iter=100, learning_rate=0.1, max_leaf_nodes=7,
                                                             max_bins=63, min_samples_leaf=200, l2_regularization=1.0,
-                                                            monotonic_cst=[MONOTONE.get(n, 0) for n in CORE],
+                                                            monotonic_cst=[MONOTONE.get(n, 0) for n in names],
                                                             random_state=seed))
     if kind == "logistic":
         from sklearn.impute import SimpleImputer
@@ -113,7 +123,7 @@ def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
     return X, y
 
 
-def fit(tls: list[Timeline], seed: int = 0):
+def fit(tls: list[Timeline], seed: int = SEED):
     X, y = _xy(tls)
     if len(set(y.tolist())) < 2:
         raise UsageError("training data needs both failures and healthy running (found one class only)")
@@ -126,32 +136,34 @@ def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
     return [est.predict_proba(t.X)[:, 1] if t.X.size else np.array([]) for t in tls]
 
 
-def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None
-                ) -> list[np.ndarray]:
-    """Scores of each timeline by a model that never saw its group (session or scenario). With
-    `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else one fold each."""
-    groups = sorted({key(t) for t in tls})
+def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None,
+                kind: str | None = None) -> list[np.ndarray]:
+    """Scores of each *recorded* timeline by a model that never saw its group (session or scenario):
+    counterfactual copies train alongside their source, so a held-out session's copies are held out
+    with it. With `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else
+    one fold each. Returns one array per timeline (empty for derived ones: never scored)."""
+    groups = sorted({key(t) for t in tls if not t.derived})
     if folds and folds < len(groups):
         fold_of = {g: i % folds for i, g in enumerate(groups)}
         k0 = key
-        key = lambda t: f"fold {fold_of[k0(t)] + 1}"  # noqa: E731
-        groups = sorted({key(t) for t in tls})
-    out: list[np.ndarray | None] = [None] * len(tls)
+        key = lambda t: f"fold {fold_of.get(k0(t), -1) + 1}"  # noqa: E731
+        groups = sorted({key(t) for t in tls if not t.derived})
+    out: list[np.ndarray] = [np.zeros(0)] * len(tls)
     for i, g in enumerate(groups):
         train = [t for t in tls if key(t) != g]
         X, y = _xy(train) if train else (np.empty((0, len(NAMES))), np.array([]))
-        held = [j for j, t in enumerate(tls) if key(t) == g]
+        held = [j for j, t in enumerate(tls) if key(t) == g and not t.derived]
         if len(set(y.tolist())) < 2:
             for j in held:
                 out[j] = np.zeros(tls[j].y.size)
             continue
-        est = make_estimator()
+        est = make_estimator(kind=kind)
         _fit(est, X, y, weights(train))
         for j in held:
             out[j] = est.predict_proba(tls[j].X)[:, 1]
         if progress:
             progress(f"  fold {i + 1}/{len(groups)}: held out {g}")
-    return [o if o is not None else np.zeros(0) for o in out]
+    return out
 
 
 @dataclass
@@ -166,6 +178,9 @@ class Report:
     baselines: dict[str, E.Metrics]
     at_baseline_fa: dict[str, E.Metrics | None]
     per_scenario: dict[str, E.Metrics]
+    ablation: dict[str, E.Metrics]
+    counterfactual: dict[str, Any]
+    by_session_folds: int
     seconds: float
     warnings: list[str]
     horizon_s: float = HORIZON_S
@@ -173,63 +188,92 @@ class Report:
 
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
-          horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None) -> Report:
+          horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None,
+          counterfactual: bool = True, command: str | None = None) -> Report:
+    import tempfile
+
+    from gpuwatch.predict.counterfactual import validate
+
     t0 = time.perf_counter()
-    progress(f"reading {len(sessions)} session(s) and cutting windows (every {stride} sample(s))...")
-    tls, warnings = load_sessions(sessions, stride, progress, horizon_s)
+    progress(f"reading {len(sessions)} session(s) and cutting windows (every {stride} sample(s))"
+             + (", with counterfactual-cap copies" if counterfactual else "") + "...")
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-cf-") as cf:
+        tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None)
     for w in warnings:
         progress(f"warning: {w}")
-    if not tls:
+    if not [t for t in tls if not t.derived]:
         raise UsageError("no readable session to train on")
     data = describe(tls)
     progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
-             f"{data['sessions']} sessions, scenarios: {', '.join(data['scenarios'])}")
+             f"{data['sessions']} sessions ({data['healthy_minutes']} healthy minutes); "
+             f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
+             f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
+    cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
     with one_thread():
-        rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride)
+        rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command)
     return rep
 
 
-def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1) -> Report:
+def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
+           cfv: dict | None = None, command: str | None = None) -> Report:
     by_session = by_scenario = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
     at_fa: dict[str, E.Metrics | None] = {}
     per_scen: dict[str, E.Metrics] = {}
+    ablation: dict[str, E.Metrics] = {}
+    real_idx = [i for i, t in enumerate(tls) if not t.derived]
+    real = [tls[i] for i in real_idx]
+    folds = 0
     if evaluate:
-        progress(f"cross-validation grouped by session ({SESSION_FOLDS} folds, no session on both sides)...")
-        oof = out_of_fold(tls, lambda t: t.session, progress, SESSION_FOLDS)
-        threshold, why = E.pick_threshold(tls, oof, MAX_FA_PER_HOUR, horizon_s)
-        by_session = E.event_metrics(tls, oof, threshold, horizon_s, with_auc=True)
-        progress("cross-validation grouped by scenario (leave one scenario out)...")
-        oos = out_of_fold(tls, lambda t: t.scenario, progress)
-        by_scenario = E.event_metrics(tls, oos, threshold, horizon_s, with_auc=True)
-        for sc in sorted({t.scenario for t in tls}):
-            idx = [i for i, t in enumerate(tls) if t.scenario == sc]
-            per_scen[sc] = E.event_metrics([tls[i] for i in idx], [oos[i] for i in idx], threshold, horizon_s)
-        baselines = E.baseline_metrics(tls, horizon_s)
+        n_groups = len({t.source for t in real})
+        folds = min(SESSION_FOLDS, n_groups)
+        progress(f"cross-validation grouped by session ({folds} folds of {n_groups} sessions; "
+                 "no session, nor its counterfactual copies, on both sides)...")
+        oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds), real_idx)
+        threshold, why = E.pick_threshold(real, oof, MAX_FA_PER_HOUR, horizon_s, near=True)
+        by_session = E.event_metrics(real, oof, threshold, horizon_s, with_auc=True)
+        scen = sorted({t.scenario for t in real})
+        progress(f"cross-validation grouped by scenario ({len(scen)} folds: leave one scenario out)...")
+        oos = _real(out_of_fold(tls, lambda t: t.scenario, progress), real_idx)
+        by_scenario = E.event_metrics(real, oos, threshold, horizon_s, with_auc=True)
+        for sc in scen:
+            idx = [i for i, t in enumerate(real) if t.scenario == sc]
+            per_scen[sc] = E.event_metrics([real[i] for i in idx], [oos[i] for i in idx], threshold, horizon_s)
+        baselines = E.baseline_metrics(real, horizon_s)
+        name, _, fn = E.ESTIMATOR_RULE
+        est_scores = [fn(t) for t in real]
+        baselines[name] = E.event_metrics(real, est_scores, 0.5, horizon_s)
         for name, m in baselines.items():
-            fa = m.false_alarms_per_hour if m.false_alarms_per_hour is not None else 0.0
-            at_fa[name] = E.recall_at_fa(tls, oof, fa, horizon_s)
-    progress("fitting the final model on every session...")
+            fa = m.near_fa_per_hour if m.near_fa_per_hour is not None else 0.0
+            at_fa[name] = E.recall_at_fa(real, oof, fa, horizon_s, near=True)
+        progress("ablation: the classifier without the estimator's features (grouped by session)...")
+        oof_ctx = _real(out_of_fold(tls, lambda t: t.source, None, folds, kind="hgb-no-estimator"), real_idx)
+        t_ctx, _ = E.pick_threshold(real, oof_ctx, MAX_FA_PER_HOUR, horizon_s, near=True)
+        t_est, _ = E.pick_threshold(real, est_scores, MAX_FA_PER_HOUR, horizon_s, near=True)
+        ablation = {"estimator alone (threshold picked the same way)": E.event_metrics(real, est_scores, t_est, horizon_s, with_auc=True),
+                    "classifier without the estimator": E.event_metrics(real, oof_ctx, t_ctx, horizon_s, with_auc=True),
+                    "estimator + classifier (shipped)": by_session}
+    progress("fitting the final model on every session and its counterfactual copies...")
     est = fit(tls)
     X, y = _xy(tls)
     reference = np.nanmedian(np.where(np.isfinite(X[y == 0]), X[y == 0], np.nan), axis=0)
     manifest = {
         "horizon_s": horizon_s, "threshold": threshold, "threshold_why": why, "window_s": 30.0,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "training_sessions": sorted({t.session for t in tls}), "data": data,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": SEED, "stride": stride,
+        "training_sessions": sorted({t.session for t in real}), "data": data,
         "reference": [None if not np.isfinite(v) else float(v) for v in reference],
         "metrics": {"by_session": by_session.row() if by_session else None,
                     "by_scenario": by_scenario.row() if by_scenario else None},
     }
     path = save_model(est, manifest, out)
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
-                 per_scen, time.perf_counter() - t0, warnings, horizon_s, stride)
-    from gpuwatch.predict.card import write_card
-
-    write_card(rep)
+                 per_scen, ablation, cfv or {}, folds if evaluate else 0, time.perf_counter() - t0, warnings,
+                 horizon_s, stride)
+    write_card(rep, MAX_FA_PER_HOUR, command or f"gpuwatch train -o {out}")
     progress(f"wrote {path} and {rep.card_path} in {rep.seconds:.0f} s")
     return rep
 
 
-FEATURE_TABLE = "\n".join(f"| `{n}` | {u} | {d} |" for n, (u, d) in FEATURES.items())
+def _real(scores: list[np.ndarray], idx: list[int]) -> list[np.ndarray]:
+    return [scores[i] for i in idx]

@@ -30,12 +30,22 @@ class GpuMeta:
     power_limit_w: float | None = None
     temp_slowdown_c: int | None = None
     mem_limit_bytes: int | None = None  # a workload's --gpu-memory-limit on this GPU (NVML does not know it)
+    pid: int | None = None  # the process whose workload runs on this GPU: its own memory is in gpu_procs
 
     @property
     def effective_limit_bytes(self) -> int | None:
         """What an OOM is measured against: the workload's cap where one is set, else the card."""
         caps = [v for v in (self.mem_total_bytes, self.mem_limit_bytes) if v]
         return min(caps) if caps else None
+
+
+def _recorded_pid(meta: dict[str, Any], gpu: int) -> int | None:
+    """The recording process's PID where a workload of that process ran on `gpu` (meta.json `pid`)."""
+    pid = meta.get("pid")
+    loads = (meta.get("config") or {}).get("workloads") or []
+    if not isinstance(pid, int) or not any(isinstance(w, dict) and w.get("gpu_index") == gpu for w in loads):
+        return None
+    return pid
 
 
 @dataclass(frozen=True)
@@ -216,7 +226,7 @@ class ReplaySource:
         caps = recorded_caps(self.reader.meta)
         self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
                              gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"),
-                             mem_limit_bytes=caps.get(i))
+                             mem_limit_bytes=caps.get(i), pid=_recorded_pid(self.reader.meta, i))
                      for i in gpu_ids]
 
     # -- data ----------------------------------------------------------------------------------------

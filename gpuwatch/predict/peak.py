@@ -1,0 +1,145 @@
+"""What the next step will need: an online, per-GPU and per-session estimate of each step's peak memory,
+and the probability that the planned step's peak crosses the effective limit.
+
+Why this is the backbone of the risk: near the limit, "memory is at 95 %" says nothing - a steady run
+sits there for days - while "the step the workload is about to run needs more than is left" is exactly
+the OOM. The workload knows its next step (batch, sequence length, mode, precision) before it runs it,
+and every finished step recorded its peak (torch's max allocated during the step) and what stayed
+allocated after it. So, from the steps in the window:
+
+- activation of a step = its peak - what was allocated when it began (the previous step's allocated
+  after; the step's own for the first one seen), per micro-batch;
+- a step's shape: tokens T = micro-batch x sequence length, and T x S (attention's quadratic part);
+- the planned shape seen already -> its activations' median (robust to a stray step); between shapes
+  seen -> interpolated in tokens between its neighbours; beyond them -> extrapolated with the slope of
+  the two largest (or in proportion to tokens, with one shape); see `_predict_activation`;
+- precision: activations scale by the bytes per element (bf16 -> fp32 doubles them);
+- growth: what stays allocated after each step rising (a leak, a growing cache): the median per-step
+  increase of the last 10 steps, carried forward over the steps that fit in the horizon;
+- prediction interval: a normal around the estimate, its spread the robust scale (1.4826 x MAD) of
+  repeated shapes' activations, with a floor of 1 % of the activation + 32 MiB, widened when the plan
+  lies between shapes seen (a tenth of their difference) or beyond them (a quarter of the step from
+  the largest).
+
+The effective limit for a step's peak: what torch may allocate (the `--gpu-memory-limit` cap, else the
+card less other processes, the driver's reserve and this process's memory outside torch) less the
+allocator's unusable slack (FRAGMENT_MARGIN of it: blocks are rounded and split, so a cap is never
+filled to the byte - measured on the H200, see models/risk.md).
+
+Pure numpy on plain arrays, no polars, no model: the same code scores live, in replay and in training,
+and the counterfactual-cap transform (`predict/counterfactual.py`) uses the same limit rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+FRAGMENT_MARGIN = 0.03  # share of the allocator's limit a step's peak cannot use (rounding, splits)
+MARGIN_MIN_BYTES = 256 * 2**20
+FLOOR_REL, FLOOR_BYTES = 0.01, 32 * 2**20
+EXTRAPOLATION_REL = 0.25
+INTERPOLATION_REL = 0.10
+PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
+GROWTH_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Forecast:
+    mean: float  # bytes: the planned step's peak allocated, estimated
+    sigma: float  # bytes: one standard deviation of that estimate
+    limit: float  # bytes: the effective limit for a step's peak
+    p_next: float  # P(the planned step's peak > limit)
+    p_horizon: float  # P(a step within the horizon crosses it, the growth trend carried on)
+    growth: float  # bytes per step that stay allocated (a leak)
+    steps_seen: int
+
+
+def usable_limit(alloc_limit: float) -> float:
+    """The most a step's peak can reach under an allocator limit of `alloc_limit` bytes."""
+    return alloc_limit - max(MARGIN_MIN_BYTES, FRAGMENT_MARGIN * alloc_limit)
+
+
+def _ncdf_upper(z: float) -> float:
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
+             peak: np.ndarray, step_s: np.ndarray, plan_batch: float, plan_seq: float, plan_prec: str | None,
+             limit: float, horizon_s: float = 5.0) -> Forecast | None:
+    """The forecast for the planned step from the window's finished steps (time order, one GPU).
+    Arrays may hold NaN (a step with no torch figures, e.g. on a CPU): those steps are skipped."""
+    if not (limit > 0) or not (plan_batch and plan_seq) or batch.size == 0:
+        return None
+    mb = np.where(np.isfinite(micro) & (micro >= 1), micro, 1.0)
+    T = np.ceil(batch / mb) * seq
+    S = seq.astype(np.float64)
+    base = np.r_[alloc[:1], alloc[:-1]]
+    act = peak - base
+    ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(alloc)
+    if not ok.any():
+        return None
+    last_prec = prec[-1] if prec else None
+    pscale = np.array([PRECISION_BYTES.get(str(p), 2.0) for p in prec], dtype=np.float64)
+    target_bytes = PRECISION_BYTES.get(str(plan_prec or last_prec), 2.0)
+    act_n = act / pscale * target_bytes  # activations in the plan's precision
+    T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
+    Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
+    a_hat, resid_scale, extrap = _predict_activation(T, S, act_n, Tp, Sp)
+    a_hat = max(a_hat, 0.0)
+    al = alloc[np.isfinite(alloc)]
+    growth = _growth(al)
+    mean = float(al[-1]) + a_hat + max(0.0, growth)
+    sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2)
+    p_next = _ncdf_upper((limit - mean) / sigma)
+    st = step_s[np.isfinite(step_s) & (step_s > 0)]
+    k = max(1, int(math.ceil(horizon_s / float(np.median(st[-5:]))))) if st.size else 1
+    mean_h = mean + max(0.0, growth) * (k - 1)
+    p_h = max(p_next, _ncdf_upper((limit - mean_h) / sigma))
+    return Forecast(mean, sigma, float(limit), p_next, p_h, growth, int(ok.sum()))
+
+
+def _growth(al: np.ndarray) -> float:
+    """Median per-step change of what stays allocated, last GROWTH_STEPS steps (0 with fewer than 3)."""
+    a = al[-(GROWTH_STEPS + 1):]
+    return float(np.median(np.diff(a))) if a.size >= 3 else 0.0
+
+
+def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float, Sp: float
+                        ) -> tuple[float, float, float]:
+    """(activation estimate, residual scale, extrapolation spread) at the planned shape.
+
+    Each shape seen gives the median of its activations (robust to a stray step); the spread within
+    shapes, pooled, is the residual scale. The plan's shape seen -> its median. Between shapes seen ->
+    linear interpolation in tokens between the two neighbours (a step's memory is piecewise linear in
+    tokens: flat while the optimizer's temporaries dominate, then rising with activations - one line
+    over all shapes would miss that bend). Above them -> the slope of the two largest shapes, or
+    proportional to tokens where there is one shape or the slope is not positive. Below them -> the
+    smallest shape's (a smaller step does not need more)."""
+    keys = T * 1e6 + S
+    uk, inv = np.unique(keys, return_inverse=True)
+    med = np.array([np.median(act[inv == i]) for i in range(uk.size)])
+    dev = np.abs(act - med[inv])
+    resid = 1.4826 * float(np.median(dev[np.bincount(inv)[inv] >= 3])) if (np.bincount(inv) >= 3).any() else 0.0
+    key_p = Tp * 1e6 + Sp
+    hit = np.where(uk == key_p)[0]
+    if hit.size:
+        return float(med[hit[0]]), resid, 0.0
+    ut = np.array([np.median(T[inv == i]) for i in range(uk.size)])
+    order = np.argsort(ut, kind="stable")
+    ut, med = ut[order], med[order]
+    if Tp <= ut[0]:
+        return float(med[0]), resid, 0.0
+    if Tp >= ut[-1]:
+        if ut.size >= 2 and ut[-1] > ut[-2] and med[-1] > med[-2]:
+            a_hat = float(med[-1] + (med[-1] - med[-2]) / (ut[-1] - ut[-2]) * (Tp - ut[-1]))
+        else:
+            a_hat = float(med[-1] * Tp / ut[-1])
+        return a_hat, resid, EXTRAPOLATION_REL * abs(a_hat - float(med[-1]))
+    j = int(np.searchsorted(ut, Tp))
+    lo, hi = j - 1, j
+    f = (Tp - ut[lo]) / (ut[hi] - ut[lo]) if ut[hi] > ut[lo] else 0.0
+    a_hat = float(med[lo] + f * (med[hi] - med[lo]))
+    return a_hat, resid, INTERPOLATION_REL * abs(float(med[hi] - med[lo]))
