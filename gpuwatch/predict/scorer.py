@@ -69,6 +69,12 @@ def _fast_proba(est):
     thread pools: ~1 ms a call, most of a window's cost): where the model is a column selection in
     front of a binary HistGradientBoostingClassifier (the shipped kind), its trees are walked directly
     (`_TreeWalker`, checked equal to predict_proba by a test); otherwise scikit-learn's own."""
+    from gpuwatch.predict.composite import RiskComposite
+
+    if isinstance(est, RiskComposite):
+        fn = est.fast(_fast_proba(est.classifier))
+        fn.pure_python = True
+        return fn
     steps = getattr(est, "steps", None)
     cols, final = None, est
     if steps and len(steps) == 2:

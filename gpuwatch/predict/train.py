@@ -20,6 +20,7 @@ import numpy as np
 from gpuwatch.errors import UsageError
 from gpuwatch.predict import evaluate as E
 from gpuwatch.predict.card import FEATURE_TABLE, write_card  # noqa: F401 (FEATURE_TABLE: kept importable here)
+from gpuwatch.predict.composite import ALARM, RiskComposite
 from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, load_sessions
 from gpuwatch.predict.features import NAMES
 from gpuwatch.predict.model import save_model
@@ -46,13 +47,17 @@ CONTEXT = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "alloc_growth_frac
            "torch_reserved_gap_frac", "torch_reserved_frac", "others_mem_frac", "plan_growth", "plan_vs_max_fit",
            "secs_since_oom", "missing_frac")
 CORE = ESTIMATOR + CONTEXT
-KINDS = {"hgb-core": CORE, "hgb-no-estimator": CONTEXT}  # the shipped model, and the ablation without the estimator
+# "hgb-context": the composite's classifier (predict/composite.py); "hgb-core": one classifier over the
+# estimator's figures and the context together (measured against it in the card's ablation).
+KINDS = {"hgb-context": CONTEXT, "hgb-core": CORE}
+T_ESTIMATOR = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+T_CLASSIFIER = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, float("inf"))  # inf: the classifier switched off
 
 
 def make_estimator(seed: int = SEED, kind: str | None = None):
     import os
 
-    kind = kind or os.environ.get("GPUWATCH_MODEL_KIND", "hgb-core")
+    kind = kind or os.environ.get("GPUWATCH_MODEL_KIND", "hgb-context")
     if kind in KINDS:  # the trees over a physical core of the features only
         from sklearn.compose import ColumnTransformer
         from sklearn.ensemble import HistGradientBoostingClassifier
@@ -94,9 +99,10 @@ def _fit(est, X, y, w) -> None:
         est.fit(X, y, sample_weight=w)
 
 
-def weights(tls: list[Timeline]) -> np.ndarray:
-    """Every session weighs the same (a long one must not drown the rest), and positives as much as
-    negatives in total (they are a few % of windows)."""
+def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
+    """Every session weighs the same (a long one must not drown the rest), and, with `balance`,
+    positives as much as negatives in total (they are a few % of windows; without it the
+    probabilities stay close to the real frequencies, as a part meant to be calibrated needs)."""
     parts = []
     for t in tls:
         y = t.y[t.y != -1]
@@ -104,7 +110,7 @@ def weights(tls: list[Timeline]) -> np.ndarray:
     w = np.concatenate(parts) if parts else np.array([])
     y = np.concatenate([t.y[t.y != -1] for t in tls]) if tls else np.array([])
     pos, neg = w[y == 1].sum(), w[y == 0].sum()
-    if pos > 0 and neg > 0:
+    if balance and pos > 0 and neg > 0:
         w[y == 1] *= neg / pos
     return w / w.mean() if w.size else w
 
@@ -123,13 +129,53 @@ def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
     return X, y
 
 
-def fit(tls: list[Timeline], seed: int = SEED):
+def fit(tls: list[Timeline], seed: int = SEED, kind: str = "hgb-context", balance: bool = False):
+    """The classifier on every timeline given (recorded and derived). Unbalanced by default: the
+    composite reads its output as a probability."""
     X, y = _xy(tls)
     if len(set(y.tolist())) < 2:
         raise UsageError("training data needs both failures and healthy running (found one class only)")
-    est = make_estimator(seed)
-    _fit(est, X, y, weights(tls))
+    est = make_estimator(seed, kind)
+    _fit(est, X, y, weights(tls, balance))
     return est
+
+
+def estimator_scores(tls: list[Timeline]) -> list[np.ndarray]:
+    """The estimator's own probability per window (the feature `peak_cross_p`, no learning)."""
+    i = NAMES.index("peak_cross_p")
+    return [np.nan_to_num(t.X[:, i], nan=0.0) for t in tls]
+
+
+def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float) -> list[np.ndarray]:
+    from gpuwatch.predict.composite import RiskComposite
+
+    c = RiskComposite(None, t_e, t_c)
+    return [c._combine(a, b)[:, 1] for a, b in zip(p_est, p_clf)]
+
+
+def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: list[np.ndarray], horizon_s: float
+                         ) -> tuple[float, float, E.Metrics, str]:
+    """(t_e, t_c): the pair that catches the most OOMs with at most MAX_FA_PER_HOUR false alarms per
+    healthy hour near the limit (fewest false alarms in all, then the higher thresholds, on a tie);
+    where no pair meets the budget, the pair with the fewest near-limit false alarms."""
+    from gpuwatch.predict.composite import ALARM
+
+    rows = []
+    for te in T_ESTIMATOR:
+        for tc in T_CLASSIFIER:
+            m = E.event_metrics(tls, composite_scores(p_est, p_clf, te, tc), ALARM, horizon_s)
+            rows.append((te, tc, m))
+    ok = [r for r in rows if r[2].near_fa_per_hour is not None and r[2].near_fa_per_hour <= MAX_FA_PER_HOUR]
+    if ok:
+        te, tc, m = max(ok, key=lambda r: (r[2].caught, -r[2].false_alarms, r[0], r[1]))
+        why = (f"the estimator alarms at p >= {te:g}, the classifier at p >= {tc:g}" if tc != float("inf") else
+               f"the estimator alarms at p >= {te:g}; the classifier never alarms on its own (no threshold of its kept "
+               "the near-limit false alarms within budget while catching more)")
+        return te, tc, m, (why + f": the most OOMs caught with at most {MAX_FA_PER_HOUR:g} false alarms per healthy hour "
+                           f"at >= {E.NEAR_FRAC:.0%} of the limit, on out-of-fold scores")
+    te, tc, m = min(rows, key=lambda r: (r[2].near_false_alarms, -r[2].caught))
+    return te, tc, m, (f"no operating point kept the near-limit false alarms within {MAX_FA_PER_HOUR:g} per healthy "
+                       f"hour; this one has the fewest (estimator p >= {te:g}, classifier p >= {tc:g})")
 
 
 def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
@@ -137,7 +183,7 @@ def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
 
 
 def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None,
-                kind: str | None = None) -> list[np.ndarray]:
+                kind: str | None = None, balance: bool = True) -> list[np.ndarray]:
     """Scores of each *recorded* timeline by a model that never saw its group (session or scenario):
     counterfactual copies train alongside their source, so a held-out session's copies are held out
     with it. With `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else
@@ -158,7 +204,7 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
                 out[j] = np.zeros(tls[j].y.size)
             continue
         est = make_estimator(kind=kind)
-        _fit(est, X, y, weights(train))
+        _fit(est, X, y, weights(train, balance))
         for j in held:
             out[j] = est.predict_proba(tls[j].X)[:, 1]
         if progress:
@@ -181,6 +227,7 @@ class Report:
     ablation: dict[str, E.Metrics]
     counterfactual: dict[str, Any]
     by_session_folds: int
+    operating_point: tuple[float, float | None]
     seconds: float
     warnings: list[str]
     horizon_s: float = HORIZON_S
@@ -225,41 +272,51 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
     real_idx = [i for i, t in enumerate(tls) if not t.derived]
     real = [tls[i] for i in real_idx]
     folds = 0
+    t_e, t_c = 0.5, float("inf")
     if evaluate:
         n_groups = len({t.source for t in real})
         folds = min(SESSION_FOLDS, n_groups)
         progress(f"cross-validation grouped by session ({folds} folds of {n_groups} sessions; "
                  "no session, nor its counterfactual copies, on both sides)...")
-        oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds), real_idx)
-        threshold, why = E.pick_threshold(real, oof, MAX_FA_PER_HOUR, horizon_s, near=True)
-        by_session = E.event_metrics(real, oof, threshold, horizon_s, with_auc=True)
+        p_est = estimator_scores(real)
+        oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds, kind="hgb-context", balance=False), real_idx)
+        t_e, t_c, by_session, why = pick_operating_point(real, p_est, oof, horizon_s)
+        threshold = ALARM
+        by_session = E.event_metrics(real, composite_scores(p_est, oof, t_e, t_c), ALARM, horizon_s, with_auc=True)
         scen = sorted({t.scenario for t in real})
         progress(f"cross-validation grouped by scenario ({len(scen)} folds: leave one scenario out)...")
-        oos = _real(out_of_fold(tls, lambda t: t.scenario, progress), real_idx)
-        by_scenario = E.event_metrics(real, oos, threshold, horizon_s, with_auc=True)
+        oos = _real(out_of_fold(tls, lambda t: t.scenario, progress, kind="hgb-context", balance=False), real_idx)
+        comp_s = composite_scores(p_est, oos, t_e, t_c)
+        by_scenario = E.event_metrics(real, comp_s, ALARM, horizon_s, with_auc=True)
         for sc in scen:
             idx = [i for i, t in enumerate(real) if t.scenario == sc]
-            per_scen[sc] = E.event_metrics([real[i] for i in idx], [oos[i] for i in idx], threshold, horizon_s)
+            per_scen[sc] = E.event_metrics([real[i] for i in idx], [comp_s[i] for i in idx], ALARM, horizon_s)
+        comp = composite_scores(p_est, oof, t_e, t_c)
         baselines = E.baseline_metrics(real, horizon_s)
-        name, _, fn = E.ESTIMATOR_RULE
-        est_scores = [fn(t) for t in real]
-        baselines[name] = E.event_metrics(real, est_scores, 0.5, horizon_s)
         for name, m in baselines.items():
             fa = m.near_fa_per_hour if m.near_fa_per_hour is not None else 0.0
-            at_fa[name] = E.recall_at_fa(real, oof, fa, horizon_s, near=True)
-        progress("ablation: the classifier without the estimator's features (grouped by session)...")
-        oof_ctx = _real(out_of_fold(tls, lambda t: t.source, None, folds, kind="hgb-no-estimator"), real_idx)
-        t_ctx, _ = E.pick_threshold(real, oof_ctx, MAX_FA_PER_HOUR, horizon_s, near=True)
-        t_est, _ = E.pick_threshold(real, est_scores, MAX_FA_PER_HOUR, horizon_s, near=True)
-        ablation = {"estimator alone (threshold picked the same way)": E.event_metrics(real, est_scores, t_est, horizon_s, with_auc=True),
-                    "classifier without the estimator": E.event_metrics(real, oof_ctx, t_ctx, horizon_s, with_auc=True),
-                    "estimator + classifier (shipped)": by_session}
+            at_fa[name] = E.recall_at_fa(real, comp, fa, horizon_s, near=True)
+        progress("ablation: each part alone, and one classifier over both (grouped by session)...")
+        te_only, _, _, _ = pick_operating_point(real, p_est, [np.zeros_like(x) for x in p_est], horizon_s)
+        oof_core = _real(out_of_fold(tls, lambda t: t.source, None, folds, kind="hgb-core"), real_idx)
+        t_core, _ = E.pick_threshold(real, oof_core, MAX_FA_PER_HOUR, horizon_s, near=True)
+        t_ctx, _ = E.pick_threshold(real, oof, MAX_FA_PER_HOUR, horizon_s, near=True)
+        ablation = {
+            f"estimator alone (alarm at p >= {te_only:g})": E.event_metrics(
+                real, composite_scores(p_est, oof, te_only, float("inf")), ALARM, horizon_s, with_auc=True),
+            f"classifier alone, context features (alarm at p >= {t_ctx:.3f})": E.event_metrics(
+                real, oof, t_ctx, horizon_s, with_auc=True),
+            f"one classifier over the estimator's figures and the context (balanced; alarm at {t_core:.3f})":
+                E.event_metrics(real, oof_core, t_core, horizon_s, with_auc=True),
+            "estimator + classifier, each at its operating point (shipped)": by_session,
+        }
     progress("fitting the final model on every session and its counterfactual copies...")
-    est = fit(tls)
+    est = RiskComposite(fit(tls), t_e, t_c)
     X, y = _xy(tls)
     reference = np.nanmedian(np.where(np.isfinite(X[y == 0]), X[y == 0], np.nan), axis=0)
     manifest = {
         "horizon_s": horizon_s, "threshold": threshold, "threshold_why": why, "window_s": 30.0,
+        "operating_point": {"estimator": t_e, "classifier": None if t_c == float("inf") else t_c},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seed": SEED, "stride": stride,
         "training_sessions": sorted({t.session for t in real}), "data": data,
         "reference": [None if not np.isfinite(v) else float(v) for v in reference],
@@ -268,7 +325,8 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
     }
     path = save_model(est, manifest, out)
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
-                 per_scen, ablation, cfv or {}, folds if evaluate else 0, time.perf_counter() - t0, warnings,
+                 per_scen, ablation, cfv or {}, folds if evaluate else 0,
+                 (t_e, None if t_c == float("inf") else t_c), time.perf_counter() - t0, warnings,
                  horizon_s, stride)
     write_card(rep, MAX_FA_PER_HOUR, command or f"gpuwatch train -o {out}")
     progress(f"wrote {path} and {rep.card_path} in {rep.seconds:.0f} s")

@@ -1,0 +1,64 @@
+"""The shipped risk: the peak estimator's probability as the backbone, a classifier beside it for what
+the estimator cannot see, each at its own operating point.
+
+    risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), clipped to 0..1; alarm at 0.5
+
+`p_estimator` is the feature `peak_cross_p` (predict/peak.py: the probability that a step within the
+horizon peaks over the usable limit; no learning). `p_classifier` is gradient-boosted trees over the
+context features only (leaks and slow growth, the allocator's fragmentation, other processes, telemetry
+gaps, what happened before), trained without re-weighting the classes so that its output stays near a
+frequency. `t_e` and `t_c` are picked on out-of-fold scores (predict/train.py): the pair that catches
+the most OOMs within the false-alarm budget near the limit. Either part alone reaching its threshold
+raises the alarm; below it the risk still rises with both. A part that is switched off has t = inf.
+
+Why not one classifier over everything: measured on the H200 sessions (models/risk.md, ablation), trees
+over the estimator's figures and the context together raised several times more false alarms near the
+limit at the same recall than the estimator alone - the context features (memory at 95 %, say) make
+a steady run near its cap look like the runs that failed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gpuwatch.predict.features import NAMES
+
+ALARM = 0.5  # the composite's alarm threshold (the manifest's)
+
+
+class RiskComposite:
+    """A scikit-learn-like classifier (predict_proba over rows of all features, NAMES order)."""
+
+    def __init__(self, classifier, t_estimator: float, t_classifier: float) -> None:
+        self.classifier = classifier
+        self.t_estimator = float(t_estimator)
+        self.t_classifier = float(t_classifier)
+        self.est_index = NAMES.index("peak_cross_p")
+        self.classes_ = np.array([0, 1])
+
+    def _combine(self, p_est: np.ndarray, p_clf: np.ndarray) -> np.ndarray:
+        a = np.nan_to_num(p_est, nan=0.0) * (ALARM / self.t_estimator if math.isfinite(self.t_estimator) else 0.0)
+        b = np.nan_to_num(p_clf, nan=0.0) * (ALARM / self.t_classifier if math.isfinite(self.t_classifier) else 0.0)
+        r = np.clip(np.maximum(a, b), 0.0, 1.0)
+        return np.stack([1.0 - r, r], axis=1)
+
+    def predict_proba(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float64)
+        p_clf = self.classifier.predict_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
+        return self._combine(X[:, self.est_index], p_clf)
+
+    def fast(self, classifier_proba):
+        """predict_proba with the classifier's own fast path (the scorer's tree walker)."""
+        def proba(X):
+            X = np.asarray(X, dtype=np.float64)
+            p_clf = classifier_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
+            return self._combine(X[:, self.est_index], p_clf)
+        return proba
+
+    def parts(self, x) -> dict[str, float]:
+        """Each part's probability for one row (shown on screen and in `score --json`)."""
+        X = np.asarray([x], dtype=np.float64)
+        p_clf = float(self.classifier.predict_proba(X)[0, 1])
+        return {"estimator": float(np.nan_to_num(X[0, self.est_index])), "classifier": p_clf}
