@@ -204,10 +204,9 @@ class TickProfile:
                                             if m in sys.modules)
         out = {"meta": self.meta, "calibration": self.calibrate(), "iterations": self.iterations,
                "slow": self.slow, "other": self.other, "batch_bytes": self.batch_bytes}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.replace(tmp, self.path)
+        from gpuwatch.atomic import write_file
+
+        write_file(self.path, json.dumps(out))
 
 
 def from_env() -> TickProfile | None:
