@@ -17,7 +17,7 @@ CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.control.guard", "gpuwatch.
         "gpuwatch.predict.features", "gpuwatch.predict.model", "gpuwatch.workload.presets",
         "gpuwatch.workload.flops", "gpuwatch.workload.schedule", "gpuwatch.workload.factory",
         "gpuwatch.workload.summary", "gpuwatch.export.prometheus", "gpuwatch.ci", "gpuwatch.predict.scorer",
-        "gpuwatch.recording.layout", "gpuwatch.recording.ipc", "gpuwatch.atomic"]
+        "gpuwatch.resume", "gpuwatch.recording.layout", "gpuwatch.recording.ipc", "gpuwatch.atomic"]
 
 
 def test_import_contracts_hold():
