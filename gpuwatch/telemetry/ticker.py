@@ -35,6 +35,7 @@ from gpuwatch.atomic import write_file
 from gpuwatch.telemetry.bus import Tick
 
 ENV = "GPUWATCH_SAMPLER_LOOP"  # "python": never the C loop
+PROFILE_ENV = "GPUWATCH_SAMPLER_PROFILE"  # a tick profile instruments the Python loop: no C loop then
 SRC = Path(__file__).with_name("_ticker.c")
 K_OUT, K_INT_OUT, K_INT_INT_OUT, K_COUNT_OUT = range(4)
 _HEAD = struct.Struct("=qqqqii")  # gw_head: ts_us, mono_ns, cost_ns, cpu_ns, host_len, n
@@ -108,8 +109,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def make(sampler) -> tuple["CLoop | None", str]:
     """The C loop for `sampler`, or None and why not (then its Python loop runs)."""
-    from gpuwatch.telemetry.profile import ENV as PROFILE_ENV
-
     if os.environ.get(ENV, "").strip().lower() == "python":
         return None, f"python loop ({ENV}=python)"
     if not sys.platform.startswith("linux"):
