@@ -24,15 +24,9 @@ import polars as pl
 from gpuwatch.atomic import unlink_quietly
 from gpuwatch.recording.layout import read_regular
 
-# A stream file is one valid Arrow IPC stream without its end marker: the schema message, then one
-# record batch message per flush. Each message is framed as 0xFFFFFFFF, int32 metadata length L, L bytes
-# of flatbuffer metadata (8-byte aligned), then the body, whose length the metadata says. A reader adds
-# the 8-byte end marker in memory. The newest compat level writes strings as Arrow string views: the
-# cheapest for polars to write (no conversion); the file is read back by polars (this gpuwatch or a newer
-# one) and becomes Parquet at the next roll or compaction, which DuckDB and every other tool reads.
 IPC_COMPAT = pl.CompatLevel.newest()
 IPC_CONT = b"\xff\xff\xff\xff"
-IPC_EOS = IPC_CONT + b"\x00\x00\x00\x00"
+IPC_EOS = IPC_CONT + b"\x00\x00\x00\x00"  # the end marker a reader adds in memory
 
 
 def ipc_bytes(df: pl.DataFrame) -> tuple[bytes, bytes]:
