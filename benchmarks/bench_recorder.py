@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import polars as pl  # noqa: E402
 
-from gpuwatch.recording import schema, writer  # noqa: E402
+from gpuwatch.recording import ipc, schema, writer  # noqa: E402
 from gpuwatch.recording.writer import Recorder, StreamFile, append_stream, to_frame, write_atomic  # noqa: E402
 from gpuwatch.telemetry.bus import Bus, Tick  # noqa: E402
 
@@ -192,7 +192,7 @@ def parts(load: Load, n: int = 300) -> dict[str, float]:
         return statistics.median(ts) * 1e6
 
     out["to_frame (pl.from_dicts, 10 rows)"] = med(lambda: to_frame(rows, "samples"))
-    out["write_ipc_stream to memory"] = med(lambda: writer.ipc_bytes(df))
+    out["write_ipc_stream to memory"] = med(lambda: ipc.ipc_bytes(df))
     with tempfile.TemporaryDirectory() as d:
         st = StreamFile(Path(d) / "samples-000001.arrows", 1)
         out["StreamFile.append (encode + one write)"] = med(lambda: st.append(df))

@@ -44,6 +44,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # support/: the fake NVML and the tick profiler (not shipped)
+from support.fake_nvml import build_fake_nvml, fake_nvml_env  # noqa: E402
 FIELDS = "utilization.gpu,utilization.memory,memory.used,memory.total,temperature.gpu,power.draw,clocks.sm,clocks.mem"
 PYNVML_LOOP = r"""
 import os, time, pynvml
@@ -280,86 +282,6 @@ def threads(seconds: float, extra: list[str]) -> dict:
             "total": round(sum(pct.values()), 3), "threads": pct}
 
 
-# A stand-in libnvidia-ml.so.1 whose functions answer at once (no GPU here): pynvml and gpuwatch's own
-# NVML code run unchanged against it (dlopen through LD_LIBRARY_PATH), so their Python + ctypes cost is
-# what a profile shows. FAKE_NVML_GPUS GPUs; FAKE_NVML_PROCS running processes (default none); XID events
-# not supported. FAKE_NVML_LOST_FILE=PATH (tests): while PATH exists, every fast read answers "GPU is lost";
-# FAKE_NVML_NOTSUP_FILE=PATH: while PATH exists, the temperature answers "not supported".
-FAKE_NVML_C = r"""
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-typedef void *H;
-static int ngpu(void) { const char *e = getenv("FAKE_NVML_GPUS"); return e ? atoi(e) : 1; }
-static int lost(void) { const char *e = getenv("FAKE_NVML_LOST_FILE"); return e && access(e, F_OK) == 0; }
-#define L if (lost()) return 15;
-static int notsup(void) { const char *e = getenv("FAKE_NVML_NOTSUP_FILE"); return e && access(e, F_OK) == 0; }
-int nvmlInitWithFlags(unsigned f) { return 0; }
-int nvmlInit_v2(void) { return 0; }
-int nvmlShutdown(void) { return 0; }
-const char *nvmlErrorString(int r) { return "fake NVML error"; }
-int nvmlSystemGetDriverVersion(char *b, unsigned n) { strncpy(b, "999.fake", n); return 0; }
-int nvmlSystemGetNVMLVersion(char *b, unsigned n) { strncpy(b, "99.999.fake", n); return 0; }
-int nvmlDeviceGetCount_v2(unsigned *c) { *c = ngpu(); return 0; }
-int nvmlDeviceGetHandleByIndex_v2(unsigned i, H *h) { *h = (H)(size_t)(i + 1); return 0; }
-int nvmlDeviceGetName(H h, char *b, unsigned n) { strncpy(b, "Fake H200", n); return 0; }
-int nvmlDeviceGetUUID(H h, char *b, unsigned n) { snprintf(b, n, "GPU-fake-%d", (int)(size_t)h); return 0; }
-int nvmlDeviceGetEnforcedPowerLimit(H h, unsigned *v) { *v = 700000; return 0; }
-int nvmlDeviceGetTemperatureThreshold(H h, int t, unsigned *v) { *v = 89; return 0; }
-struct mem1 { unsigned long long total, free, used; };
-struct mem2 { unsigned version; unsigned long long total, reserved, free, used; };
-int nvmlDeviceGetMemoryInfo(H h, struct mem1 *m) { L m->total = 151ULL << 30; m->used = 11ULL << 30; m->free = m->total - m->used; return 0; }
-int nvmlDeviceGetMemoryInfo_v2(H h, struct mem2 *m) { L m->total = 151ULL << 30; m->reserved = 615ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->used; return 0; }
-struct util { unsigned gpu, memory; };
-int nvmlDeviceGetUtilizationRates(H h, struct util *u) { L u->gpu = 97; u->memory = 40; return 0; }
-int nvmlDeviceGetTemperature(H h, int s, unsigned *v) { L if (notsup()) return 3; *v = 60; return 0; }
-int nvmlDeviceGetPowerUsage(H h, unsigned *v) { L *v = 350000; return 0; }
-int nvmlDeviceGetClockInfo(H h, int t, unsigned *v) { L *v = t == 2 ? 2619 : 1980; return 0; }
-int nvmlDeviceGetCurrentClocksEventReasons(H h, unsigned long long *v) { L *v = 4; return 0; }
-int nvmlDeviceGetCurrentClocksThrottleReasons(H h, unsigned long long *v) { *v = 4; return 0; }
-int nvmlDeviceGetTotalEccErrors(H h, int a, int b, unsigned long long *v) { L *v = 0; return 0; }
-struct proc { unsigned pid; unsigned long long used; unsigned gi, ci; };
-int nvmlDeviceGetComputeRunningProcesses_v3(H h, unsigned *c, struct proc *p) { L
-  const char *e = getenv("FAKE_NVML_PROCS"); unsigned n = e ? atoi(e) : 0, cap = *c; *c = n;
-  if (n > cap) return 7;  /* NVML_ERROR_INSUFFICIENT_SIZE */
-  for (unsigned i = 0; i < n; i++) { p[i].pid = 1000 + i; p[i].used = i % 3 ? (i + 1ULL) << 20 : ~0ULL; p[i].gi = p[i].ci = 0; }
-  return 0; }
-int nvmlDeviceGetPcieThroughput(H h, int c, unsigned *v) { *v = 100; return 0; }
-int nvmlDeviceGetTotalEnergyConsumption(H h, unsigned long long *v) { *v = 5000; return 0; }
-struct fv { unsigned fieldId, scopeId; long long ts, lat; unsigned type, ret; unsigned long long value; };
-int nvmlDeviceGetFieldValues(H h, int n, struct fv *v) { L
-  for (int i = 0; i < n; i++) { v[i].type = 3; v[i].ret = 0; v[i].value = 1000 + v[i].fieldId; v[i].ts = 1; }
-  return 0; }
-int nvmlEventSetCreate(void *es) { return 3; }
-"""
-
-
-def build_fake_nvml(work: Path) -> Path | None:
-    """Compile FAKE_NVML_C into work/libnvidia-ml.so.1; None without a C compiler."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    src = work / "fake_nvml.c"
-    src.write_text("#include <stdio.h>\n" + FAKE_NVML_C)
-    lib = work / "libnvidia-ml.so.1"
-    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True)
-    return lib if r.returncode == 0 else None
-
-
-def fake_nvml_env(env: dict, work: Path, n: int) -> str:
-    """Point `env` at the stand-in NVML (n GPUs): the C library where a compiler exists, else the Python
-    patch in gpuwatch.telemetry.profile. Returns which."""
-    from gpuwatch.telemetry.profile import ENV_FAKE
-
-    lib = build_fake_nvml(work)
-    if lib is not None:
-        env["LD_LIBRARY_PATH"] = str(lib.parent) + os.pathsep + env.get("LD_LIBRARY_PATH", "")
-        env["FAKE_NVML_GPUS"] = str(n)
-        return "C stub libnvidia-ml.so.1"
-    env[ENV_FAKE] = str(n)
-    return "pynvml functions patched in Python"
-
-
 def _thread_snap(root_pid: int) -> dict[str, dict]:
     """Per OS thread of a process tree: name, CPU seconds, context switches, the CPU it last ran on."""
     out: dict[str, dict] = {}
@@ -451,13 +373,13 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     with the child's tick instrumented (GPUWATCH_SAMPLER_PROFILE; off in normal runs): per section of a
     tick CPU (thread_time) and wall, p50/p99/mean; per thread CPU and wake-ups of both processes; the
     tree's total; CPU frequency / idle-state hints."""
-    from gpuwatch.telemetry.profile import ENV
+    from gpuwatch.telemetry.ticker import PROFILE_ENV as ENV
 
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-profile-"))
     prof_path = work / "child_profile.json"
     env = dict(os.environ, **{ENV: str(prof_path)})
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the profiler
     fake_how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
     if max_gpus:
         env["GPUWATCH_MAX_GPUS"] = str(max_gpus)

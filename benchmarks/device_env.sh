@@ -1,4 +1,4 @@
-# Sourced by the device_run*.sh scripts: install the carried wheels (textual, polars) and define
+# Sourced by benchmarks/gpu.sh (and by the device_run*.sh scripts of calls 1-19, in git history): install the carried wheels (textual, polars) and define
 # `stage NAME SECONDS CMD...`, which runs CMD with a time limit, saving its stdout to $R/NAME.$EXT and
 # its stderr to $R/NAME.err, and prints its exit code and the tail of its output.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1

@@ -1,6 +1,6 @@
 """The C sampler loop against the Python loop on a real GPU: `gpuwatch record --no-model` twice at once (the
 default loop, and GPUWATCH_SAMPLER_LOOP=python), read back; prints which loop each ran, rows, columns and,
-per column, how many values are null in each. Run on the GPU machine (benchmarks/device_run19.sh)."""
+per column, how many values are null in each. Run on the GPU machine (`bash benchmarks/gpu.sh cloop`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Summarise a `gpuwatch stress` recording: steps tokens/s, GPU util over the steps, compile events
-(device_run11/12). REC=<output dir> python benchmarks/stress_check.py"""
+(the `stress` stage of benchmarks/gpu.sh). REC=<output dir> python benchmarks/stress_check.py"""
 import glob, json, os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import polars as pl

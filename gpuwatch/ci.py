@@ -331,17 +331,9 @@ def health_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def _write_atomic(text: str, path: Path) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
+    from gpuwatch.atomic import write_file
+
+    write_file(path, text)
 
 
 def write_summary_json(summary: dict[str, Any], path: Path) -> None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -27,9 +25,12 @@ from gpuwatch.control.policy import GuardConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
 from gpuwatch.recording.source import GpuMeta, LiveSource
+# load_resume and ResumePoint are imported from here by the CLI: the resume logic lives in gpuwatch/resume.py
+from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_workloads, resume_entry, resumed_event
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
+from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
 from gpuwatch.workload.factory import WorkloadSpec
 
 
@@ -66,7 +67,7 @@ class SessionConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     prometheus: tuple[str, int] | None = None
     score_hz: float | None = None  # default: 5 Hz with a workload (the guard reads it), else 2 Hz
-    resume: "ResumePoint | None" = None  # continue this interrupted session (record_dir/name is its folder)
+    resume: ResumePoint | None = None  # continue this interrupted session (record_dir/name is its folder)
 
 
 class Session:
@@ -123,7 +124,7 @@ class Session:
             from gpuwatch.recording.writer import Recorder
 
             self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name,
-                                     resume=self._resume_entry() if cfg.resume is not None else None)
+                                     resume=resume_entry(cfg.resume, self.workloads) if cfg.resume is not None else None)
             if cfg.sampler == "process" and cfg.deliver_s > 0:
                 self.sampler.on_delivery = self.recorder.kick
                 self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
@@ -135,21 +136,13 @@ class Session:
             self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port,
                                                interval_s=cfg.interval_s)
 
-    def _restore(self, point: "ResumePoint") -> None:
-        """Put each workload back where the interrupted run left it (step, schedule, precision, counters)."""
-        if len(point.workloads) != len(self.workloads):
-            raise SessionFailed(f"{point.dir}: the run had {len(point.workloads)} workload(s), this resume "
-                                f"builds {len(self.workloads)}")
-        for w, rec in zip(self.workloads, point.workloads):
-            w.restore_state(rec["state"], rec["history"])
+    def _restore(self, point: ResumePoint) -> None:
+        """Put each workload back where the interrupted run left it (gpuwatch/resume.py)."""
+        try:
+            restore_workloads(point, self.workloads)
+        except ResumeMismatch as e:
+            raise SessionFailed(str(e)) from None
         self.resumed_after_s = point.elapsed_s
-
-    def _resume_entry(self) -> dict[str, Any]:
-        from datetime import datetime, timezone
-
-        return {"at": datetime.now(timezone.utc).isoformat(), "after_s": round(self.config.resume.elapsed_s, 3),
-                "steps": [w.export_state()["step"] for w in self.workloads], "host": socket.gethostname(),
-                "argv": sys.argv, "gpuwatch": __version__}
 
     def _load_model(self, cfg: SessionConfig):
         if not cfg.model.enabled:
@@ -259,11 +252,8 @@ class Session:
             self._say(f"Prometheus metrics at {self.exporter.url}")
         self.bus.emit("session_start", f"session started: {self.gpu_note}; {self.model_note}")
         if self.config.resume is not None:
-            p = self.config.resume
-            steps = [w.export_state()["step"] for w in self.workloads]
-            self.bus.emit("session_resumed", f"session resumed after {p.elapsed_s:.0f} s of run time, at step "
-                          f"{', '.join(map(str, steps))} ({p.previous_close})", after_s=round(p.elapsed_s, 3),
-                          steps=steps, previous_close=p.previous_close, resumes=len(p.meta.get("resumed") or []) + 1)
+            msg, fields = resumed_event(self.config.resume, self.workloads)
+            self.bus.emit("session_resumed", msg, **fields)
         self.sampler.start()
         if self.scorer:
             self.scorer.start()
@@ -315,219 +305,9 @@ def _bus_id(s: str) -> str:
     return s.strip().lower()
 
 
-SIGNAL_EXIT = {s.name: 128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # 130, 143, 129
-
-
-def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: Callable[[], None] | None = None,
-               tick_s: float = 0.0) -> str:
-    """Sleep until the deadline, `done()` (checked every `poll_s`) or SIGINT/SIGTERM/SIGHUP (a dropped
-    SSH link sends SIGHUP to a foreground run). One wake-up per poll, so a headless run costs nothing
-    while it waits. Only the main thread can install handlers; elsewhere signals are left alone.
-    `on_tick()` (if given, with `tick_s` > 0) runs every `tick_s` seconds inside the same wait, so the
-    handlers stay installed between progress lines; what it raises is not this wait's business."""
-    next_tick = time.monotonic() + tick_s if on_tick is not None and tick_s > 0 else None
-    stop = threading.Event()
-    why = {"sig": None}
-
-    def handler(signum, _frame):
-        why["sig"] = signal.Signals(signum).name
-        stop.set()
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            old[s] = signal.signal(s, handler)
-    try:
-        while not stop.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return "deadline"
-            if done is not None and done():
-                return "done"
-            timeout = left
-            if done is not None:
-                timeout = poll_s if left is None else min(left, poll_s)
-            if next_tick is not None:
-                now = time.monotonic()
-                if now >= next_tick:
-                    try:
-                        on_tick()
-                    except Exception:  # noqa: BLE001 - a progress line must never end the run
-                        pass
-                    next_tick = max(next_tick + tick_s, now + tick_s / 2)
-                to_tick = max(0.0, next_tick - time.monotonic())
-                timeout = to_tick if timeout is None else min(timeout, to_tick)
-            stop.wait(timeout if timeout is not None else 3600)
-        return why["sig"] or "SIGINT"
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 class SessionFailed(GpuwatchError):
     """A runtime fault that ends a run (exit 1)."""
 
 
-# -- resume: where an interrupted session stopped -------------------------------------------------------
-@dataclass
-class ResumePoint:
-    """What `gpuwatch stress --resume SESSION` continues from, read from the session folder: meta.json,
-    the steps and events tables (the schedule's history), the run time so far and the first command."""
-
-    dir: Path
-    meta: dict[str, Any]
-    argv: list[str]  # the command line the session was first started with, after the program name
-    elapsed_s: float  # run time of every earlier part (the gaps between them not counted)
-    previous_close: str  # "closed cleanly", or why not (a kill, a reboot: "interrupted")
-    workloads: list[dict[str, Any]]  # per recorded workload: gpu, state (Workload.restore_state), history
-    unrecovered: list[str] = field(default_factory=list)  # workload_error messages of earlier parts
-    next_tick: int = 0  # one past the last tick recorded: the resumed sampler numbers on from there
-
-
-def _read_table(folder: Path, table: str):
-    import polars as pl
-
-    from gpuwatch.errors import RecordingError
-    from gpuwatch.recording import schema
-    from gpuwatch.recording.reader import read_table_file, table_files
-
-    frames = []
-    for p in table_files(folder, table):
-        try:
-            frames.append(read_table_file(p, table)[1])
-        except RecordingError:  # a segment a crash cut short: the reader skips it too
-            continue
-    return pl.concat(frames, how="vertical_relaxed").sort("ts") if frames else schema.empty(table)
-
-
-def _last_sample_us(folder: Path) -> int | None:
-    from gpuwatch.recording.reader import table_max
-
-    ts = table_max(folder, "samples", "ts")
-    return None if ts is None else int(ts.timestamp() * 1e6)
-
-
-def _next_tick(folder: Path) -> int:
-    """One past the highest tick in the session's samples (0 if none can be read)."""
-    from gpuwatch.recording.reader import table_max
-
-    top = table_max(folder, "samples", "tick")
-    return 0 if top is None else int(top) + 1
-
-
-def _iso_us(text: Any) -> int | None:
-    from datetime import datetime, timezone
-
-    try:
-        t = datetime.fromisoformat(str(text))
-    except ValueError:
-        return None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
-    return int(t.timestamp() * 1e6)
-
-
-def load_resume(path: Path | str) -> ResumePoint:
-    """Read where the session at `path` stopped. A folder that is not a gpuwatch session, or one with no
-    workload, raises UsageError (one line)."""
-    import json
-    import math
-    import re
-
-    import polars as pl
-
-    from gpuwatch.errors import RecordingError, UsageError
-    from gpuwatch.recording.reader import SessionReader
-
-    folder = Path(path)
-    if not folder.is_dir() or not (folder / "meta.json").is_file():
-        raise UsageError(f"--resume {path}: not a gpuwatch session folder (no meta.json)")
-    try:
-        meta = SessionReader(folder).meta
-    except RecordingError as e:
-        raise UsageError(f"--resume {path}: {e}") from None
-    loads = (meta.get("config") or {}).get("workloads") or []
-    argv = [str(a) for a in meta.get("argv") or []]
-    if not loads:
-        raise UsageError(f"--resume {path}: this session ran no workload (a watch or record session)")
-    if "stress" not in argv[1:2]:
-        raise UsageError(f"--resume {path}: not started by `gpuwatch stress` (argv {' '.join(argv[1:3])!r})")
-    from gpuwatch.recording.writer import session_locked
-
-    if session_locked(folder):
-        raise UsageError(f"--resume {path}: another gpuwatch process is still recording this session")
-    steps, events = _read_table(folder, "steps"), _read_table(folder, "events")
-
-    # run time: the earlier parts (meta.resumed) plus the last part, from its session_start event (the
-    # wait for --duration begins right after it) to its session_end event, or its last data after a kill
-    resumed = [r for r in meta.get("resumed") or [] if isinstance(r, dict)]
-    part_start = _iso_us(resumed[-1].get("at")) if resumed else _iso_us(meta.get("start"))
-    before = float(resumed[-1].get("after_s") or 0) if resumed else 0.0
-    starts = events.filter(pl.col("kind") == "session_start")["ts"]
-    if starts.len():
-        part_start = max(part_start or 0, int(starts.max().timestamp() * 1e6))
-    ends = events.filter(pl.col("kind") == "session_end")["ts"]
-    ends = [int(t.timestamp() * 1e6) for t in ends if part_start is None or int(t.timestamp() * 1e6) >= part_start]
-    if ends:
-        last_us = max(ends)
-    else:
-        last = [_last_sample_us(folder)]
-        for df in (steps, events):
-            if df.height:
-                last.append(int(df["ts"].max().timestamp() * 1e6))
-        last_us = max((x for x in last if x is not None), default=None)
-    part = (last_us - part_start) / 1e6 if last_us is not None and part_start is not None else 0.0
-    elapsed = before + max(0.0, part)
-    if not math.isfinite(elapsed):
-        elapsed = before
-
-    out, unrecovered = [], []
-    for rec in loads:
-        gpu = rec.get("gpu_index")
-        same = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
-        st, ev = steps.filter(same), events.filter(same)
-        merged = sorted([(r["ts"], 0, "step", r) for r in st.select("ts", "precision", "batch", "micro_batches").iter_rows(named=True)]
-                        + [(r["ts"], 1, r["kind"], r) for r in ev.select("ts", "kind", "detail", "message").iter_rows(named=True)],
-                        key=lambda x: (x[0], x[1]))
-        history: list[tuple] = []
-        state = {"step": int(st["step"].max()) + 1 if st.height else 0, "precision": rec.get("precision"),
-                 "ooms": 0, "recovered": 0, "nonfinite": 0, "integrity_failures": 0, "retries": 0, "lost_steps": 0,
-                 "last_ok_batch": None}
-        oom_batch = None
-        for _ts, _o, kind, r in merged:
-            if kind == "step":
-                history.append(("done",))
-                state["precision"] = r["precision"] or state["precision"]
-                k = r["micro_batches"] or 1
-                state["last_ok_batch"] = -(-int(r["batch"]) // k) if r["batch"] else None
-                continue
-            try:
-                d = json.loads(r["detail"] or "{}")
-            except ValueError:
-                d = {}
-            if kind == "control" and d.get("control") in ("batch", "ceiling", "hold", "seq_len"):
-                history.append((d["control"], d.get("value")))
-            elif kind == "control" and d.get("control") == "precision":
-                state["precision"] = d.get("value") or state["precision"]
-            elif kind == "oom":
-                state["ooms"] += 1
-                oom_batch = d.get("batch")
-            elif kind == "oom_recovered":
-                state["recovered"] += 1
-                if d.get("retried"):
-                    state["retries"] += 1
-                    if d.get("retry_control") in ("batch", "ceiling") and d.get("retry_value") is not None:
-                        history.append((d["retry_control"], int(d["retry_value"])))
-                    elif m := re.search(r"\b(batch|ceiling) -> (\d+)", str(d.get("decision") or "")):
-                        history.append((m.group(1), int(m.group(2))))  # sessions recorded before the fields
-                else:
-                    state["lost_steps"] += 1
-                    history.append(("oom", oom_batch))
-            elif kind == "nonfinite":
-                state["nonfinite"] += 1
-            elif kind == "integrity_mismatch":
-                state["integrity_failures"] += 1
-            elif kind == "workload_error":
-                unrecovered.append(r["message"])
-        out.append({"gpu": gpu, "state": state, "history": history})
-    previous = "closed cleanly" if meta.get("complete") else "interrupted"
-    return ResumePoint(folder, meta, argv[1:], elapsed, previous, out, unrecovered, _next_tick(folder))
+__all__ = ["ModelChoice", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig", "SessionFailed", "load_resume",
+           "versions", "wait_until"]

@@ -50,6 +50,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _reset_cuda() -> None:
+    """No per-process memory cap on any GPU (a workload's `memory_limit_bytes` sets one with
+    torch.cuda.set_per_process_memory_fraction, which outlives the workload), and the caching
+    allocator's free blocks handed back, so the next test has the whole GPU."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_initialized():
+        return
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.set_per_process_memory_fraction(1.0, i)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def gpu_state_restored(request):
+    """Every GPU test finds the GPU as a fresh process would and leaves it so: the whole GPU suite runs in
+    one process (`python3 -m pytest -m gpu tests/`) without one test's memory cap or TF32 switch reaching
+    the next (a cap of 8 GiB left by the OOM test once failed the 2**31-element kernel test)."""
+    if "gpu" not in request.keywords or not _cuda_usable():
+        yield
+        return
+    import torch
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    _reset_cuda()
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        _reset_cuda()
+
+
 @pytest.fixture
 def env():
     """Environment for subprocesses: the repo importable, no colour codes."""

@@ -1,5 +1,5 @@
 """On a real NVIDIA GPU only (skipped in CI): NVML for real, and the workload's OOM recovery on CUDA.
-The same paths produced docs/BENCHMARKS.md on the H200 (benchmarks/device_run*.sh)."""
+The same paths produced docs/BENCHMARKS.md on the H200 (benchmarks/gpu.sh)."""
 
 from __future__ import annotations
 

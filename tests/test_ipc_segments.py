@@ -13,7 +13,7 @@ import time
 import polars as pl
 import pytest
 
-from gpuwatch.recording import schema, writer
+from gpuwatch.recording import ipc, schema, writer
 from gpuwatch.recording.reader import SessionReader, open_recording, read_table_file, table_files
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
 from gpuwatch.recording.source import ReplaySource
@@ -60,7 +60,7 @@ def test_a_torn_tail_reads_every_complete_batch(tmp_path):
     _kill(r)
     path = r.dir / "samples-000001.arrows"
     data = path.read_bytes()
-    msgs, why = writer.ipc_messages(data)
+    msgs, why = ipc.ipc_messages(data)
     assert why is None and [t for *_, t in msgs] == [1, 3, 3, 3, 3] and msgs[-1][1] == len(data)
     whole = read_table_file(path)[1]
     assert whole.height == 40
@@ -83,7 +83,7 @@ def test_a_damaged_batch_is_named_and_the_batches_before_it_read(tmp_path):
     _kill(r)
     path = r.dir / "samples-000001.arrows"
     data = bytearray(path.read_bytes())
-    msgs, _ = writer.ipc_messages(bytes(data))
+    msgs, _ = ipc.ipc_messages(bytes(data))
     data[msgs[2][0]:msgs[2][0] + 4] = b"\x00\x01\x02\x03"  # the second batch's framing
     path.write_bytes(bytes(data))
     rec = open_recording(r.dir)
@@ -102,7 +102,7 @@ def test_follow_sees_rows_appended_to_a_growing_stream(tmp_path):
     assert len(src.ticks_ts) == 15 and src.at_edge and src.cursor_us() == src.end_us
     # a batch still being written (half of it on disk) is read once it is whole
     df = writer.to_frame([row for t in bus.ticks.latest(3) for row in t.rows], "samples")
-    head, batch = writer.ipc_bytes(df)
+    head, batch = ipc.ipc_bytes(df)
     path = r.dir / "samples-000001.arrows"
     with open(path, "ab") as fh:
         fh.write(batch[:100])
@@ -139,7 +139,7 @@ def test_a_killed_stream_session_resumes_into_chunks_and_compacts(tmp_path):
         _flush(bus, s, r, i=i)
     _kill(r)
     # killed between writing a chunk and deleting its stream: the stream is covered, read once
-    st = writer.StreamFile(r.dir / "samples-000001.arrows", 1)
+    st = ipc.StreamFile(r.dir / "samples-000001.arrows", 1)
     st.append(pl.read_parquet(r.dir / "samples-c000001-000003.parquet"))
     st.close()
     before = open_recording(r.dir)
@@ -174,11 +174,11 @@ def test_a_failed_append_leaves_the_stream_as_it_was(tmp_path, monkeypatch):
             real(fd, bytes(data[: len(data) // 2]))
             raise OSError(28, "No space left on device")
         return real(fd, data)
-    monkeypatch.setattr(writer.os, "write", short)
+    monkeypatch.setattr(ipc.os, "write", short)
     _flush(bus, s, r, i=1)
     assert r.state == "error" and "ENOSPC" in r.error
     assert path.read_bytes() == before
-    monkeypatch.setattr(writer.os, "write", real)
+    monkeypatch.setattr(ipc.os, "write", real)
     _flush(bus, s, r, i=2)
     assert r.error is None
     r.stop()

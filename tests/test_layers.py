@@ -16,7 +16,8 @@ CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.control.guard", "gpuwatch.
         "gpuwatch.recording.writer", "gpuwatch.recording.replay_backend", "gpuwatch.recording.backends",
         "gpuwatch.predict.features", "gpuwatch.predict.model", "gpuwatch.workload.presets",
         "gpuwatch.workload.flops", "gpuwatch.workload.schedule", "gpuwatch.workload.factory",
-        "gpuwatch.workload.summary", "gpuwatch.export.prometheus", "gpuwatch.ci", "gpuwatch.predict.scorer"]
+        "gpuwatch.workload.summary", "gpuwatch.export.prometheus", "gpuwatch.ci", "gpuwatch.predict.scorer",
+        "gpuwatch.resume", "gpuwatch.recording.layout", "gpuwatch.recording.ipc", "gpuwatch.atomic"]
 
 
 def test_import_contracts_hold():

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from gpuwatch.errors import RecordingError
-from gpuwatch.recording import schema, writer
+from gpuwatch.recording import ipc, schema, writer
 from gpuwatch.recording.reader import SessionReader, open_recording, read_table_file
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
 from gpuwatch.recording.writer import Recorder
@@ -60,10 +60,10 @@ def _legacy(tmp_path, flushes=4, rows=10):
 def _batch_heights(path):
     """Rows of each record batch of a stream file, in order."""
     data = path.read_bytes()
-    msgs, why = writer.ipc_messages(data)
+    msgs, why = ipc.ipc_messages(data)
     assert why is None and msgs[0][2] == 1
     head = data[:msgs[0][1]]
-    return [pl.read_ipc_stream(head + data[a:b] + writer.IPC_EOS).height for a, b, _ in msgs[1:]]
+    return [pl.read_ipc_stream(head + data[a:b] + ipc.IPC_EOS).height for a, b, _ in msgs[1:]]
 
 
 def test_round_trip_keeps_every_row_and_type(tmp_path):
@@ -87,7 +87,7 @@ def test_rolled_chunks_and_a_crash_mid_roll_do_not_duplicate(tmp_path):
     # a crash between writing a chunk and deleting its stream (or, in older sessions, its segments)
     # leaves both: read once only
     df = pl.read_parquet(r.dir / "samples-c000004-000006.parquet")
-    st = writer.StreamFile(r.dir / "samples-000004.arrows", 4)
+    st = ipc.StreamFile(r.dir / "samples-000004.arrows", 4)
     for i in range(3):
         st.append(df.slice(i * 10, 10))
     st.close()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from gpuwatch.telemetry import profile
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.sampler import Sampler
 
+from support import sampler_profile as profile
+from support.fake_nvml import FakeDriver
 from test_sampler import FakeTime, SlowHost
 
 
@@ -42,7 +43,6 @@ def test_the_slow_read_splits_pcie_counters_and_energy(tmp_path, monkeypatch):
     import pynvml
 
     from gpuwatch.telemetry import nvml
-    from test_nvml_boundary import FakeDriver
 
     tx, rx = nvml.PCIE_COUNTERS
     if tx is None:
@@ -64,3 +64,21 @@ def test_the_slow_read_splits_pcie_counters_and_energy(tmp_path, monkeypatch):
     slow = json.loads((tmp_path / "p.json").read_text())["slow"][0][1]
     assert {"slow/gpu0.read_slow/pcie_counters", "slow/gpu0.read_slow/gpu_energy_mj",
             "slow/gpu1.read_slow/pcie_counters"} <= set(slow)
+
+
+def test_without_a_c_compiler_the_profiled_child_gets_the_python_fake_nvml(py, env, tmp_path):
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("from support import sampler_profile\n"
+            "from gpuwatch.telemetry.nvml import NvmlBackend\n"
+            "assert sampler_profile.from_env() is not None\n"
+            "b = NvmlBackend()\n"
+            "print(len(b.gpus), b.gpus[0].name, b.read_fast(0)['gpu_util_pct'])\n")
+    e = dict(env, PYTHONPATH=str(ROOT / "tests") + os.pathsep + env["PYTHONPATH"],
+             GPUWATCH_SAMPLER_PROFILE=str(tmp_path / "p.json"), GPUWATCH_SAMPLER_PROFILE_FAKE_NVML="3")
+    r = subprocess.run([py, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["3", "fake", "H200", "97"]

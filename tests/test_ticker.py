@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_sampler import build_fake_nvml  # noqa: E402
-from conftest import wait_for_stream  # noqa: E402
+from conftest import ROOT, wait_for_stream
+from support.fake_nvml import build_fake_nvml
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the C loop is Linux only")
 

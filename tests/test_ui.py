@@ -212,7 +212,7 @@ async def test_two_gpus_both_shown_and_s_cycles_the_plots(monkeypatch):
     from gpuwatch.telemetry.nvml import NvmlBackend
     from gpuwatch.telemetry.sampler import Sampler
 
-    from test_nvml_boundary import FakeDriver
+    from support.fake_nvml import FakeDriver
 
     FakeDriver(monkeypatch)  # two GPUs behind the real pynvml error classes
     bus = Bus()

@@ -1,4 +1,4 @@
-"""Layer 3a: the guard (next issue) turns risk into actions on the workload. It knows nothing of torch:
+"""Layer 3a: the guard turns risk into actions on the workload. It knows nothing of torch:
 it drives any object with these controls, which `gpuwatch.workload.runner.Workload` implements
 (thread-safe, applied before the next step, each recorded as a `control` event)."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -115,22 +114,16 @@ def save_model(estimator: Any, manifest: dict[str, Any], path: Path) -> Path:
     """Write the joblib file and its manifest (with the file's sha256), each atomically."""
     import joblib
 
+    from gpuwatch.atomic import write_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        joblib.dump(estimator, tmp, compress=3)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_file(path, lambda tmp: joblib.dump(estimator, tmp, compress=3))
     man = {"format": MANIFEST_FORMAT, "kind": "oom", "features": list(NAMES),
            "schema_version": schema.SCHEMA_VERSION, "versions": lib_versions(), **manifest,
            "file": path.name, "sha256": sha256(path)}
     mp = manifest_path(path)
-    tmp = mp.with_name(f".{mp.name}.tmp")
-    tmp.write_text(json.dumps(man, indent=2, default=str) + "\n")
-    os.replace(tmp, mp)
+    write_file(mp, json.dumps(man, indent=2, default=str) + "\n")
     return path
 
 

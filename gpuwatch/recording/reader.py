@@ -1,8 +1,9 @@
 """Open a recorded session (a folder) or a single Parquet or stream file, validating what it reads.
 
-A session's open tables are Arrow IPC stream files (`samples-000001.arrows`, see writer.py): they are read
+A session's open tables are Arrow IPC stream files (`samples-000001.arrows`, see ipc.py): they are read
 up to their last complete record batch (a torn tail is left out) and, when followed, only the bytes
-they gained since the last read are decoded. `select_files` holds the rules of which files make a table.
+they gained since the last read are decoded. Which files make a table is `layout.select_files`, the
+rules every reader shares (replay, follow, resume, compaction).
 
 A corrupt or truncated segment, a file that is not Parquet, a wrong schema, a FIFO or a folder named
 like a segment is reported as one line naming the file; every intact segment is still read. Only when
@@ -30,8 +31,14 @@ import polars as pl
 
 from gpuwatch.errors import RecordingError
 from gpuwatch.recording import schema
-from gpuwatch.recording.writer import (CHUNK_RE, COMPACT_RE, IPC_CONT, SEGMENT_RE, STREAM_RE,
-                                       read_ipc_prefix)
+from gpuwatch.recording.ipc import IPC_CONT, read_ipc_prefix
+from gpuwatch.recording.layout import (CHUNK_RE, COMPACT_RE, SEGMENT_RE, STREAM_RE, check_frame, data_names,
+                                       fatal_exc, first_flush, one_line, os_why, read_regular, select_files,
+                                       stat_regular, table_files)
+
+# Kept importable from here for their older callers (the CLI, compaction): they live in layout.py now.
+__all__ = ["Recording", "SessionReader", "StreamState", "PartialRead", "column_max", "data_names", "open_recording",
+           "read_stream_new", "read_table_file", "select_files", "table_files", "table_max", "validate_meta"]
 
 META_MAX_BYTES = 16 * 2**20  # a meta.json is a few KiB; anything this big is not one
 STALE_S = 60.0  # an incomplete session with no data this long is taken as stopped, not still recording
@@ -39,88 +46,6 @@ STALE_S = 60.0  # an incomplete session with no data this long is taken as stopp
 
 def _readable() -> str:
     return " and ".join(str(v) for v in schema.READABLE_VERSIONS)
-
-
-def _oneline(e: BaseException, n: int = 120) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:n]
-
-
-def _os_why(e: OSError) -> str:
-    name = errno.errorcode.get(e.errno or -1)
-    return f"{e.strerror or _oneline(e)}" + (f" ({name})" if name else "")
-
-
-def _fatal_exc(e: BaseException) -> bool:
-    """What a reader must let through: Ctrl-C and interpreter exit (polars' panics are BaseException)."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
-
-
-def _stat_regular(path: Path) -> os.stat_result:
-    """stat() that names why `path` cannot be read as a file (never opens it: a FIFO would block)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise RecordingError(f"{path}: symbolic link loop") from None
-        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise RecordingError(f"{path}: is a folder, not a file")
-    if not stat.S_ISREG(st.st_mode):
-        raise RecordingError(f"{path}: not a regular file (a FIFO, socket or device)")
-    return st
-
-
-def _table_of(df_schema: pl.Schema) -> str | None:
-    if "risk" in df_schema and "alarm" in df_schema:
-        return "risk"
-    if "tick" in df_schema:
-        return "samples"
-    if "step" in df_schema:
-        return "steps"
-    if "kind" in df_schema:
-        return "events"
-    return None
-
-
-def _check_frame(path: Path, df: pl.DataFrame, table: str | None) -> tuple[str, pl.DataFrame]:
-    table = table or _table_of(df.schema)
-    if table is None:
-        raise RecordingError(f"{path}: not a gpuwatch table (columns: {', '.join(df.columns[:6])})")
-    problems = schema.check_schema(df.schema, table)
-    if problems:
-        raise RecordingError(f"{path}: wrong schema for {table}: {problems[0]}")
-    try:
-        return table, schema.conform(df, table)
-    except BaseException as e:
-        if _fatal_exc(e):
-            raise
-        raise RecordingError(f"{path}: columns of the wrong type for {table} ({_oneline(e)})") from None
-
-
-def _read_regular(path: Path, offset: int = 0) -> bytes | None:
-    """The bytes of a regular file from `offset` (never blocks on a FIFO); None if it is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise RecordingError(f"{path}: symbolic link loop") from None
-        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise RecordingError(f"{path}: is a folder, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise RecordingError(f"{path}: not a regular file (a FIFO, socket or device)")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            fh.seek(offset)
-            return fh.read()
-    except OSError as e:
-        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -141,7 +66,7 @@ def read_stream_new(path: Path, state: StreamState, table: str | None = None
     when the file cannot be read at all or its framing broke (once; later calls return nothing)."""
     if state.problem is not None:
         return table, None
-    data = _read_regular(path, state.end)
+    data = read_regular(path, state.end)
     if data is None:
         return table, None
     if state.head is None and data and data[:4] != IPC_CONT:
@@ -150,7 +75,7 @@ def read_stream_new(path: Path, state: StreamState, table: str | None = None
     try:
         df, head, end, n, why = read_ipc_prefix(data, 0, state.head)
     except ValueError as e:
-        state.problem = f"not an Arrow IPC stream ({_oneline(e, 80)})"
+        state.problem = f"not an Arrow IPC stream ({one_line(e, 80)})"
         raise RecordingError(f"{path}: {state.problem}") from None
     state.head = head
     at = state.end
@@ -159,13 +84,13 @@ def read_stream_new(path: Path, state: StreamState, table: str | None = None
         state.problem = why
     out = None
     if df is not None:
-        table, out = _check_frame(path, df, table)
+        table, out = check_frame(path, df, table)
     if why is not None:
-        raise _Partial(table, out, f"{path}: {why}; {state.batches} batches read, the rest skipped")
+        raise PartialRead(table, out, f"{path}: {why}; {state.batches} batches read, the rest skipped")
     return table, out
 
 
-class _Partial(RecordingError):
+class PartialRead(RecordingError):
     """A stream file read up to a damaged batch: the frame before it, and the warning."""
 
     def __init__(self, table: str | None, df: pl.DataFrame | None, msg: str) -> None:
@@ -176,17 +101,17 @@ class _Partial(RecordingError):
 def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataFrame]:
     """Read one Parquet or stream file of a session; raises RecordingError (one line, naming the file)."""
     if path.suffix == ".arrows":
-        _stat_regular(path)
+        stat_regular(path)
         try:
             t, df = read_stream_new(path, StreamState(), table)
-        except _Partial as e:
+        except PartialRead as e:
             t, df = e.table, e.df
             if df is None:
                 raise RecordingError(str(e)) from None
         if df is None:
             raise RecordingError(f"{path}: no complete record batch")
         return t, df
-    _stat_regular(path)
+    stat_regular(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         try:
@@ -201,7 +126,7 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
         finally:
             os.close(fd)
     except OSError as e:
-        raise RecordingError(f"{path}: cannot read ({_os_why(e)})") from None
+        raise RecordingError(f"{path}: cannot read ({os_why(e)})") from None
     if size == 0:
         raise RecordingError(f"{path}: empty file (0 bytes)")
     if head != b"PAR1" or tail != b"PAR1" or size < 12:
@@ -211,12 +136,12 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
         version = pl.read_parquet_metadata(path).get("gpuwatch_schema_version")
         df = pl.read_parquet(path)
     except BaseException as e:  # polars raises several types (and panics) for corrupt pages
-        if _fatal_exc(e):
+        if fatal_exc(e):
             raise
-        raise RecordingError(f"{path}: corrupt Parquet ({_oneline(e)})") from None
+        raise RecordingError(f"{path}: corrupt Parquet ({one_line(e)})") from None
     if version is not None and version not in {str(v) for v in schema.READABLE_VERSIONS}:
         raise RecordingError(f"{path}: schema version {version[:20]!r}, this gpuwatch reads {_readable()}")
-    return _check_frame(path, df, table)
+    return check_frame(path, df, table)
 
 
 # meta.json fields gpuwatch reads, and the JSON types each may have (None: null allowed)
@@ -329,9 +254,9 @@ class SessionReader:
                 raise RecordingError(f"{self.path}: no such file or folder") from None
             if e.errno == errno.ELOOP:
                 raise RecordingError(f"{self.path}: symbolic link loop") from None
-            raise RecordingError(f"{self.path}: cannot read ({_os_why(e)})") from None
+            raise RecordingError(f"{self.path}: cannot read ({os_why(e)})") from None
         except ValueError as e:  # e.g. a NUL byte in the path
-            raise RecordingError(f"{path!r}: bad path ({_oneline(e)})") from None
+            raise RecordingError(f"{path!r}: bad path ({one_line(e)})") from None
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
             raise RecordingError(f"{self.path}: not a session folder or a Parquet file (a FIFO, socket or device)")
         self._is_file = stat.S_ISREG(st.st_mode)
@@ -344,11 +269,11 @@ class SessionReader:
         except RecordingError:
             raise
         except BaseException as e:
-            if _fatal_exc(e):
+            if fatal_exc(e):
                 raise
             if isinstance(e, OSError):
-                raise RecordingError(f"{getattr(e, 'filename', None) or self.path}: cannot read ({_os_why(e)})") from None
-            raise RecordingError(f"{self.path}: unreadable ({type(e).__name__}: {_oneline(e)})") from None
+                raise RecordingError(f"{getattr(e, 'filename', None) or self.path}: cannot read ({os_why(e)})") from None
+            raise RecordingError(f"{self.path}: unreadable ({type(e).__name__}: {one_line(e)})") from None
 
     def read_meta(self) -> dict[str, Any]:
         if self._is_file:
@@ -363,7 +288,7 @@ class SessionReader:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise RecordingError(f"{mp}: symbolic link loop") from None
-            raise RecordingError(f"{mp}: cannot read ({_os_why(e)})") from None
+            raise RecordingError(f"{mp}: cannot read ({os_why(e)})") from None
         if not present:
             if not any(self._parquet_names()):
                 raise RecordingError(f"{self.path}: not a gpuwatch session (no meta.json, no Parquet files)")
@@ -371,7 +296,7 @@ class SessionReader:
             self.meta = {"schema_version": schema.SCHEMA_VERSION, "complete": False,
                          "incomplete_reason": "no meta.json"}
             return self.meta
-        st = _stat_regular(mp)
+        st = stat_regular(mp)
         if st.st_size > META_MAX_BYTES:
             raise RecordingError(f"{mp}: {st.st_size} bytes, too big to be a gpuwatch meta.json")
         try:
@@ -379,7 +304,7 @@ class SessionReader:
             with os.fdopen(fd, "rb") as fh:
                 raw = fh.read(META_MAX_BYTES + 1)
         except OSError as e:
-            raise RecordingError(f"{mp}: cannot read ({_os_why(e)})") from None
+            raise RecordingError(f"{mp}: cannot read ({os_why(e)})") from None
         if not raw.strip():
             raise RecordingError(f"{mp}: empty file")
         try:
@@ -387,7 +312,7 @@ class SessionReader:
         except UnicodeDecodeError:
             raise RecordingError(f"{mp}: not JSON (not UTF-8 text)") from None
         except (ValueError, RecursionError) as e:
-            raise RecordingError(f"{mp}: not JSON ({_oneline(e, 100)})") from None
+            raise RecordingError(f"{mp}: not JSON ({one_line(e, 100)})") from None
         self.meta = validate_meta(meta, mp)
         return self.meta
 
@@ -406,7 +331,7 @@ class SessionReader:
                 self._seen.add(n)
         out = [(t, self.path / n) for t, names in chosen.items() for n in names
                if n not in self._seen or STREAM_RE.match(n)]
-        return sorted(out, key=lambda tp: (_first_segment(tp[1].name), tp[1].name))
+        return sorted(out, key=lambda tp: (first_flush(tp[1].name), tp[1].name))
 
     def _already_read(self, table: str, name: str) -> int:
         """Rows of a new chunk or compacted file that earlier reads returned from the segments or the
@@ -443,7 +368,7 @@ class SessionReader:
                 state = self._streams.setdefault(p.name, StreamState())
                 try:
                     t, df = read_stream_new(p, state, table)
-                except _Partial as e:  # a damaged batch: the ones before it are read, once
+                except PartialRead as e:  # a damaged batch: the ones before it are read, once
                     self.warnings.append(str(e))
                     t, df = e.table, e.df
                 except RecordingError as e:
@@ -485,51 +410,6 @@ class SessionReader:
             return f"incomplete: still being recorded, or stopped without closing the session ({last})"
         return ("incomplete: the recording process stopped without closing the session"
                 + (f" ({last})" if last else " (no data)"))
-
-
-def _first_segment(name: str) -> int:
-    """Read order: by the first flush a file holds (a compacted file holds them all)."""
-    m = SEGMENT_RE.match(name) or STREAM_RE.match(name) or CHUNK_RE.match(name)
-    return int(m.group(2)) if m else 0
-
-
-def data_names(folder: Path) -> list[str]:
-    """The names in a session folder that may be data files (Parquet or Arrow stream, no dot files)."""
-    return sorted(n for n in os.listdir(folder) if n.endswith((".parquet", ".arrows")) and not n.startswith("."))
-
-
-def select_files(names: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """The file rules of a session folder, shared by every reader (replay, follow, `stress --resume`):
-    per table, the files that hold its rows, in read order - the compacted file if there is one (it holds
-    everything), else the chunks, and the segments and stream files no chunk covers (a crash between
-    writing a chunk and deleting what it merged leaves both); and the names that are no gpuwatch file."""
-    out: dict[str, list[str]] = {t: [] for t in schema.TABLES}
-    unknown: list[str] = []
-    compacted = {m.group(1) for n in names if (m := COMPACT_RE.match(n))}
-    chunks: dict[str, list[tuple[int, int]]] = {t: [] for t in schema.TABLES}
-    for n in names:
-        if m := CHUNK_RE.match(n):
-            chunks[m.group(1)].append((int(m.group(2)), int(m.group(3))))
-    for n in names:
-        m = COMPACT_RE.match(n) or CHUNK_RE.match(n) or SEGMENT_RE.match(n) or STREAM_RE.match(n)
-        if not m:
-            unknown.append(n)
-            continue
-        table = m.group(1)
-        if table in compacted and not COMPACT_RE.match(n):
-            continue
-        if (SEGMENT_RE.match(n) or STREAM_RE.match(n)) and any(a <= int(m.group(2)) <= b for a, b in chunks[table]):
-            continue
-        out[table].append(n)
-    for names_ in out.values():
-        names_.sort(key=lambda n: (_first_segment(n), n))
-    return out, unknown
-
-
-def table_files(folder: Path | str, table: str) -> list[Path]:
-    """The files the reader reads for `table` in the session `folder` (see `select_files`)."""
-    folder = Path(folder)
-    return [folder / n for n in select_files(data_names(folder))[0][table]]
 
 
 def column_max(path: Path, column: str) -> Any:

@@ -396,7 +396,7 @@ class ReplaySource:
                 if edge:
                     self._t = self.end_us
             elif not self.writer_done and now - self._last_lock_check >= 5.0 and self.reader.path.is_dir():
-                from gpuwatch.recording.writer import session_locked
+                from gpuwatch.recording.layout import session_locked
 
                 self._last_lock_check = now
                 gone = not session_locked(self.reader.path)

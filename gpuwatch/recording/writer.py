@@ -1,32 +1,26 @@
-"""The crash-safe session recorder.
+"""The crash-safe session recorder: drains the bus into a session folder (layout.py says what the files
+are) once a second, on its own thread; the sampler never waits for the disk.
 
-A session is a folder `<root>/<UTC start>-<host>/`:
-  meta.json                       host, GPUs, driver, versions, command line, config, schema version
-  samples-000001.arrows           the open stream of each table: an Arrow IPC stream file, one record
-  steps-000001.arrows ...         batch appended per flush (~1 s) with one write(), so `kill -9` loses at
-                                  most the last flush interval; the number is the stream's first flush
-  samples-c000001-000300.parquet  every `roll_every` flushes the stream becomes one Parquet chunk (fsynced)
-                                  and a new stream starts (bounded file sizes, little for a follower to read)
-  samples.parquet ...             after a clean stop: one compacted file per table, chunks and streams removed
-Sessions written before the streams hold one Parquet segment per flush (`samples-000001.parquet`)
-instead; they read, resume and compact as before.
+Each flush appends one record batch per table to that table's open Arrow IPC stream file with one
+write() (ipc.py), so `kill -9` loses at most the last flush interval. Every `roll_every` flushes the
+stream becomes one fsynced Parquet chunk and a new stream starts (bounded file sizes, little for a
+follower to read); a clean stop compacts everything into one Parquet file per table. Parquet files and
+meta.json are written through the one atomic-file helper (`gpuwatch.atomic`).
 
-Writing runs on its own thread; the sampler never waits for the disk. A write that fails (a full disk,
-a removed folder, anything polars raises) never leaves the thread: it becomes one `recorder_error`
-event and one line in `Recorder.error`, the rows that were not written are held (up to an hour, like
-the bus ring) and the write is retried every `retry_s` seconds; when it succeeds a `recorder_resumed`
-event says so and nothing was lost or written twice. Rows that could not be kept are counted, and the
-session's meta.json then stays `complete: false` with an `incomplete_reason`.
+A write that fails (a full disk, a removed folder, anything polars raises) never leaves the thread: it
+becomes one `recorder_error` event and one line in `Recorder.error`, the rows that were not written are
+held (up to an hour, like the bus ring) and the write is retried every `retry_s` seconds; when it
+succeeds a `recorder_resumed` event says so and nothing was lost or written twice. Rows that could not
+be kept are counted, and the session's meta.json then stays `complete: false` with an
+`incomplete_reason`.
 """
 
 from __future__ import annotations
 
 import errno as _errno
-import io
 import json
 import os
 import re
-import socket
 import threading
 import time
 from datetime import datetime, timezone
@@ -35,253 +29,40 @@ from typing import Any
 
 import polars as pl
 
-from gpuwatch.errors import UsageError
+from gpuwatch.atomic import unlink_quietly, write_file
+from gpuwatch.errors import RecordingError, UsageError
 from gpuwatch.recording import schema
+from gpuwatch.recording.ipc import StreamFile, read_stream_file
+from gpuwatch.recording.layout import (CHUNK_RE, LOCK_NAME, SEGMENT_RE, STREAM_RE, check_frame, data_names,
+                                       data_part, first_flush, lock_session, session_locked, session_name,
+                                       stat_regular, unlock_session)
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 
-SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")  # sessions before the streams
-STREAM_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.arrows$")
-CHUNK_RE = re.compile(rf"^({schema.TABLE_RE})-c(\d{{6}})-(\d{{6}})\.parquet$")
-COMPACT_RE = re.compile(rf"^({schema.TABLE_RE})\.parquet$")
+# Kept importable from here for their older callers (the CLI, benchmarks): they live in layout.py now.
+__all__ = ["Recorder", "StreamFile", "append_stream", "check_output_dir", "classify_error", "read_part",
+           "session_locked", "session_name", "to_frame", "write_atomic", "write_json_atomic"]
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
 HOLD_S = 3600.0  # unwritten rows held while the disk fails (the bus ring holds as much)
 _BUS_CHANNEL = {"samples": "ticks", "steps": "steps", "events": "events", "risk": "risk"}
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
 def write_atomic(df: pl.DataFrame, path: Path, level: int = 3, fsync: bool = True) -> int:
-    """Write `df` to `path` via a temp file and a rename, so no reader sees half a file.
-    `fsync` also survives a power loss; without it a killed process still loses nothing written
-    (the page cache belongs to the kernel), which is what the 1 s segments need.
-    On any failure the temp file is removed and the exception propagates."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        df.write_parquet(tmp, compression="zstd", compression_level=level, statistics=True,
-                         metadata=FILE_META)
-        if fsync:
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    return path.stat().st_size
+    """Write `df` as a gpuwatch Parquet file (zstd `level`, column statistics, the schema version in its
+    metadata) through the one atomic-file helper (`gpuwatch.atomic.write_file`): no reader ever sees half
+    of it. Returns its size."""
+    return write_file(path, lambda tmp: df.write_parquet(tmp, compression="zstd", compression_level=level,
+                                                         statistics=True, metadata=FILE_META), fsync=fsync)
 
 
 def write_json_atomic(obj: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-
-
-# -- Arrow IPC streams ------------------------------------------------------------------------------
-# A stream file is one valid Arrow IPC stream without its end marker: the schema message, then one
-# record batch message per flush. Each message is framed as 0xFFFFFFFF, int32 metadata length L, L bytes
-# of flatbuffer metadata (8-byte aligned), then the body, whose length the metadata says. A reader adds
-# the 8-byte end marker in memory. The newest compat level writes strings as Arrow string views: the
-# cheapest for polars to write (no conversion); the file is read back by polars (this gpuwatch or a newer
-# one) and becomes Parquet at the next roll or compaction, which DuckDB and every other tool reads.
-IPC_COMPAT = pl.CompatLevel.newest()
-IPC_CONT = b"\xff\xff\xff\xff"
-IPC_EOS = IPC_CONT + b"\x00\x00\x00\x00"
-
-
-def ipc_bytes(df: pl.DataFrame) -> tuple[bytes, bytes]:
-    """(schema message, record batch message(s)) of `df` as an Arrow IPC stream."""
-    buf = io.BytesIO()
-    df.write_ipc_stream(buf, compat_level=IPC_COMPAT)
-    data = buf.getbuffer()
-    if data[:4] != IPC_CONT or data[-8:] != IPC_EOS:  # polars' framing changed: never write what we cannot read
-        raise ValueError("polars wrote an Arrow IPC stream without the continuation framing")
-    head = 8 + int.from_bytes(data[4:8], "little")
-    return bytes(data[:head]), bytes(data[head:-8])
-
-
-def ipc_messages(data: bytes | memoryview, start: int = 0) -> tuple[list[tuple[int, int, int]], str | None]:
-    """The complete messages of an Arrow IPC stream from byte `start`: [(offset, end, header type)]
-    (1 schema, 2 dictionary batch, 3 record batch), and why scanning stopped before the end of `data`
-    (None: at the end, or at a message not yet complete - a torn or still growing tail - or at the end
-    marker; a line: the framing is broken there)."""
-    mv = memoryview(data)
-    out: list[tuple[int, int, int]] = []
-    pos, n = start, len(mv)
-    while pos + 8 <= n:
-        if mv[pos:pos + 4] != IPC_CONT:
-            return out, f"no message framing at byte {pos}"
-        size = int.from_bytes(mv[pos + 4:pos + 8], "little", signed=True)
-        if size == 0:  # the end-of-stream marker
-            return out, None
-        if size < 0 or size % 8 or size > 1 << 24:
-            return out, f"bad message length {size} at byte {pos}"
-        if pos + 8 + size > n:
-            return out, None
-        try:
-            htype, body = _message_header(mv[pos + 8:pos + 8 + size])
-        except (IndexError, ValueError) as e:
-            return out, f"bad message metadata at byte {pos} ({e})"
-        end = pos + 8 + size + body
-        if end > n:
-            return out, None
-        out.append((pos, end, htype))
-        pos = end
-    return out, None
-
-
-def _message_header(meta: memoryview) -> tuple[int, int]:
-    """(header type, body length) from a Message flatbuffer (fields: version, header_type, header,
-    bodyLength, custom_metadata)."""
-    def u(off: int, size: int, signed: bool = False) -> int:
-        if off < 0 or off + size > len(meta):
-            raise ValueError("offset out of range")
-        return int.from_bytes(meta[off:off + size], "little", signed=signed)
-
-    root = u(0, 4)
-    vtable = root - u(root, 4, signed=True)
-    vsize = u(vtable, 2)
-    fields = [u(vtable + 4 + 2 * i, 2) for i in range(max(0, (vsize - 4) // 2))]
-    htype = u(root + fields[1], 1) if len(fields) > 1 and fields[1] else 0
-    body = u(root + fields[3], 8, signed=True) if len(fields) > 3 and fields[3] else 0
-    if htype not in (1, 2, 3) or body < 0 or body % 8:
-        raise ValueError(f"header type {htype}, body {body}")
-    return htype, body
-
-
-def read_ipc_prefix(data: bytes, start: int = 0, head: bytes | None = None
-                    ) -> tuple[pl.DataFrame | None, bytes | None, int, int, str | None]:
-    """Read the complete record batches of a stream file's bytes `data` (from byte `start`, after a
-    schema message `head` read before; from the file's start when `head` is None).
-    Returns (frame or None when no new batch, schema message, end offset of the last complete message,
-    batches read, why the rest was skipped or None). A torn or still growing tail is left for later;
-    raises ValueError when not even the schema message can be read."""
-    if head is None:
-        msgs, why = ipc_messages(data, 0)
-        if not msgs or msgs[0][2] != 1:
-            if why is None and (len(data) < 8 or data[:4] == IPC_CONT):
-                return None, None, 0, 0, None  # the schema message is still being written
-            raise ValueError(why or "no schema message at the start")
-        head, start, msgs = bytes(data[:msgs[0][1]]), msgs[0][1], msgs[1:]
-    else:
-        msgs, why = ipc_messages(data, start)
-    if any(t != 3 for *_, t in msgs):
-        bad = next(i for i, (*_, t) in enumerate(msgs) if t != 3)
-        msgs, why = msgs[:bad], f"unexpected message type {msgs[bad][2]} at byte {msgs[bad][0]}"
-    if not msgs:
-        return None, head, start, 0, why
-    end = msgs[-1][1]
-    try:
-        df = pl.read_ipc_stream(head + bytes(data[start:end]) + IPC_EOS)
-    except BaseException as e:  # a batch that frames well but does not decode: keep the batches before it
-        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-            raise
-        lo, hi, df = 0, len(msgs) - 1, None  # binary search for the longest prefix polars reads
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            try:
-                df = pl.read_ipc_stream(head + bytes(data[start:msgs[mid - 1][1]]) + IPC_EOS)
-                lo = mid
-            except BaseException as e2:
-                if isinstance(e2, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-                    raise
-                hi = mid - 1
-        text = " ".join(str(e).split())[:100] or type(e).__name__
-        reason = f"corrupt record batch after {lo} batches ({text})"
-        if lo == 0:
-            return None, head, start, 0, reason
-        df = pl.read_ipc_stream(head + bytes(data[start:msgs[lo - 1][1]]) + IPC_EOS)
-        return df, head, msgs[lo - 1][1], lo, reason
-    return df, head, end, len(msgs), why
-
-
-class StreamFile:
-    """One table's open stream file: created with its schema message and first batch in one write,
-    then one write per flush (O_APPEND). A write that fails (a full disk) is cut back off the file, so
-    what is on disk is always whole messages; if even that fails the file is closed (`broken`) and the
-    next flush starts a new stream file (readers read the broken one up to its torn tail)."""
-
-    def __init__(self, path: Path, first: int) -> None:
-        self.path, self.first = path, first
-        self.fd: int | None = None
-        self.head: bytes | None = None  # the schema message
-        self.size = 0
-        self.batches = 0
-        self.broken = False
-
-    def append(self, df: pl.DataFrame) -> int:
-        """Append `df` as one record batch; returns the bytes added. Raises on failure, leaving the
-        file as it was (or `broken`)."""
-        if df.n_chunks() > 1:
-            df = df.rechunk()
-        head, batch = ipc_bytes(df)
-        if self.head is not None and head != self.head:
-            raise ValueError(f"{self.path}: the table's schema changed within a stream")
-        payload = batch if self.fd is not None else head + batch
-        created = self.fd is None
-        if created:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        try:
-            _write_all(self.fd, payload)
-        except BaseException:
-            try:
-                if created:
-                    self.close()
-                    _unlink_quietly(self.path)
-                else:
-                    os.ftruncate(self.fd, self.size)
-            except OSError:
-                self.broken = True
-                self.close()
-            raise
-        self.head = head
-        self.size += len(payload)
-        self.batches += 1
-        return len(payload)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """One write() (a killed process never leaves half of it; a short write is a full disk: retried
-    for the rest, which then raises)."""
-    mv = memoryview(data)
-    while mv:
-        n = os.write(fd, mv)
-        if n <= 0:
-            raise OSError(_errno.ENOSPC, "No space left on device")
-        mv = mv[n:]
+    """Write `obj` as indented JSON (meta.json) through the one atomic-file helper."""
+    write_file(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def append_stream(stream: StreamFile, df: pl.DataFrame) -> int:
     """The recorder's once-a-flush write (a module function, so tests can make it fail)."""
     return stream.append(df)
-
-
-def read_stream_file(path: Path) -> tuple[pl.DataFrame | None, int, str | None]:
-    """Every complete batch of a stream file: (frame or None, batches, why the rest was skipped). A regular
-    file only (RecordingError otherwise: a FIFO named like a stream must not block)."""
-    from gpuwatch.recording.reader import _read_regular
-
-    data = _read_regular(path) or b""
-    df, _head, end, n, why = read_ipc_prefix(data)
-    if why is None and end < len(data):  # a writer that is gone left a torn last write (a kill never does)
-        why = f"a torn tail of {len(data) - end} bytes"
-    return df, n, why
 
 
 def read_part(path: Path) -> pl.DataFrame:
@@ -290,10 +71,7 @@ def read_part(path: Path) -> pl.DataFrame:
     its name says), and one that is damaged before its end raises: rows are never dropped by a merge that
     then deletes the file."""
     if path.suffix == ".arrows":
-        from gpuwatch.errors import RecordingError
-        from gpuwatch.recording.reader import _check_frame, _stat_regular
-
-        _stat_regular(path)
+        stat_regular(path)
         try:
             df, n, why = read_stream_file(path)
         except ValueError as e:
@@ -304,58 +82,8 @@ def read_part(path: Path) -> pl.DataFrame:
         if df is None:
             return pl.DataFrame()
         m = STREAM_RE.match(path.name)
-        return _check_frame(path, df, m.group(1) if m else None)[1]
+        return check_frame(path, df, m.group(1) if m else None)[1]
     return pl.read_parquet(path)
-
-
-LOCK_NAME = ".gpuwatch.lock"  # held (flock) by the process recording the session; the reader skips dot files
-
-
-def lock_session(folder: Path) -> int | None:
-    """Take the session's lock (non-blocking); returns the fd to keep, None where the file system has no
-    locks. Raises BlockingIOError when another live process holds it (`stress --resume` of a session
-    still being recorded). The kernel drops the lock when its process dies, kill -9 included."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        return None
-    try:
-        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def session_locked(folder: Path) -> bool:
-    """Whether a live process holds the session's lock (creates nothing: no lock file, no recorder)."""
-    if not (Path(folder) / LOCK_NAME).exists():
-        return False
-    try:
-        unlock_session(lock_session(Path(folder)))
-    except BlockingIOError:
-        return True
-    return False
-
-
-def unlock_session(fd: int | None) -> None:
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def session_name(start: datetime, host: str | None = None) -> str:
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())[:40]
-    return f"{start:%Y%m%dT%H%M%SZ}-{host}"
 
 
 def check_output_dir(root: Path | str) -> None:
@@ -380,7 +108,7 @@ def check_output_dir(root: Path | str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        _unlink_quietly(probe)
+        unlink_quietly(probe)
         raise UsageError(f"cannot write in the output folder {root}: {_os_reason(e)}") from None
     try:
         probe.unlink()
@@ -504,11 +232,10 @@ class Recorder:
         if not isinstance(old, dict):
             raise ValueError(f"{self.dir / 'meta.json'}: not a JSON object")
         for tmp in self.dir.glob(".*.tmp"):  # a write a crash interrupted (never read)
-            _unlink_quietly(tmp)
-        names = sorted(n for n in os.listdir(self.dir) if n.endswith((".parquet", ".arrows")) and not n.startswith("."))
+            unlink_quietly(tmp)
+        names = data_names(self.dir)
         for table in schema.TABLES:
-            mine = [n for n in names if (m := SEGMENT_RE.match(n) or CHUNK_RE.match(n) or STREAM_RE.match(n))
-                    and m.group(1) == table]
+            mine = [n for n in names if (m := data_part(n)) and m.group(1) == table]
             if f"{table}.parquet" in names:
                 for n in mine:  # a crash during compaction: the compacted file holds them
                     (self.dir / n).unlink()
@@ -528,8 +255,6 @@ class Recorder:
                     top = max(top, first)
                     continue
                 if why is not None:  # damaged before its end: refuse rather than drop what follows the damage
-                    from gpuwatch.errors import RecordingError
-
                     raise RecordingError(f"{self.dir / n}: {why} after {batches} batches - not merged, nothing "
                                          "deleted (the readable rows still replay)")
                 if not batches:
@@ -631,7 +356,7 @@ class Recorder:
         finally:
             self._close_streams()
             if self._lock_fd is not None:
-                _unlink_quietly(self.dir / LOCK_NAME)  # the folder holds what it held before locks
+                unlink_quietly(self.dir / LOCK_NAME)  # the folder holds what it held before locks
             unlock_session(self._lock_fd)
             self._lock_fd = None
 
@@ -715,7 +440,7 @@ class Recorder:
         stream.close()
         self._stream[table] = None
         self.bytes -= stream.size
-        _unlink_quietly(stream.path)
+        unlink_quietly(stream.path)
 
     def _close_streams(self) -> None:
         for table, stream in self._stream.items():
@@ -726,9 +451,8 @@ class Recorder:
     def _compact(self) -> None:
         self._close_streams()
         for table in schema.TABLES:
-            parts = sorted((p for p in self.dir.glob(f"{table}-*")
-                            if SEGMENT_RE.match(p.name) or CHUNK_RE.match(p.name) or STREAM_RE.match(p.name)),
-                           key=lambda p: (_first_of(p.name), p.name))
+            parts = sorted((p for p in self.dir.glob(f"{table}-*") if data_part(p.name)),
+                           key=lambda p: (first_flush(p.name), p.name))
             self._merge(table, parts, self.dir / f"{table}.parquet", level=9, sort=True)
 
     def _merge(self, table: str, parts: list[Path], out: Path, level: int, sort: bool, keep: bool = False) -> None:
@@ -780,12 +504,6 @@ class Recorder:
         if self.error:
             return "error"
         return "stopped" if self._stop.is_set() else "recording"
-
-
-def _first_of(name: str) -> int:
-    """The first flush a data file holds (0 for a compacted file)."""
-    m = SEGMENT_RE.match(name) or STREAM_RE.match(name) or CHUNK_RE.match(name)
-    return int(m.group(2)) if m else 0
 
 
 def to_frame(rows: list[dict[str, Any]], table: str) -> pl.DataFrame:

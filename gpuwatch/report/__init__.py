@@ -8,8 +8,6 @@ half a report. A session that cannot be read is one line (`RecordingError`), lik
 
 from __future__ import annotations
 
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -116,20 +114,12 @@ def _check_target(out: Path) -> Path:
 
 
 def _atomic_write(out: Path, text: str) -> None:
-    parent = _check_target(out)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
+    from gpuwatch.atomic import write_file
+
+    _check_target(out)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
+        write_file(out, text, mode=0o644)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise GpuwatchError(f"{out}: cannot write the report ({e.strerror or e})") from None
 
 

@@ -116,13 +116,29 @@ def _pin_from_env() -> None:
         pass
 
 
+PROFILER_ENV = "GPUWATCH_SAMPLER_PROFILER"
+
+
+def profiler_from_env():
+    """The child's one look at the environment for a tick profile: None in a normal run. The profiler
+    is not shipped: with GPUWATCH_SAMPLER_PROFILE set (by `benchmarks/bench_sampler.py profile` only) the
+    child imports the module GPUWATCH_SAMPLER_PROFILER names (default `support.sampler_profile`,
+    tests/support/ on the PYTHONPATH the benchmark gives it) and asks it for the profiler."""
+    from gpuwatch.telemetry.ticker import PROFILE_ENV
+
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import importlib
+
+    return importlib.import_module(os.environ.get(PROFILER_ENV) or "support.sampler_profile").from_env()
+
+
 def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: float, slow_interval: float,
            pid: int, deliver_s: float = 0.0, first_tick: int = 0) -> None:
     _detach_from_terminal_signals()
     set_native_name("gw-sampler-proc")
     _pin_from_env()
-    from gpuwatch.telemetry import profile
-    prof = profile.from_env()  # None unless a benchmark asked (bench_sampler.py profile)
+    prof = profiler_from_env()  # None unless a benchmark asked (bench_sampler.py profile)
     stop = threading.Event()  # set by a broken pipe (the parent is gone) in the child's channel
     from gpuwatch.telemetry.host import HostSampler
     from gpuwatch.telemetry.sampler import Sampler

@@ -31,9 +31,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.atomic import write_file
 from gpuwatch.telemetry.bus import Tick
 
 ENV = "GPUWATCH_SAMPLER_LOOP"  # "python": never the C loop
+PROFILE_ENV = "GPUWATCH_SAMPLER_PROFILE"  # a tick profile instruments the Python loop: no C loop then
 SRC = Path(__file__).with_name("_ticker.c")
 K_OUT, K_INT_OUT, K_INT_INT_OUT, K_COUNT_OUT = range(4)
 _HEAD = struct.Struct("=qqqqii")  # gw_head: ts_us, mono_ns, cost_ns, cpu_ns, host_len, n
@@ -81,17 +83,17 @@ def _compile(so: Path) -> None:
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not cc[0]:
         raise OSError("no C compiler")
-    tmp = so.with_name(f".{so.name}.{os.getpid()}.tmp")
-    try:  # ~0.2 s normally; the parent waits 30 s for the child's hello, which comes after this
-        r = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SRC)],
-                           capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError) as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"compiler failed: {e}") from None
-    if r.returncode != 0 or not tmp.exists():
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"compile failed (exit {r.returncode}): {r.stderr.strip()[-200:]}")
-    os.replace(tmp, so)  # atomic: a concurrent start loads one or the other, never half a file
+
+    def build(tmp: Path) -> None:
+        try:  # ~0.2 s normally; the parent waits 30 s for the child's hello, which comes after this
+            r = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SRC)],
+                               capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise OSError(f"compiler failed: {e}") from None
+        if r.returncode != 0 or not tmp.exists():
+            raise OSError(f"compile failed (exit {r.returncode}): {r.stderr.strip()[-200:]}")
+
+    write_file(so, build)  # atomic: a concurrent start loads one or the other, never half a file
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -107,8 +109,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def make(sampler) -> tuple["CLoop | None", str]:
     """The C loop for `sampler`, or None and why not (then its Python loop runs)."""
-    from gpuwatch.telemetry.profile import ENV as PROFILE_ENV
-
     if os.environ.get(ENV, "").strip().lower() == "python":
         return None, f"python loop ({ENV}=python)"
     if not sys.platform.startswith("linux"):

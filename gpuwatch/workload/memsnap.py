@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from gpuwatch.atomic import write_file
+
 
 def active_blocks(snap: dict[str, Any]) -> dict[int, int]:
     """address -> size of every allocated block."""
@@ -43,8 +45,9 @@ def save_memory_snapshot(device: torch.device, directory: Path | str | None,
     path = None
     if directory is not None:
         path = Path(directory) / f"memory-snapshot-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.pickle"
-        with open(path, "wb") as fh:
-            pickle.dump(snap, fh)
+        # atomic (a crash right after the alarm leaves no half snapshot); no fsync: this runs before the
+        # workload's next step, and a killed process still loses nothing the kernel has
+        write_file(path, pickle.dumps(snap), fsync=False)
     return {"file": path.name if path else None, "active_blocks": len(blocks),
             "active_bytes": sum(blocks.values()), "new_blocks": len(new), "new_bytes": sum(s for _, s in new),
             "largest_growing": [{"address": hex(a), "size": s} for a, s in new[:8]],

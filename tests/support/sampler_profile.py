@@ -1,4 +1,5 @@
-"""Where a sampler tick's CPU goes, for `benchmarks/bench_sampler.py profile` only.
+"""Where a sampler tick's CPU goes, for `benchmarks/bench_sampler.py profile` only (not shipped: the
+sampler child imports it, through `GPUWATCH_SAMPLER_PROFILER`, only when the benchmark asks).
 
 Off unless the environment variable GPUWATCH_SAMPLER_PROFILE names a file: the sampler child looks at it
 once, at start-up, and only then wraps the pieces of the running sampler (host read, each GPU's read and
@@ -8,9 +9,9 @@ pays nothing. At stop the child writes one JSON file: per loop iteration (one ti
 (thread_time) and wall nanoseconds of every section, nested by path ("tick/gpu0.read_fast/util"), plus
 the slow ticks and a calibration of the timers' own cost.
 
-GPUWATCH_SAMPLER_PROFILE_FAKE_NVML=N (no GPU here): pynvml's functions are replaced by a driver that
-answers at once for N GPUs (real ctypes field-value structures), so the sampler's own Python can be
-profiled on a machine without a GPU.
+GPUWATCH_SAMPLER_PROFILE_FAKE_NVML=N (no GPU here, and no C compiler for the stand-in libnvidia-ml):
+pynvml's functions are replaced by support.fake_nvml's driver for N GPUs (real ctypes field-value
+structures), so the sampler's own Python can be profiled on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-ENV = "GPUWATCH_SAMPLER_PROFILE"
-ENV_FAKE = "GPUWATCH_SAMPLER_PROFILE_FAKE_NVML"
+from gpuwatch.atomic import write_file
+from gpuwatch.telemetry.ticker import PROFILE_ENV as ENV
 
 _tt = time.thread_time_ns
 _pc = time.perf_counter_ns
@@ -204,10 +205,7 @@ class TickProfile:
                                             if m in sys.modules)
         out = {"meta": self.meta, "calibration": self.calibrate(), "iterations": self.iterations,
                "slow": self.slow, "other": self.other, "batch_bytes": self.batch_bytes}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.replace(tmp, self.path)
+        write_file(self.path, json.dumps(out))
 
 
 def from_env() -> TickProfile | None:
@@ -215,53 +213,9 @@ def from_env() -> TickProfile | None:
     path = os.environ.get(ENV)
     if not path:
         return None
-    fake = os.environ.get(ENV_FAKE)
+    from support.fake_nvml import PYTHON_FAKE_ENV, install_fake_nvml
+
+    fake = os.environ.get(PYTHON_FAKE_ENV)
     if fake:
         install_fake_nvml(int(fake))
     return TickProfile(path)
-
-
-def install_fake_nvml(n: int) -> None:
-    """Replace pynvml's driver calls with ones that answer at once for `n` GPUs (profiling the Python)."""
-    import types
-
-    import pynvml
-
-    def fields(h, ids):
-        out = (pynvml.c_nvmlFieldValue_t * len(ids))()
-        for v, fid in zip(out, ids):
-            v.fieldId = fid
-            v.nvmlReturn = pynvml.NVML_SUCCESS
-            v.valueType, v.value.ullVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 1000 + fid
-        return out
-
-    def no_events(*a):
-        raise pynvml.NVMLError_NotSupported()
-
-    mem = types.SimpleNamespace(used=10 * 2**30, total=141 * 2**30, reserved=615 * 2**20, free=0)
-    util = types.SimpleNamespace(gpu=97, memory=40)
-    procs = [types.SimpleNamespace(pid=1, usedGpuMemory=2**30)]
-    fakes = {
-        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
-        "nvmlSystemGetDriverVersion": lambda: "fake", "nvmlSystemGetNVMLVersion": lambda: "fake",
-        "nvmlDeviceGetCount": lambda: n, "nvmlDeviceGetHandleByIndex": lambda i: i,
-        "nvmlDeviceGetName": lambda h: b"fake H200", "nvmlDeviceGetUUID": lambda h: f"GPU-fake-{h}",
-        "nvmlDeviceGetPciInfo": lambda h: types.SimpleNamespace(busId=f"0000:0{h}:00.0"),
-        "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700_000,
-        "nvmlDeviceGetTemperatureThreshold": lambda h, t: 89,
-        "nvmlDeviceGetMemoryInfo": lambda h, version=None: mem,
-        "nvmlDeviceGetUtilizationRates": lambda h: util,
-        "nvmlDeviceGetTemperature": lambda h, s: 60,
-        "nvmlDeviceGetPowerUsage": lambda h: 350_000,
-        "nvmlDeviceGetClockInfo": lambda h, c: 1980,
-        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 4,
-        "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: 4,
-        "nvmlDeviceGetTotalEccErrors": lambda h, a, b: 0,
-        "nvmlDeviceGetComputeRunningProcesses": lambda h: procs,
-        "nvmlDeviceGetPcieThroughput": lambda h, c: 100,
-        "nvmlDeviceGetTotalEnergyConsumption": lambda h: 5000,
-        "nvmlDeviceGetFieldValues": fields,
-        "nvmlEventSetCreate": no_events,
-    }
-    for name, fn in fakes.items():
-        setattr(pynvml, name, fn)
