@@ -103,7 +103,7 @@ def test_counterfactual_cap_fails_the_first_step_over_it(tmp_path):
     peaks = steps["torch_peak_bytes"].to_numpy()
     cap = int(100 * GiB)
     first = int(np.argmax(peaks > usable_limit(cap)))
-    r = CF.relabel(RAMP, cap, tmp_path / "v")
+    r = CF.relabel(RAMP, cap, tmp_path / "v", "ramp-train")
     assert r.virtual_oom and r.oom_step == first
     meta = json.loads((tmp_path / "v" / "meta.json").read_text())
     assert meta["config"]["workloads"][0]["faults"]["memory_limit_bytes"] == cap

@@ -81,8 +81,9 @@ def _cap_for_usable(usable: float) -> float:
     return a if FRAGMENT_MARGIN * a >= MARGIN_MIN_BYTES else usable + MARGIN_MIN_BYTES
 
 
-def relabel(src: Path, cap: int, out: Path) -> Relabeled:
-    """Write `src` relabeled under a virtual cap of `cap` bytes to the folder `out`."""
+def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
+    """Write `src` relabeled under a virtual cap of `cap` bytes to the folder `out`; `scenario` (the
+    source's kind of run, for grouped evaluation) is kept in its meta.json."""
     src = Path(src)
     meta = json.loads((src / "meta.json").read_text())
     t = _tables(src)
@@ -115,9 +116,7 @@ def relabel(src: Path, cap: int, out: Path) -> Relabeled:
     for name, df in (("samples", samples), ("steps", steps), ("events", events)):
         _write_like(src / f"{name}.parquet", df, out / f"{name}.parquet")
     meta = _meta_under(meta, cap, src.name, oom_step is not None)
-    from gpuwatch.predict.dataset import scenario_of
-
-    meta["derived"]["scenario"] = scenario_of(json.loads((src / "meta.json").read_text()))
+    meta["derived"]["scenario"] = scenario
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return Relabeled(out, src.name, cap, oom_step is not None, oom_step)
 
@@ -164,7 +163,7 @@ def _meta_under(meta: dict[str, Any], cap: int, source: str, failed: bool) -> di
     return meta
 
 
-def derive(src: Path, out_root: Path) -> list[Relabeled]:
+def derive(src: Path, out_root: Path, scenario: str = "") -> list[Relabeled]:
     """Every counterfactual copy of one session worth training on, under `out_root/<name>@<GiB>`."""
     meta = json.loads((Path(src) / "meta.json").read_text())
     if meta.get("derived"):
@@ -183,7 +182,7 @@ def derive(src: Path, out_root: Path) -> list[Relabeled]:
         dest = out_root / f"{Path(src).name}@{cap / 2**30:.2f}GiB"
         if dest.exists():
             shutil.rmtree(dest)
-        out.append(relabel(Path(src), cap, dest))
+        out.append(relabel(Path(src), cap, dest, scenario))
     return out
 
 

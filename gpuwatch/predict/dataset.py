@@ -164,7 +164,7 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
         n_derived = 0
         if counterfactual is not None and tls:
             try:
-                for r in derive(Path(p), counterfactual):
+                for r in derive(Path(p), counterfactual, tls[0].scenario):
                     d = session_timelines(r.path, stride, horizon_s)
                     n_derived += len(d)
                     out += d
