@@ -40,6 +40,8 @@
 #   guard       the guard scenario suite against the alternatives (bench_guard.py; GUARD_ARGS, e.g.
 #               "--scenarios ramp-train,leak --arms gpuwatch --seconds 25"), every arm recorded [6-8]
 #   multi       one workload per GPU (`stress --gpus all`), recorded (skipped with one GPU)  [4]
+#   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
+#               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
 #               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1|2 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
@@ -106,6 +108,14 @@ stage_scorer() {
   cat $R/scorer.json
   stage scorer_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs 6 --window 6
   cat $R/scorer_overhead.json; tail -8 $R/scorer_overhead.err
+}
+stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's effect on the workload (ABBA)
+  stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48
+  cat $R/risk_scorer.json; echo
+  stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides 5,1
+  cat $R/risk_score_hour.json; echo
+  stage risk_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window 6
+  cat $R/risk_overhead.json; tail -8 $R/risk_overhead.err
 }
 stage_decode() {
   stage decode 200 python3 benchmarks/bench_decode.py --preset v2-lite --precision bf16 --decode 32x512+128 \

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
+from gpuwatch.predict.dataset import plan_changes
 from gpuwatch.predict.evaluate import alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.predict.model import RiskModel
@@ -252,17 +253,19 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
         ts = src._ts.get(g)
         if ts is None:
             continue
-        X = np.array([vector(features(src.window_at(g, int(t)))) for t in ts[::stride]], dtype=np.float64)
+        steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df
+        moments = np.union1d(ts[::stride], plan_changes(steps))  # and where the guard rescores, live
+        X = np.array([vector(features(src.window_at(g, int(t)))) for t in moments], dtype=np.float64)
         if not X.size:
             continue
         risk = sc._predict(X)[:, 1]
         on = alarm_state(risk, model.threshold)
-        for t, r, a in zip(ts[::stride], risk, on):
+        for t, r, a in zip(moments, risk, on):
             rows.append({"ts": int(t), "gpu": g, "kind": model.kind, "risk": float(r),
                          "alarm": bool(a), "threshold": model.threshold,
                          "model": model.label, "reasons": "[]"})
         if progress:
-            progress(f"GPU {g}: {len(ts[::stride])} windows scored")
+            progress(f"GPU {g}: {len(moments)} windows scored")
     if not rows:
         return schema.empty("risk")
     return pl.from_dicts(rows, schema=schema.RISK, strict=False)
