@@ -56,6 +56,22 @@ def bucket_max(values: list, k: int, scale: float = 1.0) -> list:
     return _bucket(values, k, max, scale)
 
 
+def bucket_time(rows: list[dict[str, Any]], end_us: int, columns: int, col_us: int = 1_000_000,
+                key: str = "risk") -> list:
+    """Rows with a `ts` (us) into `columns` columns of `col_us` each, the last ending at `end_us`: the max
+    of `key` in each (None where no row fell). Risk rows come at the scorer's pace (or every k-th sample
+    when scored after the fact), not one per sample, so they are placed by time, not by count."""
+    out: list = [None] * columns
+    start = end_us - columns * col_us
+    for r in rows:
+        v, ts = r.get(key), r.get("ts")
+        if v is None or ts is None or ts <= start or ts > end_us:
+            continue
+        i = min(columns - 1, int((ts - start - 1) // col_us))
+        out[i] = v if out[i] is None else max(out[i], v)
+    return out
+
+
 def bucket_min(values: list, k: int, scale: float = 1.0) -> list:
     return _bucket(values, k, min, scale)
 
@@ -87,7 +103,9 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
         return [Text(f"GPU{meta.index} {meta.name}: no data (lost?)", style="bold red")]
     bw = max(6, (width - 56) // 2)
     util = row.get("gpu_util_pct")
-    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
+    used, card = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
+    # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set
+    total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
@@ -218,14 +236,32 @@ def _dur(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+def ellipsize(text: str, width: int) -> str:
+    """`text` in at most `width` cells, cut at a word boundary and ended with an ellipsis when it does
+    not fit (never mid-word; a single word longer than the whole line is the only thing cut inside)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = text[:width - 1]
+    cut = max(head.rfind(" "), head.rfind(";"), head.rfind(","))
+    if text[width - 1] in " ;,":  # the cut falls right on a boundary: keep the whole last word
+        cut = width - 1
+    head = head[:cut] if cut > 0 else head
+    return head.rstrip(" ;,:") + "…"
+
+
+def event_text(e: dict[str, Any]) -> str:
+    """One event in full: time, kind, GPU, message and the risk behind it."""
+    d = event_detail(e)
+    extra = f" (risk {d['risk']:.2f})" if isinstance(d.get("risk"), (int, float)) else ""
+    gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
+    return f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{e['message']}{extra}"
+
+
 def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
-    out = []
-    for e in events[-n:]:
-        d = event_detail(e)
-        extra = f" (risk {d['risk']:.2f})" if "risk" in d else ""
-        gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
-        line = f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{e['message']}{extra}"
-        out.append(Text(line[:width], style=SEVERITY_STYLE.get(e.get("severity"), "")))
+    out = [Text(ellipsize(event_text(e), width), style=SEVERITY_STYLE.get(e.get("severity"), ""))
+           for e in events[-n:]]
     return out or [Text("no events yet", style="dim")]
 
 
