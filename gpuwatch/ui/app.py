@@ -35,6 +35,7 @@ class Panel(Static):
     def __init__(self, wid: str) -> None:
         super().__init__(id=wid, markup=False)
         self.key: str | None = None
+        self.n_lines = -1
 
     def show(self, text: Text, width: int) -> bool:
         lines = text.split("\n")
@@ -45,7 +46,9 @@ class Panel(Static):
         if key == self.key:
             return False
         self.key = key
-        self.update(text)
+        # the same number of lines (each cut to the width): the same size, so no layout pass
+        self.update(text, layout=len(lines) != self.n_lines)
+        self.n_lines = len(lines)
         return True
 
 
@@ -115,8 +118,13 @@ class Dashboard(Screen):
             else Text("no GPU: CPU-only mode (host and workload panels still work)", style="yellow")
         self._set("header", self._header())
         self._set("gpus", gpu_text)
-        plots, risk = self._plots(width)
-        self._set("plots", plots)
+        meta = self._plot_meta()
+        mem = self.source.series("gpu_mem_used_bytes", meta.index, 300) if meta else None  # the headroom fit's
+        key = self._plots_moment()
+        if force or key != self._plots_key:  # one column a second: rebuilt once a second of data
+            self._plots_key = key
+            self._set("plots", self._plots(width))
+        risk = self._risk(mem)[0]
         power = rows[0].get("gpu_power_w") if rows and rows[0] else None
         self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
         host_row = next(iter(latest.values()), None)
@@ -139,9 +147,17 @@ class Dashboard(Screen):
         src = self.source
         return R.header(src.kind, src.label, src.cursor_us(), self.header_extra(), self.view_paused)
 
-    def _plots(self, width: int) -> tuple[Text, Text]:
-        """History plots, one column per second (the max of its samples, so no peak is hidden), and
-        the risk line, which reads the same memory series."""
+    def _plots_moment(self) -> tuple:
+        """What the plots depend on: the cursor's second while time runs (live, playback: a column
+        is a second, so nothing but the last column's max can change within one), the exact cursor
+        when the user steps through a paused replay; the GPU shown; risk filled in after the fact."""
+        src = self.source
+        t = src.cursor_us() or 0
+        running = src.kind == "live" or getattr(src, "playing", False)
+        return (t // 1_000_000 if running else t, self.plot_gpu, getattr(src, "risk_note", None))
+
+    def _plots(self, width: int) -> Text:
+        """History plots, one column per second (the max of its samples, so no peak is hidden)."""
         g = self.plot_gpu
         src = self.source
         meta = self._plot_meta()
@@ -158,8 +174,8 @@ class Dashboard(Screen):
         labels: dict[str, float | None] = {}  # a plot whose label is not its last column's max
         if meta is not None:
             total = meta.effective_limit_bytes  # the workload's cap where one is set, as the risk reads it
-            mem = src.series("gpu_mem_used_bytes", g, max(n, 300))  # the risk fit reads the last 300
-            risk, free = self._risk(mem)
+            mem = src.series("gpu_mem_used_bytes", g, n)
+            free = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem]
             rows = src.risk(g, n)
             end = src.cursor_us()
             if rows and end is not None:
@@ -174,7 +190,6 @@ class Dashboard(Screen):
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
                       ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"), last]
         else:
-            risk = self._risk()[0]
             specs += [("CPU %", R.bucket_max(src.series("host_cpu_pct", None, n), k), 100, "green")]
         specs.append(("tok/s", [r.get("tokens_per_s") for r in src.steps(plot_w)], None, "bright_green"))
         blocks = []
@@ -191,9 +206,9 @@ class Dashboard(Screen):
             for r in range(height):
                 out.append(Text("  ").join(b[r] for b in group))
         if not self.wide:
-            return Text("\n").join(out), risk
+            return Text("\n").join(out)
         title = Text(f"history {'GPU' + str(g) if g is not None else 'host'}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
-        return Text("\n").join([title, *out]), risk
+        return Text("\n").join([title, *out])
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
         """The risk panel for the plotted GPU (what the scorer published, live or recorded), and its
