@@ -571,7 +571,10 @@ def cmd_tui(args) -> int:
     if args.command == "replay":
         return run_replay(args.path, follow=args.follow, speed=args.speed, model=args.model, trust=args.trust_model,
                           no_model=args.no_model)
-    cfg = session_config(args, workload=args.command in (None, "live"))
+    workload = args.command in (None, "live")
+    # watch: no workload and no guard wait on the ticks, and the screen redraws once a second, so the
+    # sampler hands them over half a second at a time (fewer wake-ups); live keeps every tick at once
+    cfg = session_config(args, workload=workload, deliver_s=0.0 if workload else 0.5)
     return run_tui(cfg, duration_s=args.duration, status=_status)
 
 

@@ -9,6 +9,7 @@ second of data, not on every pull.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import polars as pl
@@ -72,7 +73,8 @@ class Dashboard(Screen):
         self.plot_gpu = source.gpus[0].index if source.gpus else None
         self._last_size = None
         self._plots_key: tuple | None = None
-        self._plots_out: tuple[Text, Text] | None = None
+        self._last_full = 0.0
+        self._last_event: Any = None
 
     @property
     def workload(self):
@@ -99,6 +101,10 @@ class Dashboard(Screen):
         self.notify(message, **kw)
 
     # -- refresh -------------------------------------------------------------------------------------------
+    # Seconds between full redraws while nothing but new samples arrives (None: at every pull). Each
+    # redraw costs the Textual compositor milliseconds of CPU; new events are shown at the next pull.
+    REDRAW_EVERY_S: float | None = None
+
     def refresh_data(self, force: bool = False) -> None:
         changed = self.source.poll()
         if self.size != self._last_size:  # a resize re-lays out everything once
@@ -110,7 +116,16 @@ class Dashboard(Screen):
             return
         if not (changed or force):
             return
-        width = self.size.width - (4 if self.wide else 0)
+        now = time.monotonic()
+        if not force and self.REDRAW_EVERY_S and now - self._last_full < self.REDRAW_EVERY_S:
+            last = self.source.events(1)
+            if last and last[-1].get("ts") != self._last_event:  # an event is news: show it now
+                self._last_event = last[-1].get("ts")
+                h = self._events_height()
+                self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, self._width())))
+            return
+        self._last_full = now
+        width = self._width()
         latest = self.source.latest()
         rows = [latest.get(g.index) for g in self.source.gpus]
         gpu_text = Text("\n").join(line for g, row in zip(self.source.gpus, rows)
@@ -132,6 +147,9 @@ class Dashboard(Screen):
         self._set("risk", risk)
         h = self._events_height()
         self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+
+    def _width(self) -> int:
+        return self.size.width - (4 if self.wide else 0)
 
     def _events_height(self) -> int:
         return max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
@@ -283,7 +301,11 @@ class Dashboard(Screen):
 
 
 class LiveScreen(Dashboard):
-    """Live (and a recording played as live by `watch --source`): the workload's and the guard's keys."""
+    """Live (and a recording played as live by `watch --source`): the workload's and the guard's keys.
+    Panels redraw once a second (keys and new events at once): what a 4 Hz redraw cost was most of the
+    dashboard's CPU (benchmarks/bench_tui.py cost, docs/BENCHMARKS.md)."""
+
+    REDRAW_EVERY_S = 1.0
 
     BINDINGS = [
         Binding("space", "toggle_pause_view", "pause view"),
