@@ -230,3 +230,127 @@ async def test_two_gpus_both_shown_and_s_cycles_the_plots(monkeypatch):
         assert app.plot_gpu == 1
         await pilot.press("s")
         assert app.plot_gpu == 0
+
+
+async def test_replay_opens_at_once_and_fills_in_risk_scored_in_the_background():
+    """Issue 17 (13): an 8-minute session without recorded risk used to be scored before the screen
+    opened (~8.5 s on 2 cores); now the first screen comes at once and the risk fills in, said on screen."""
+    import time
+
+    from conftest import BENCH
+    from gpuwatch.ui.launch import score_in_background
+
+    t0 = time.perf_counter()
+    src = ReplaySource(BENCH)
+    assert src.risk_df.is_empty()
+    app = make_app(src)
+    thread = score_in_background(src, None, False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        opened = time.perf_counter() - t0
+        assert "REPLAY" in text(app, "header")
+        assert opened < 1.0, opened
+        assert "scoring risk in the background" in text(app, "risk") or not src.risk_df.is_empty()
+        for _ in range(300):
+            if not thread.is_alive():
+                break
+            await pilot.pause(0.1)
+        assert not thread.is_alive() and not src.risk_df.is_empty()
+        await pilot.press("end")
+        assert "OOM" in text(app, "risk") and "scored on the fly" in text(app, "risk")
+
+
+def test_events_are_ellipsized_at_word_boundaries():
+    """Issue 17 (11): `...; runni`, `next_peak_est_fr` were cut mid-word, without an ellipsis."""
+    from gpuwatch.ui.render import ellipsize, event_lines
+
+    msg = "guard lowered the batch ceiling 24 -> 19 (risk 0.93); next_peak_est_frac 1.02; running at 19"
+    ev = {"ts": 1_796_033_980_000_000, "kind": "guard_action", "message": msg, "severity": "warning",
+          "gpu": 0, "detail": "{}"}
+    full = event_lines([ev], 1, 500)[0].plain
+    for width in range(30, len(full) + 1):
+        line = event_lines([ev], 1, width)[0].plain
+        assert len(line) <= width
+        if line != full:
+            kept = line.removesuffix("…")
+            assert line.endswith("…") and full.startswith(kept), (width, line)
+            assert full[len(kept)] in " ;,:", (width, line)  # cut where a word ends, never inside one
+    assert ellipsize("alpha beta gamma", 12) == "alpha beta…"
+    assert ellipsize("alpha beta", 10) == "alpha beta"
+
+
+async def test_enter_shows_an_event_whole_and_arrows_walk_the_events():
+    from gpuwatch.ui.screens import EventScreen
+
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(3):
+            await pilot.press("n")
+        await pilot.press("enter")
+        assert isinstance(app.screen, EventScreen)
+        body = str(app.screen.query_one("#event-body").render())
+        oom = src.events_df.filter(src.events_df["kind"] == "oom")["message"][0]
+        assert oom in body  # the whole message, however long
+        await pilot.press("up")
+        assert "workload_start" in str(app.screen.query_one("#event-body").render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, EventScreen)
+
+
+async def test_notifications_never_cover_the_header_at_80x24():
+    """Issue 17 (11): n/N and 16x playback piled notifications up over the header."""
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press(*["plus"] * 8, *["n"] * 12, *["N"] * 4, "l", "l")
+        await pilot.pause(0.2)
+        for x in range(0, 80, 4):
+            widget, _ = app.screen.get_widget_at(x, 0)
+            assert widget.id == "header", (x, widget)
+        assert len(app._notifications) <= 1
+
+
+async def test_mark_is_a_live_key_only():
+    """Issue 17 (14): `m mark` was offered in replay, where it does nothing."""
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert "mark" not in {b.description for b in app.screen.active_bindings.values() if hasattr(b, "description")} \
+            and all(b.binding.key != "m" for b in app.screen.active_bindings.values())
+
+
+GUARD_PREFILL = RAMP.parent / "sample-h200-guard-ramp-prefill"
+
+
+async def test_memory_is_measured_against_the_workload_cap():
+    """Issue 20 (8): a run with --gpu-memory-limit 40GiB showed 39.0/140 GiB (28 %), not 39/40 GiB."""
+    src = ReplaySource(GUARD_PREFILL)
+    assert src.gpus[0].effective_limit_bytes == 40 * 2**30
+    mem = src._by_gpu[0]["gpu_mem_used_bytes"]
+    i = int(mem.arg_max())
+    src.seek_to(int(src._ts[0][i]))
+    used = mem[i] / 2**30
+    app = make_app(src)
+    async with app.run_test(size=(160, 50)):
+        gpus = text(app, "gpus")
+        assert f"{used:.1f}/40 GiB" in gpus and "/140 GiB" not in gpus, gpus
+        assert f"{round(100 * used / 40)}%" in gpus
+
+
+async def test_risk_plot_label_agrees_with_the_risk_panel():
+    """Issue 20 (8): at 10:20:14.6 of the ramp the plot's label said 0.993 (the max of its last ten
+    risk rows) while the panel and `gpuwatch score -o` said 0.05."""
+    import re
+    from datetime import datetime, timezone
+
+    from gpuwatch.ui.launch import score_in_background
+
+    src = ReplaySource(RAMP)
+    score_in_background(src, None, False).join()
+    src.seek_to(datetime(2026, 11, 30, 10, 20, 14, 600000, tzinfo=timezone.utc).timestamp() * 1e6)
+    panel = src.risk(0, 1)[-1]["risk"]
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)):
+        plots = text(app, "plots")
+        label = re.search(r"^risk .*?([0-9.]+)\s*$", plots, re.M).group(1)
+        assert float(label) == pytest.approx(panel, abs=0.005), plots
+        assert f"OOM {panel:.2f}" in text(app, "risk")

@@ -273,10 +273,16 @@ class ReplaySource:
     writer_gone = False  # follow: the recording process is gone without closing it
 
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
-        """Risk rows computed after the fact (an older session scored on the fly)."""
-        self.risk_df = _sorted(df)
-        self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
+        """Risk rows computed after the fact (an older session scored on the fly, maybe on another
+        thread: the rows and their times are swapped in together, and reads clip to both)."""
+        df = _sorted(df)
+        ts = df["ts"].dt.epoch("us").to_numpy()
+        self.risk_df, self._risk_ts = df, ts
         self.risk_note = note
+        self._changed = True
+
+    def touch(self) -> None:
+        """Something shown changed outside the cursor's data (a note): redraw at the next poll."""
         self._changed = True
 
     def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
@@ -310,8 +316,9 @@ class ReplaySource:
         return part.tail(n)
 
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._risk_ts, self._t, side="right"))
-        part = self.risk_df.slice(max(0, i - n * max(1, len(self.gpus))), min(i, n * max(1, len(self.gpus))))
+        df, ts = self.risk_df, self._risk_ts
+        i = min(int(np.searchsorted(ts, self._t, side="right")), df.height)
+        part = df.slice(max(0, i - n * max(1, len(self.gpus))), min(i, n * max(1, len(self.gpus))))
         rows = part.filter(part["gpu"] == gpu).tail(n).to_dicts() if gpu is not None else part.tail(n).to_dicts()
         for r in rows:
             r["ts"] = int(r["ts"].timestamp() * 1e6)

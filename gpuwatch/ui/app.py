@@ -247,6 +247,8 @@ class Dashboard(Screen):
             line = Text(f"{self.session.model_note}; ", style="yellow") + line
         elif not getattr(self.source, "risk_df", pl.DataFrame()).is_empty():
             line = Text("risk: not scored yet at this moment; ", style="dim") + line
+        elif getattr(self.source, "risk_note", None):  # e.g. being scored in the background
+            line = Text(f"{self.source.risk_note} ", style="yellow") + line
         return line, free
 
     def _guard_status(self) -> str:

@@ -101,7 +101,7 @@ def _f(v: Any, fmt: str = "{:.0f}", none: str = "-") -> str:
 def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool) -> list[Text]:
     if row is None:
         return [Text(f"GPU{meta.index} {meta.name}: no data (lost?)", style="bold red")]
-    bw = max(6, (width - 56) // 2)
+    bw = max(6, (width - 62) // 2)
     util = row.get("gpu_util_pct")
     used, card = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
     # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set
@@ -110,7 +110,8 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
         f" {_f(util):>3}%  mem ", bar(mfrac, bw, "magenta"),
-        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB")
+        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
+        f" {_f(mfrac * 100 if mfrac is not None else None)}%")
     temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
     pw, lim = row.get("gpu_power_w"), row.get("gpu_power_limit_w") or meta.power_limit_w
     tstyle = "red" if temp is not None and slow and temp >= slow - 5 else ""
