@@ -324,6 +324,10 @@ def _finish(session, why: str, run=None) -> int:
         summaries.append(s)
         print(format_summary(s))
         code |= 1 if s["unrecovered"] else 0
+        if not s["unrecovered"] and s["ooms"] and w.export_state()["step"] == 0 and why not in SIGNAL_EXIT:
+            # nothing ran (every attempt out of memory, say): a run that did no work did not pass
+            print(f"  FAILED: no step completed ({s['ooms']} OOM(s))")
+            code |= 1
     if run is not None and run.previous_unrecovered:
         print(f"  UNRECOVERED before the resume: {run.previous_unrecovered[0]}")
         code |= 1
