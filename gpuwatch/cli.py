@@ -363,6 +363,8 @@ def cmd_record(args) -> int:
 
     # Nothing reads the ticks here but the recorder, which writes once a second: take them a second at
     # a time (one wake-up a second in this process instead of ten).
+    if not args.record:
+        raise UsageError("record --no-record would record nothing (use `gpuwatch watch` to look without recording)")
     cfg = session_config(args, workload=False, deliver_s=1.0)
     with Session(cfg, on_status=_status if args.prometheus else None) as s:
         _status(s.gpu_note)
@@ -543,6 +545,11 @@ def cmd_score(args) -> int:
     if src.reader.meta.get("single_file"):
         _status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "
                 "from what the file holds alone (score the session folder for the full picture)")
+    for w in src.reader.warnings:  # a missing or unreadable table changes the alarms: say so
+        _status(f"warning: {w}")
+    if src.steps_df.is_empty():
+        _status(f"warning: {args.session} has no steps: the risk is computed from the samples alone "
+                "(fewer alarms than a session with its steps)")
     t0 = time.perf_counter()
     tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
     if args.output:
@@ -558,8 +565,9 @@ def cmd_score(args) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
+        top = "-" if summary["max_risk"] is None else summary["max_risk"]
         print(f"{tl.height} windows scored in {summary['seconds']} s with {model.label}; "
-              f"max risk {summary['max_risk']}; {len(al)} alarm(s)")
+              f"max risk {top}; {len(al)} alarm(s)")
         for a in al:
             print(f"  {a['ts']}  GPU{a['gpu']}  {a['kind']}  risk {a['risk']:.2f}")
         if actions:

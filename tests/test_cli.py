@@ -94,3 +94,40 @@ def test_stress_exit_code_is_1_when_a_failure_was_not_recovered(py, env):
             "--set", "num_experts_per_tok=8", timeout=300)
     assert r.returncode == 1
     assert "UNRECOVERED" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_record_no_record_is_refused(capsys):
+    """Issue 17 (14): `record --no-record` was accepted and did nothing."""
+    from gpuwatch.cli import main
+
+    assert main(["record", "--no-record", "--duration", "1s"]) == 2
+    assert "--no-record" in capsys.readouterr().err
+
+
+def test_score_warns_when_steps_are_missing(tmp_path, capsys):
+    """Issue 17 (5): `score` of a folder holding only samples.parquet gave fewer alarms, no warning."""
+    import shutil
+
+    from gpuwatch.cli import main
+    from conftest import RAMP
+
+    shutil.copy(RAMP / "samples.parquet", tmp_path / "samples.parquet")
+    shutil.copy(RAMP / "meta.json", tmp_path / "meta.json")
+    assert main(["score", str(tmp_path), "--stride", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "no steps" in err, err
+
+
+def test_score_of_nothing_scored_says_dash_not_none(tmp_path, capsys, monkeypatch):
+    """Issue 17 (12): `max risk None`."""
+    import polars as pl
+
+    from gpuwatch import cli
+    from gpuwatch.predict import scorer
+    from gpuwatch.recording import schema
+    from conftest import RAMP
+
+    monkeypatch.setattr(scorer, "score_source", lambda *a, **k: schema.empty("risk"))
+    assert cli.main(["score", str(RAMP)]) == 0
+    out = capsys.readouterr().out
+    assert "max risk -" in out and "None" not in out, out
