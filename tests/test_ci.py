@@ -292,3 +292,25 @@ def test_resume_refuses_a_session_still_being_recorded(runs, capsys):
     finally:
         unlock_session(fd)
         (runs["session"] / LOCK_NAME).unlink()
+
+
+def test_no_data_for_an_enforced_check_fails_the_run():
+    """Issue 17 (9): `stress --fail-on 'util<85,throttled>0.05'` with no GPU exited 0."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    rec = open_recording(SWEEP)
+    gpu_cols = [c for c in rec.samples.columns if c.startswith("gpu")]
+    cpu = dataclasses.replace(rec, meta={**rec.meta, "gpus": []}, samples=rec.samples.with_columns(
+        *(pl.lit(None).cast(rec.samples.schema[c]).alias(c) for c in gpu_cols)))
+    session = SimpleNamespace(workloads=[], recorder=None, guard=None, model_note=None)
+    info = ci.RunInfo(fail_on=ci.parse_fail_on("util<85,throttled>0.05"))
+    summary = ci.verdict(session, "done", info, [], cpu, None)
+    assert summary["exit"]["code"] == 1, summary["exit"]
+    assert any("no data" in w for w in summary["exit"]["why"])
+    failed = {c["name"] for c in summary["checks"] if c["status"] == "fail"}
+    assert failed == {"health: GPU utilization", "health: Throttling"}
+    # a check not asked for, without data, is still only skipped
+    assert {c["status"] for c in summary["checks"] if c["name"] == "health: Temperature"} == {"skipped"}

@@ -354,3 +354,43 @@ async def test_risk_plot_label_agrees_with_the_risk_panel():
         label = re.search(r"^risk .*?([0-9.]+)\s*$", plots, re.M).group(1)
         assert float(label) == pytest.approx(panel, abs=0.005), plots
         assert f"OOM {panel:.2f}" in text(app, "risk")
+
+
+async def test_watch_source_replays_what_the_session_recorded():
+    """Issue 17 (3, f): `watch --source recordings/sample-h200-ramp-train` showed `workload: none in this
+    session`, `tok/s -`, none of its 5 OOMs, this machine's host line and the GPU name cut to `H200 [repl`."""
+    from gpuwatch.recording.replay_backend import ReplayGpuBackend
+    from gpuwatch.recording.source import GpuMeta, LiveSource, RecordedFeed
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.sampler import Sampler
+    from gpuwatch.ui.launch import attach_feed
+    from uihelpers import T0, FixedHost
+
+    bus = Bus()
+    backend = ReplayGpuBackend(RAMP)
+    fake = {"t": 0.0}
+    s = Sampler(bus, backend, FixedHost(), clock=lambda: fake["t"], wall_us=lambda: T0 + int(fake["t"] * 1e6))
+    g = backend.gpus[0]
+    src = LiveSource(bus, [GpuMeta(0, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c)], backend.label)
+
+    class S:  # the part of a Session attach_feed and the App use
+        workload, recorder, guard, model_note, workloads = None, None, None, "no risk model", []
+    S.bus, S.source = bus, src
+    attach_feed(S, RecordedFeed(bus, RAMP))
+    s.slow_tick()
+    app = make_app(src, session=S())
+    async with app.run_test(size=(100, 30)) as pilot:
+        for _ in range(9):  # the whole recording (81 s) and a bit of its next loop, fed as the ticks come
+            for _ in range(100):
+                s.tick()
+                fake["t"] += 0.1
+            src.poll()
+            await pilot.pause(0.05)
+        await pilot.press("space", "space")  # a full redraw now
+        work = text(app, "work")
+        assert "tok/s" in work and "none in this session" not in work and "- tok/s" not in work, work
+        assert "GPU0 H200 " in text(app, "gpus") and "[repl" not in text(app, "gpus")
+        kinds = [e.kind for e in bus.events.latest(1000)]
+        assert kinds.count("oom") == 5, kinds
+        assert "from vm" in text(app, "header")
+        assert "host" in text(app, "host") and "126.0 GiB" not in text(app, "host")  # not FixedHost's figures

@@ -266,7 +266,8 @@ class Dashboard(Screen):
 
     def _recorded_workload(self) -> dict[str, Any]:
         """The first workload's config as the replayed recording's meta.json describes it ({} if none)."""
-        meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
+        holder = getattr(self.source, "reader", None) or getattr(self.source, "feed", None)  # replay / watch --source
+        meta = getattr(holder, "meta", None) or {}
         loads = (meta.get("config") or {}).get("workloads") or []
         return loads[0] if loads else {}
 

@@ -131,12 +131,43 @@ def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None
     return _run_app(app, None, status)
 
 
+class _NullBus:
+    """A placeholder until the session's bus exists (the feed is read before the session starts)."""
+
+
+def attach_feed(session, feed) -> None:
+    """Feed a replayed-as-live session what its recording holds besides GPU samples; its GPUs take the
+    recorded workload caps, its label the recorded host."""
+    from dataclasses import replace
+
+    feed.bus = session.bus
+    src = session.source
+    src.feed = feed
+    src.gpus[:] = [replace(g, mem_limit_bytes=feed.caps.get(g.index) or g.mem_limit_bytes) for g in src.gpus]
+    if feed.host:
+        src.label = src.label.replace(" (not live)", f" from {feed.host} (not live)") \
+            if "(not live)" in src.label else f"{src.label} from {feed.host}"
+    if feed.has_risk:
+        session.model_note = "risk as recorded"
+
+
 def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
     from gpuwatch.runtime import Session
     from gpuwatch.ui.app import make_app
 
     status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
+    feed = None
+    if cfg.source and cfg.workload is None:  # watch --source: the recording's steps, events, risk and host too
+        from dataclasses import replace
+
+        from gpuwatch.recording.source import RecordedFeed
+
+        feed = RecordedFeed(_NullBus(), cfg.source)
+        if feed.has_risk:  # show the risk that was live then, not a second scoring beside it
+            cfg = replace(cfg, model=replace(cfg.model, enabled=False))
     with Session(cfg, on_status=status) as session:
+        if feed is not None:
+            attach_feed(session, feed)
         app = make_app(session.source, session=session, interval_s=cfg.interval_s)
         if duration_s:
             app.call_later(lambda: app.set_timer(duration_s, app.exit))

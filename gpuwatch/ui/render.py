@@ -108,7 +108,7 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
-        (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
+        (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
         f" {_f(util):>3}%  mem ", bar(mfrac, bw, "magenta"),
         f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
         f" {_f(mfrac * 100 if mfrac is not None else None)}%")
@@ -255,9 +255,12 @@ def ellipsize(text: str, width: int) -> str:
 def event_text(e: dict[str, Any]) -> str:
     """One event in full: time, kind, GPU, message and the risk behind it."""
     d = event_detail(e)
+    msg = e["message"]
+    if e.get("kind") == "control":  # sessions recorded before the wording was fixed said `ceiling -> None`
+        msg = msg.replace(" -> None (", " -> none (lifted) (")
     extra = f" (risk {d['risk']:.2f})" if isinstance(d.get("risk"), (int, float)) else ""
     gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
-    return f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{e['message']}{extra}"
+    return f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{msg}{extra}"
 
 
 def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
