@@ -443,9 +443,25 @@ def cmd_stress(args) -> int:
         left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
         progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
         t0 = time.monotonic()
-        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every)
+        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: _detach(s))
         run.ran_s = time.monotonic() - t0
     return _finish(s, why, run)
+
+
+def _detach(session) -> None:
+    """SIGHUP (the terminal closed, an SSH link dropped): a headless stress run goes on. What it would
+    have printed goes to `stress.log` in its session folder (nowhere without one); an event says so."""
+    import os
+
+    log = session.recorder.dir / "stress.log" if session.recorder is not None else Path(os.devnull)
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
+    except OSError:
+        pass
+    session.bus.emit("detached", f"terminal closed (SIGHUP): the run goes on; output to {log}", "warning")
 
 
 def cmd_train(args) -> int:

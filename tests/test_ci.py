@@ -314,3 +314,21 @@ def test_no_data_for_an_enforced_check_fails_the_run():
     assert failed == {"health: GPU utilization", "health: Throttling"}
     # a check not asked for, without data, is still only skipped
     assert {c["status"] for c in summary["checks"] if c["name"] == "health: Temperature"} == {"skipped"}
+
+
+def test_headless_stress_survives_its_terminal_closing(tmp_path, py_env):
+    """Issue 17 (4): the README says a headless `stress` survives a dropped SSH link; SIGHUP stopped it."""
+    py, env = py_env
+    err = tmp_path / "err"
+    with open(err, "w") as fh:
+        p = subprocess.Popen([py, "-m", "gpuwatch", "stress", *CPU, "--duration", "6s", "--progress", "1s",
+                              "-o", str(tmp_path / "rec")], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=fh)
+        _wait_for(err, "| step ")
+        p.send_signal(signal.SIGHUP)
+        rc = p.wait(90)
+    assert rc == 0, err.read_text()
+    session = next((tmp_path / "rec").iterdir())
+    rec = open_recording(session)
+    assert rec.complete and "detached" in rec.events["kind"].to_list()
+    assert "| step " in (session / "stress.log").read_text()  # progress went on, into the session's log
