@@ -254,6 +254,8 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     spec = _workload_spec(args) if workload else None
     guard = GuardConfig(mode=getattr(args, "guard", "off"), rule=getattr(args, "guard_rule", "model"))
     out = args.output if args.record else None
+    if args.prometheus is not None:
+        _check_prometheus(*args.prometheus)
     if out is not None:
         from gpuwatch.recording.writer import check_output_dir
 
@@ -261,6 +263,21 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
                          deliver_s=deliver_s, workload=spec, guard=guard, prometheus=args.prometheus,
                          model=ModelChoice(args.model, not args.no_model, args.trust_model, args.risk_threshold))
+
+
+def _check_prometheus(host: str, port: int) -> None:
+    """The address is bound and released before anything is built or written (a busy port used to be
+    found after the workload was built, leaving a session folder behind); one bound beyond loopback is
+    said to be reachable from the network."""
+    from gpuwatch.export.prometheus import PrometheusExporter
+    from gpuwatch.telemetry.bus import Bus
+
+    ex = PrometheusExporter(Bus(), [], host, port)
+    ex.check()
+    if ex.public:
+        _status(f"warning: --prometheus {host}:{port} serves the metrics on "
+                f"{'every interface' if host in ('0.0.0.0', '::', '') else host}: anyone who can reach this "
+                "host can read them (no authentication); give a port alone for 127.0.0.1 only")
 
 
 def _workload_spec(args):

@@ -131,3 +131,28 @@ def test_score_of_nothing_scored_says_dash_not_none(tmp_path, capsys, monkeypatc
     assert cli.main(["score", str(RAMP)]) == 0
     out = capsys.readouterr().out
     assert "max risk -" in out and "None" not in out, out
+
+
+def test_busy_prometheus_port_is_refused_before_anything_is_written(tmp_path, capsys):
+    """Issue 17 (6): a busy port left a session folder with only meta.json and the lock behind."""
+    import socket
+
+    from gpuwatch.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["record", "--duration", "1s", "--prometheus", str(port), "-o", str(tmp_path / "rec")]) == 2
+    assert "already in use" in capsys.readouterr().err
+    assert not (tmp_path / "rec").exists() or not any((tmp_path / "rec").iterdir())
+
+
+def test_prometheus_on_every_interface_warns(capsys):
+    """Issue 17 (6): `--prometheus 0.0.0.0:PORT` printed http://127.0.0.1:PORT and said nothing."""
+    from gpuwatch.cli import _check_prometheus
+
+    _check_prometheus("0.0.0.0", 0)
+    assert "every interface" in capsys.readouterr().err
+    _check_prometheus("127.0.0.1", 0)
+    assert capsys.readouterr().err == ""
