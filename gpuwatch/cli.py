@@ -425,6 +425,37 @@ def _resumed_args(args, point):
     return orig
 
 
+def _refuse_finished(point, args) -> None:
+    """A session whose run is over (its --duration ran, its --steps were done, or it closed cleanly with
+    every workload finished) has nothing left to continue: resuming it again and again used to reopen it,
+    run 0 steps and append idle samples and another `resumed` entry each time."""
+    from gpuwatch.ci import hms as ci_hms
+
+    if args.duration is not None and point.elapsed_s >= args.duration - 0.5:
+        raise UsageError(f"--resume {point.dir}: finished: its --duration {ci_hms(args.duration)} already ran "
+                         f"({ci_hms(point.elapsed_s)}); give a longer --duration to run on")
+    steps = [w["state"]["step"] for w in point.workloads]
+    if args.steps is not None and steps and min(steps) >= args.steps:
+        raise UsageError(f"--resume {point.dir}: finished: its --steps {args.steps} already ran; "
+                         "give a larger --steps to run on")
+    if point.previous_close == "closed cleanly" and args.duration is None and args.steps is None and \
+            _all_finished(point):
+        raise UsageError(f"--resume {point.dir}: finished: every workload ran its schedule to the end")
+
+
+def _all_finished(point) -> bool:
+    """Every workload's last workload_stop event says it finished (its schedule ran out)."""
+    from gpuwatch.recording.reader import open_recording
+
+    try:
+        ev = open_recording(point.dir).events
+    except Exception:  # noqa: BLE001 - load_resume read it already; unreadable here means: not known
+        return False
+    stops = ev.filter(ev["kind"] == "workload_stop")["message"].to_list()
+    return bool(stops) and len(stops) >= len(point.workloads) and \
+        all("finished" in m for m in stops[-len(point.workloads):])
+
+
 def cmd_stress(args) -> int:
     from dataclasses import replace
 
@@ -442,6 +473,7 @@ def cmd_stress(args) -> int:
             raise UsageError("--resume continues the session's recording (drop --no-record)")
         point = load_resume(args.resume)
         args = _resumed_args(args, point)
+        _refuse_finished(point, args)
         cfg = replace(session_config(args, workload=True), record_dir=point.dir.parent, name=point.dir.name,
                       resume=point)
     else:

@@ -332,3 +332,16 @@ def test_headless_stress_survives_its_terminal_closing(tmp_path, py_env):
     rec = open_recording(session)
     assert rec.complete and "detached" in rec.events["kind"].to_list()
     assert "| step " in (session / "stress.log").read_text()  # progress went on, into the session's log
+
+
+def test_resume_of_a_finished_session_is_refused(runs, capsys):
+    """Issue 17 (8): resuming a finished session reopened it, ran 0 steps, appended idle samples and a
+    `resumed` entry, exit 0 - again on every call."""
+    session = runs["session"]
+    assert runs["resume"][0] == 0  # the resumed run ran its --duration 5s to the end
+    before = json.loads((session / "meta.json").read_text())
+    files = sorted(p.name for p in session.iterdir())
+    assert main(["stress", "--resume", str(session), "--duration", "5s"]) == 2
+    assert "finished" in capsys.readouterr().err
+    assert json.loads((session / "meta.json").read_text()) == before
+    assert sorted(p.name for p in session.iterdir()) == files
