@@ -156,3 +156,14 @@ def test_prometheus_on_every_interface_warns(capsys):
     assert "every interface" in capsys.readouterr().err
     _check_prometheus("127.0.0.1", 0)
     assert capsys.readouterr().err == ""
+
+
+def test_gpu_memory_limit_on_the_cpu_is_refused(capsys):
+    """Issue 17 (14): `--gpu-memory-limit 999TiB` on a CPU was accepted silently."""
+    pytest.importorskip("torch")
+    from gpuwatch.errors import UsageError
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload.factory import WorkloadSpec, make_workloads
+
+    with pytest.raises(UsageError, match="gpu-memory-limit"):
+        make_workloads(WorkloadSpec(preset="tiny", device="cpu", memory_limit_bytes=999 * 2**40), Bus())
