@@ -394,3 +394,14 @@ async def test_watch_source_replays_what_the_session_recorded():
         assert kinds.count("oom") == 5, kinds
         assert "from vm" in text(app, "header")
         assert "host" in text(app, "host") and "126.0 GiB" not in text(app, "host")  # not FixedHost's figures
+
+
+def test_the_end_of_a_session_shows_its_last_events():
+    """Issue 17 (14): `--follow` (and replay at its end) never showed the final workload_stop and
+    session_end events: they come after the last sample."""
+    src = ReplaySource(RAMP)
+    src.seek_to(src.end_us)
+    kinds = [e["kind"] for e in src.events(4)]
+    assert kinds[-2:] == ["workload_stop", "session_end"], kinds
+    src.seek(-1)
+    assert "session_end" not in [e["kind"] for e in src.events(4)]

@@ -440,15 +440,22 @@ class ReplaySource:
         i = int(np.searchsorted(ts, self._t, side="right"))
         return col.slice(max(0, i - n), min(n, i)).to_list()
 
+    def _upto(self, ts: np.ndarray) -> int:
+        """Rows at or before the cursor; at the session's end, all of them (a session's last events -
+        workload_stop, session_end - come after its last sample, and follow never showed them)."""
+        if len(self.ticks_ts) and self._t >= self.end_us:
+            return len(ts)
+        return int(np.searchsorted(ts, self._t, side="right"))
+
     def events(self, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._events_ts, self._t, side="right"))
+        i = self._upto(self._events_ts)
         rows = self.events_df.slice(max(0, i - n), min(n, i)).to_dicts()
         for r in rows:
             r["ts"] = int(r["ts"].timestamp() * 1e6)
         return rows
 
     def steps(self, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._steps_ts, self._t, side="right"))
+        i = self._upto(self._steps_ts)
         return self.steps_df.slice(max(0, i - n), min(n, i)).to_dicts()
 
 
