@@ -557,6 +557,14 @@ def cmd_compact(args) -> int:
     files = [p for t in schema.TABLES for p in table_files(folder, t)]
     parts = [p for p in files if p.name not in {f"{t}.parquet" for t in schema.TABLES}]
     if not parts:
+        from gpuwatch.errors import RecordingError
+        from gpuwatch.recording.reader import read_table_file
+
+        for p in files:  # compact in name: each file must also read whole (a truncated one said "already compact")
+            try:
+                read_table_file(p)
+            except RecordingError as e:
+                raise GpuwatchError(f"{folder}: already compacted, but {e}; nothing was changed") from None
         _status(f"{folder}: already compact; nothing to do")
         return 0
     try:

@@ -167,3 +167,20 @@ def test_gpu_memory_limit_on_the_cpu_is_refused(capsys):
 
     with pytest.raises(UsageError, match="gpu-memory-limit"):
         make_workloads(WorkloadSpec(preset="tiny", device="cpu", memory_limit_bytes=999 * 2**40), Bus())
+
+
+def test_compact_of_a_truncated_compacted_session_is_an_error(tmp_path, capsys):
+    """Issue 17 (14): `compact` of a truncated compacted file said "already compact", exit 0."""
+    import shutil
+
+    from gpuwatch.cli import main
+
+    s = tmp_path / "s"
+    shutil.copytree(RAMP, s)
+    data = (s / "samples.parquet").read_bytes()
+    (s / "samples.parquet").write_bytes(data[: len(data) // 2])
+    assert main(["compact", str(s)]) == 1
+    err = capsys.readouterr().err
+    assert "samples.parquet" in err and "already compact;" not in err, err
+    shutil.copy(RAMP / "samples.parquet", s / "samples.parquet")
+    assert main(["compact", str(s)]) == 0 and "already compact" in capsys.readouterr().err
