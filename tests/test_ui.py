@@ -405,3 +405,50 @@ def test_the_end_of_a_session_shows_its_last_events():
     assert kinds[-2:] == ["workload_stop", "session_end"], kinds
     src.seek(-1)
     assert "session_end" not in [e["kind"] for e in src.events(4)]
+
+
+def test_process_table_sorts_by_each_key():
+    from gpuwatch.ui.render import PROC_SORTS, proc_lines, proc_rows, sort_procs
+
+    latest = {0: {"gpu_procs": [{"pid": 300, "used_bytes": 5 * 2**30}, {"pid": 100, "used_bytes": 9 * 2**30}]},
+              1: {"gpu_procs": [{"pid": 200, "used_bytes": 1 * 2**30, "sm_util_pct": 97, "mem_util_pct": 40}]}}
+    names = {100: ("bob", "python train.py"), 200: ("alice", "vllm serve"), 300: ("carol", "a.out")}
+    rows = proc_rows(latest, names)
+    order = {k: [r["pid"] for r in sort_procs(rows, k)] for k in PROC_SORTS}
+    assert order == {"memory": [100, 300, 200], "pid": [100, 200, 300], "user": [200, 100, 300],
+                     "command": [300, 100, 200], "gpu": [100, 300, 200]}
+    lines = [t.plain for t in proc_lines(rows, "memory", 10, 80)]
+    assert "PID" in lines[0] and "USER" in lines[0] and "SM%" in lines[0]
+    assert lines[1].split()[:4] == ["0", "100", "bob", "9"] and "python train.py" in lines[1]
+    assert "97" in lines[3] and "40" in lines[3] and "vllm serve" in lines[3]
+
+
+async def test_t_shows_every_process_of_the_live_gpus_and_o_sorts_them(monkeypatch):
+    """Issue 17 (b): a process panel (PID, user, command, GPU memory), sortable by a key."""
+    import os
+
+    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.nvml import NvmlBackend
+    from gpuwatch.telemetry.sampler import Sampler
+
+    from test_nvml_boundary import FakeDriver
+
+    FakeDriver(monkeypatch)
+    bus = Bus()
+    s = Sampler(bus, NvmlBackend(), None)
+    s.tick()
+    procs = [p for t in bus.ticks.latest(1) for r in t.rows for p in (r.get("gpu_procs") or [])]
+    src = LiveSource(bus, [GpuMeta(0, "NVIDIA H200", 141 * 2**30, 700.0, 89),
+                           GpuMeta(1, "NVIDIA H200", 141 * 2**30, 700.0, 89)])
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("t")
+        panel = text(app, "events")
+        assert "PID" in panel and "sorted by memory" in panel
+        for p in procs:
+            assert str(p["pid"]) in panel
+        await pilot.press("o")
+        assert "sorted by pid" in text(app, "events")
+        await pilot.press("t")
+        assert "PID" not in text(app, "events")

@@ -61,6 +61,8 @@ class Dashboard(Screen):
         Binding("question_mark", "help", "help"),
         Binding("s", "next_gpu", "next GPU", show=False),
         Binding("enter", "show_event", "event", show=False),
+        Binding("t", "toggle_procs", "processes"),
+        Binding("o", "proc_sort", "sort", show=False),
     ]
     HELP_MODE = "live"
 
@@ -75,6 +77,9 @@ class Dashboard(Screen):
         self._plots_key: tuple | None = None
         self._last_full = 0.0
         self._last_event: Any = None
+        self.show_procs = False  # the bottom panel: events, or every process on every GPU (t)
+        self.proc_sort = R.PROC_SORTS[0]
+        self._names: dict[int, tuple[str, str]] = {}
 
     @property
     def workload(self):
@@ -119,7 +124,7 @@ class Dashboard(Screen):
         now = time.monotonic()
         if not force and self.REDRAW_EVERY_S and now - self._last_full < self.REDRAW_EVERY_S:
             last = self.source.events(1)
-            if last and last[-1].get("ts") != self._last_event:  # an event is news: show it now
+            if last and last[-1].get("ts") != self._last_event and not self.show_procs:  # news: show it now
                 self._last_event = last[-1].get("ts")
                 h = self._events_height()
                 self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, self._width())))
@@ -145,8 +150,34 @@ class Dashboard(Screen):
         host_row = next(iter(latest.values()), None)
         self._set("host", Text("\n").join(R.host_lines(host_row, width, self.wide)))
         self._set("risk", risk)
+        self._bottom(latest, width)
+
+    def _bottom(self, latest: dict, width: int) -> None:
         h = self._events_height()
-        self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+        if self.show_procs:
+            rows = R.proc_rows(latest, self._proc_names(latest))
+            self._set("events", Text("\n").join(R.proc_lines(rows, self.proc_sort, h, width)))
+        else:
+            self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+
+    def _proc_names(self, latest: dict) -> dict[int, tuple[str, str]]:
+        """User and command of each PID NVML reports, looked up once (live: this machine's processes;
+        a replay shows what was recorded, and NVML records neither)."""
+        if self.source.kind != "live" or getattr(self.source, "feed", None) is not None:
+            return {}
+        import psutil
+
+        for row in latest.values():
+            for p in (row or {}).get("gpu_procs") or []:
+                pid = p.get("pid")
+                if pid is None or pid in self._names:
+                    continue
+                try:
+                    proc = psutil.Process(pid)
+                    self._names[pid] = (proc.username(), " ".join(proc.cmdline()) or proc.name())
+                except (psutil.Error, OSError):
+                    self._names[pid] = ("?", "? (not visible from here)")
+        return self._names
 
     def _width(self) -> int:
         return self.size.width - (4 if self.wide else 0)
@@ -286,6 +317,16 @@ class Dashboard(Screen):
             self.plot_gpu = ids[(ids.index(self.plot_gpu) + 1) % len(ids)]
             self._plots_key = None
             self.refresh_data(force=True)
+
+    def action_toggle_procs(self) -> None:
+        self.show_procs = not self.show_procs
+        self.note("processes on every GPU (o: sort; t: events)" if self.show_procs else "events")
+        self.refresh_data(force=True)
+
+    def action_proc_sort(self) -> None:
+        self.proc_sort = R.PROC_SORTS[(R.PROC_SORTS.index(self.proc_sort) + 1) % len(R.PROC_SORTS)]
+        self.show_procs = True
+        self.refresh_data(force=True)
 
     def action_show_event(self) -> None:
         """The events the panel shows, the newest (at the cursor) selected, in full."""

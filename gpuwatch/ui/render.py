@@ -282,3 +282,43 @@ def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: boo
         t.append("  " + extra)
     t.append("  " + label, style="bold")  # last: the first thing a narrow terminal cuts
     return t
+
+
+PROC_SORTS = ("memory", "pid", "user", "command", "gpu")
+
+
+def proc_rows(latest: dict[Any, dict[str, Any]], names: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
+    """Every process on every GPU at the cursor: gpu, pid, GPU memory (NVML's compute-apps), SM and
+    memory utilization where NVML gave them, user and command where known (`names`: pid -> both)."""
+    out = []
+    for g, row in latest.items():
+        for p in (row or {}).get("gpu_procs") or []:
+            pid = p.get("pid")
+            user, cmd = names.get(pid, ("-", "-"))
+            out.append({"gpu": g, "pid": pid, "used_bytes": p.get("used_bytes"), "sm_pct": p.get("sm_util_pct"),
+                        "mem_pct": p.get("mem_util_pct"), "user": user, "command": cmd})
+    return out
+
+
+def sort_procs(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    if key == "memory":
+        return sorted(rows, key=lambda r: (-(r["used_bytes"] or 0), r["pid"] or 0))
+    if key in ("user", "command"):
+        return sorted(rows, key=lambda r: (str(r[key]).lower(), r["pid"] or 0))
+    if key == "gpu":
+        return sorted(rows, key=lambda r: (r["gpu"] if r["gpu"] is not None else -1, -(r["used_bytes"] or 0)))
+    return sorted(rows, key=lambda r: r["pid"] or 0)
+
+
+def proc_lines(rows: list[dict[str, Any]], key: str, n: int, width: int) -> list[Text]:
+    """A process table like nvitop's: the first `n` rows after sorting by `key`, commands cut last."""
+    head = Text(f"{'GPU':>3} {'PID':>8} {'USER':<10} {'GPU MEM':>9} {'SM%':>4} {'MEM%':>4}  COMMAND"
+                f"   (sorted by {key}; o: sort)", style="bold")
+    out = [head]
+    for r in sort_procs(rows, key)[:max(0, n - 1)]:
+        line = (f"{_f(r['gpu']):>3} {_f(r['pid']):>8} {str(r['user'])[:10]:<10} {fmt_bytes(r['used_bytes']):>9} "
+                f"{_f(r['sm_pct']):>4} {_f(r['mem_pct']):>4}  ")
+        out.append(Text(line + ellipsize(str(r["command"]), max(1, width - len(line)))))
+    if not rows:
+        out.append(Text("no process on any GPU at this moment", style="dim"))
+    return out

@@ -17,6 +17,7 @@ LIVE_HELP = """[b]Live[/b]
   m          mark this moment (an event in the recording)
   s          show the plots of the next GPU
   enter      the newest event in full (↑/↓ older/newer)
+  t          processes on every GPU instead of the events (o: sort by memory, pid, user, command, GPU)
   q          quit (asks first while a workload runs)"""
 
 WORKLOAD_HELP = """
@@ -43,6 +44,7 @@ REPLAY_HELP = """[b]Replay[/b]
   f          back to the live edge (follow)
   s          show the plots of the next GPU
   enter      the event at the cursor in full (↑/↓ older/newer)
+  t          processes on every GPU instead of the events (o: sort)
   q          quit"""
 
 
