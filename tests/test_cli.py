@@ -184,3 +184,27 @@ def test_compact_of_a_truncated_compacted_session_is_an_error(tmp_path, capsys):
     assert "samples.parquet" in err and "already compact;" not in err, err
     shutil.copy(RAMP / "samples.parquet", s / "samples.parquet")
     assert main(["compact", str(s)]) == 0 and "already compact" in capsys.readouterr().err
+
+
+def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
+    """Issue 17 (10): `stress --preset tiny --batch 1000000000` on a CPU logged "CUDA OOM" nine times, ran 0
+    steps and exited 0. (The real run is not repeated here: it grows to 11 GB of RSS.)"""
+    from types import SimpleNamespace
+
+    from gpuwatch.cli import _finish
+    from gpuwatch.telemetry.bus import Bus
+
+    def workload(ooms: int, step: int):
+        return SimpleNamespace(
+            cfg=SimpleNamespace(preset="tiny", mode="prefill", gpu_index=None, schedule="steady"),
+            device_name="cpu", state="stopped", ooms=ooms, recovered=ooms, nonfinite=0, integrity_failures=0,
+            unrecovered=None, schedule=SimpleNamespace(edges=[], oom_levels=None),
+            export_state=lambda: {"step": step})
+
+    def session(w):
+        return SimpleNamespace(workloads=[w], bus=Bus(), guard=None, recorder=None)
+
+    assert _finish(session(workload(9, 0)), "deadline") == 1
+    assert "no step completed (9 OOM(s))" in capsys.readouterr().out
+    assert _finish(session(workload(0, 0)), "deadline") == 0  # built too slowly for a short --duration: no failure
+    assert _finish(session(workload(9, 0)), "SIGTERM") == 143
