@@ -61,7 +61,7 @@ class Dashboard(Screen):
         Binding("question_mark", "help", "help"),
         Binding("s", "next_gpu", "next GPU", show=False),
         Binding("enter", "show_event", "event", show=False),
-        Binding("t", "toggle_procs", "processes"),
+        Binding("t", "toggle_procs", "processes", show=False),
         Binding("o", "proc_sort", "sort", show=False),
     ]
     HELP_MODE = "live"
