@@ -69,15 +69,16 @@ def tree_cpu(p: psutil.Process) -> float:
     return total
 
 
-def cost(seconds: float, warmup: float = 8.0) -> dict:
+def cost(seconds: float, warmup: float = 8.0, source: str | None = None) -> dict:
     d = seconds + warmup + 2
     out = tempfile.mkdtemp()
     gw = [sys.executable, "-m", "gpuwatch"]
+    src = ["--source", source] if source else []  # no GPU here: a recording played as live
     procs = {
-        "record (no UI)": subprocess.Popen([*gw, "record", "--duration", f"{d}s", "-o", out], cwd=ROOT,
+        "record (no UI)": subprocess.Popen([*gw, "record", *src, "--duration", f"{d}s", "-o", out], cwd=ROOT,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid,
-        "watch 160x50": PtyProc([*gw, "watch", "--duration", f"{d}s"], 160, 50),
-        "watch 80x24": PtyProc([*gw, "watch", "--duration", f"{d}s"], 80, 24),
+        "watch 160x50": PtyProc([*gw, "watch", *src, "--duration", f"{d}s"], 160, 50),
+        "watch 80x24": PtyProc([*gw, "watch", *src, "--duration", f"{d}s"], 80, 24),
     }
     ptys = [p for p in procs.values() if isinstance(p, PtyProc)]
     ps = {k: psutil.Process(v.pid if isinstance(v, PtyProc) else v) for k, v in procs.items()}
@@ -116,7 +117,7 @@ def tokens(seconds: float, preset: str, batch: int, pairs: int) -> dict:
     flags = ["--preset", preset, "--mode", "prefill", "--batch", str(batch), "--seq-len", "512",
              "--duration", f"{seconds}s", "--integrity-every", "1000000"]
     res: dict[str, list] = {"headless": [], "tui": []}
-    for kind in ["headless", "tui", "tui", "headless"] * (pairs // 2):
+    for kind in (["headless", "tui", "tui", "headless"] * ((pairs + 1) // 2))[:2 * pairs]:
         out = Path(tempfile.mkdtemp())
         if kind == "tui":
             PtyProc([*gw, "live", *flags, "-o", str(out)], 160, 50).wait()
@@ -135,8 +136,9 @@ def main() -> None:
     ap.add_argument("--preset", default="v2-lite")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--source", help="cost: replay this session as live in both (machines without a GPU)")
     a = ap.parse_args()
-    res = cost(a.seconds or 30) if a.what == "cost" else tokens(a.seconds or 40, a.preset, a.batch, a.pairs)
+    res = cost(a.seconds or 30, source=a.source) if a.what == "cost" else tokens(a.seconds or 40, a.preset, a.batch, a.pairs)
     print(json.dumps(res, indent=1))
 
 

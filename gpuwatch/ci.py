@@ -41,7 +41,7 @@ FAIL_ON_HELP = ("fail the run (exit 1) when a health row crosses VALUE; comma-se
                 "mem_peak>FRAC (peak memory / limit, 0-1 or N%%), temp_margin<C (degrees below the slowdown "
                 "temperature), throttled>FRAC (share of samples with a limiting clock reason, 0-1 or N%%). "
                 "E.g. --fail-on util<85,mfu<0.6,temp_margin<5,throttled>0.05,mem_peak>0.95. Without it the rows "
-                "are reported but never fail the run; a row with no data (no GPU) is skipped")
+                "are reported but never fail the run; a row named here with no data (no GPU) fails it: no data is not a pass")
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*([<>])\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
 
@@ -259,6 +259,10 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
                        "message": f"unrecovered: {bad}" if bad else f"{s['ooms']} OOM(s), {s['recovered']} recovered"})
         if bad:
             reasons.append(f"{label}: unrecovered failure: {bad}")
+        elif st["step"] == 0 and s["ooms"] and why not in SIGNAL_EXIT:  # every attempt ran out of memory
+            checks.append({"name": f"steps completed ({label})", "status": "fail",
+                           "message": f"no step completed ({s['ooms']} OOM(s))"})
+            reasons.append(f"{label}: no step completed ({s['ooms']} OOM(s))")
         every = w.cfg.integrity_every
         ran = st["step"] // every if every else 0
         if s["integrity_failures"]:
@@ -286,7 +290,10 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
     rows = health_rows(rec, info.fail_on) if rec is not None else []
     for row in rows:
         name = f"health: {row['name']}"
-        if row["status"] == "n/a":
+        if row["status"] == "n/a" and row["enforced"]:  # asked to check it, and nothing to check: not a pass
+            checks.append({"name": name, "status": "fail", "message": f"no data: {row['detail']}"})
+            reasons.append(f"health: {row['name']}: no data ({row['detail']}) for --fail-on {row['key']}")
+        elif row["status"] == "n/a":
             checks.append({"name": name, "status": "skipped", "message": row["detail"]})
         elif row["verdict"] == "fail":
             msg = f"{row['value_text']}, needs {row['threshold_text']} ({row['detail']})"

@@ -259,6 +259,8 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     spec = _workload_spec(args) if workload else None
     guard = GuardConfig(mode=getattr(args, "guard", "off"), rule=getattr(args, "guard_rule", "model"))
     out = args.output if args.record else None
+    if args.prometheus is not None:
+        _check_prometheus(*args.prometheus)
     if out is not None:
         from gpuwatch.recording.writer import check_output_dir
 
@@ -266,6 +268,21 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
                          deliver_s=deliver_s, workload=spec, guard=guard, prometheus=args.prometheus,
                          model=ModelChoice(args.model, not args.no_model, args.trust_model, args.risk_threshold))
+
+
+def _check_prometheus(host: str, port: int) -> None:
+    """The address is bound and released before anything is built or written (a busy port used to be
+    found after the workload was built, leaving a session folder behind); one bound beyond loopback is
+    said to be reachable from the network."""
+    from gpuwatch.export.prometheus import PrometheusExporter
+    from gpuwatch.telemetry.bus import Bus
+
+    ex = PrometheusExporter(Bus(), [], host, port)
+    ex.check()
+    if ex.public:
+        _status(f"warning: --prometheus {host}:{port} serves the metrics on "
+                f"{'every interface' if host in ('0.0.0.0', '::', '') else host}: anyone who can reach this "
+                "host can read them (no authentication); give a port alone for 127.0.0.1 only")
 
 
 def _workload_spec(args):
@@ -329,6 +346,10 @@ def _finish(session, why: str, run=None) -> int:
         summaries.append(s)
         print(format_summary(s))
         code |= 1 if s["unrecovered"] else 0
+        if not s["unrecovered"] and s["ooms"] and w.export_state()["step"] == 0 and why not in SIGNAL_EXIT:
+            # nothing ran (every attempt out of memory, say): a run that did no work did not pass
+            print(f"  FAILED: no step completed ({s['ooms']} OOM(s))")
+            code |= 1
     if run is not None and run.previous_unrecovered:
         print(f"  UNRECOVERED before the resume: {run.previous_unrecovered[0]}")
         code |= 1
@@ -364,6 +385,8 @@ def cmd_record(args) -> int:
 
     # Nothing reads the ticks here but the recorder, which writes once a second: take them a second at
     # a time (one wake-up a second in this process instead of ten).
+    if not args.record:
+        raise UsageError("record --no-record would record nothing (use `gpuwatch watch` to look without recording)")
     cfg = session_config(args, workload=False, deliver_s=1.0)
     with Session(cfg, on_status=_status if args.prometheus else None) as s:
         _status(s.gpu_note)
@@ -407,6 +430,37 @@ def _resumed_args(args, point):
     return orig
 
 
+def _refuse_finished(point, args) -> None:
+    """A session whose run is over (its --duration ran, its --steps were done, or it closed cleanly with
+    every workload finished) has nothing left to continue: resuming it again and again used to reopen it,
+    run 0 steps and append idle samples and another `resumed` entry each time."""
+    from gpuwatch.ci import hms as ci_hms
+
+    if args.duration is not None and point.elapsed_s >= args.duration - 0.5:
+        raise UsageError(f"--resume {point.dir}: finished: its --duration {ci_hms(args.duration)} already ran "
+                         f"({ci_hms(point.elapsed_s)}); give a longer --duration to run on")
+    steps = [w["state"]["step"] for w in point.workloads]
+    if args.steps is not None and steps and min(steps) >= args.steps:
+        raise UsageError(f"--resume {point.dir}: finished: its --steps {args.steps} already ran; "
+                         "give a larger --steps to run on")
+    if point.previous_close == "closed cleanly" and args.duration is None and args.steps is None and \
+            _all_finished(point):
+        raise UsageError(f"--resume {point.dir}: finished: every workload ran its schedule to the end")
+
+
+def _all_finished(point) -> bool:
+    """Every workload's last workload_stop event says it finished (its schedule ran out)."""
+    from gpuwatch.recording.reader import open_recording
+
+    try:
+        ev = open_recording(point.dir).events
+    except Exception:  # noqa: BLE001 - load_resume read it already; unreadable here means: not known
+        return False
+    stops = ev.filter(ev["kind"] == "workload_stop")["message"].to_list()
+    return bool(stops) and len(stops) >= len(point.workloads) and \
+        all("finished" in m for m in stops[-len(point.workloads):])
+
+
 def cmd_stress(args) -> int:
     from dataclasses import replace
 
@@ -424,6 +478,7 @@ def cmd_stress(args) -> int:
             raise UsageError("--resume continues the session's recording (drop --no-record)")
         point = load_resume(args.resume)
         args = _resumed_args(args, point)
+        _refuse_finished(point, args)
         cfg = replace(session_config(args, workload=True), record_dir=point.dir.parent, name=point.dir.name,
                       resume=point)
     else:
@@ -442,9 +497,25 @@ def cmd_stress(args) -> int:
         left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
         progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
         t0 = time.monotonic()
-        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every)
+        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: _detach(s))
         run.ran_s = time.monotonic() - t0
     return _finish(s, why, run)
+
+
+def _detach(session) -> None:
+    """SIGHUP (the terminal closed, an SSH link dropped): a headless stress run goes on. What it would
+    have printed goes to `stress.log` in its session folder (nowhere without one); an event says so."""
+    import os
+
+    log = session.recorder.dir / "stress.log" if session.recorder is not None else Path(os.devnull)
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
+    except OSError:
+        pass
+    session.bus.emit("detached", f"terminal closed (SIGHUP): the run goes on; output to {log}", "warning")
 
 
 def cmd_train(args) -> int:
@@ -497,6 +568,14 @@ def cmd_compact(args) -> int:
     files = [p for t in schema.TABLES for p in table_files(folder, t)]
     parts = [p for p in files if p.name not in {f"{t}.parquet" for t in schema.TABLES}]
     if not parts:
+        from gpuwatch.errors import RecordingError
+        from gpuwatch.recording.reader import read_table_file
+
+        for p in files:  # compact in name: each file must also read whole (a truncated one said "already compact")
+            try:
+                read_table_file(p)
+            except RecordingError as e:
+                raise GpuwatchError(f"{folder}: already compacted, but {e}; nothing was changed") from None
         _status(f"{folder}: already compact; nothing to do")
         return 0
     try:
@@ -550,6 +629,11 @@ def cmd_score(args) -> int:
     if src.reader.meta.get("single_file"):
         _status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "
                 "from what the file holds alone (score the session folder for the full picture)")
+    for w in src.reader.warnings:  # a missing or unreadable table changes the alarms: say so
+        _status(f"warning: {w}")
+    if src.steps_df.is_empty():
+        _status(f"warning: {args.session} has no steps: the risk is computed from the samples alone "
+                "(fewer alarms than a session with its steps)")
     t0 = time.perf_counter()
     tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
     if args.output:
@@ -565,8 +649,9 @@ def cmd_score(args) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
+        top = "-" if summary["max_risk"] is None else summary["max_risk"]
         print(f"{tl.height} windows scored in {summary['seconds']} s with {model.label}; "
-              f"max risk {summary['max_risk']}; {len(al)} alarm(s)")
+              f"max risk {top}; {len(al)} alarm(s)")
         for a in al:
             print(f"  {a['ts']}  GPU{a['gpu']}  {a['kind']}  risk {a['risk']:.2f}")
         if actions:
@@ -582,7 +667,10 @@ def cmd_tui(args) -> int:
     if args.command == "replay":
         return run_replay(args.path, follow=args.follow, speed=args.speed, model=args.model, trust=args.trust_model,
                           no_model=args.no_model)
-    cfg = session_config(args, workload=args.command in (None, "live"))
+    workload = args.command in (None, "live")
+    # watch: no workload and no guard wait on the ticks, and the screen redraws once a second, so the
+    # sampler hands them over half a second at a time (fewer wake-ups); live keeps every tick at once
+    cfg = session_config(args, workload=workload, deliver_s=0.0 if workload else 0.5)
     return run_tui(cfg, duration_s=args.duration, status=_status)
 
 

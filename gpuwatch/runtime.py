@@ -285,13 +285,14 @@ class Session:
             self.gpu.close()
 
     def wait(self, duration_s: float | None = None, until_done: bool = False, poll_s: float = 0.5,
-             on_tick: Callable[[], None] | None = None, tick_s: float = 0.0) -> str:
+             on_tick: Callable[[], None] | None = None, tick_s: float = 0.0,
+             on_hup: Callable[[], None] | None = None) -> str:
         """Block until `duration_s` passes, the workloads finish (`until_done`), or a signal arrives;
         `on_tick()` is called every `tick_s` seconds meanwhile (progress lines), signals still honoured.
         Returns why: "deadline", "done", "SIGINT", "SIGTERM" or "SIGHUP"."""
         done = (lambda: all(w.state in ("finished", "failed") for w in self.workloads)) if until_done else None
         return wait_until(time.monotonic() + duration_s if duration_s is not None else None, done, poll_s,
-                          on_tick=on_tick, tick_s=tick_s)
+                          on_tick=on_tick, tick_s=tick_s, on_hup=on_hup)
 
 
 def _bus_id(s: str) -> str:

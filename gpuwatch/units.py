@@ -93,9 +93,7 @@ def _parse_goto(v: str, start: int, end: int, cursor: int) -> float | None:
     # whole microseconds, compared exactly (a float of a time past 2**53 us would not be)
     clamp = lambda t: int(min(max(t, start), end))  # noqa: E731
     if m := re.fullmatch(r"(\d{1,3}(?:\.\d{1,6})?)\s*%", v, flags=re.ASCII):
-        pct = float(m.group(1))
-        if not 0 <= pct <= 100:
-            return None
+        pct = float(m.group(1))  # past 100 % is clamped to the end, as `+90s` past the end is
         return clamp(start + pct / 100 * (end - start))
     if v[:1] in ("+", "-") and len(v) > 1:
         try:

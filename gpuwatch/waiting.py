@@ -13,7 +13,7 @@ SIGNAL_EXIT = {s.name: 128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.S
 
 
 def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: Callable[[], None] | None = None,
-               tick_s: float = 0.0) -> str:
+               tick_s: float = 0.0, on_hup: Callable[[], None] | None = None) -> str:
     """Sleep until the deadline, `done()` (checked every `poll_s`) or SIGINT/SIGTERM/SIGHUP (a dropped
     SSH link sends SIGHUP to a foreground run). One wake-up per poll, so a headless run costs nothing
     while it waits. Only the main thread can install handlers; elsewhere signals are left alone.
@@ -24,6 +24,9 @@ def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: 
     why = {"sig": None}
 
     def handler(signum, _frame):
+        if signum == signal.SIGHUP and on_hup is not None:  # a headless run outlives its terminal
+            on_hup()
+            return
         why["sig"] = signal.Signals(signum).name
         stop.set()
     old = {}

@@ -292,3 +292,56 @@ def test_resume_refuses_a_session_still_being_recorded(runs, capsys):
     finally:
         unlock_session(fd)
         (runs["session"] / LOCK_NAME).unlink()
+
+
+def test_no_data_for_an_enforced_check_fails_the_run():
+    """Issue 17 (9): `stress --fail-on 'util<85,throttled>0.05'` with no GPU exited 0."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    rec = open_recording(SWEEP)
+    gpu_cols = [c for c in rec.samples.columns if c.startswith("gpu")]
+    cpu = dataclasses.replace(rec, meta={**rec.meta, "gpus": []}, samples=rec.samples.with_columns(
+        *(pl.lit(None).cast(rec.samples.schema[c]).alias(c) for c in gpu_cols)))
+    session = SimpleNamespace(workloads=[], recorder=None, guard=None, model_note=None)
+    info = ci.RunInfo(fail_on=ci.parse_fail_on("util<85,throttled>0.05"))
+    summary = ci.verdict(session, "done", info, [], cpu, None)
+    assert summary["exit"]["code"] == 1, summary["exit"]
+    assert any("no data" in w for w in summary["exit"]["why"])
+    failed = {c["name"] for c in summary["checks"] if c["status"] == "fail"}
+    assert failed == {"health: GPU utilization", "health: Throttling"}
+    # a check not asked for, without data, is still only skipped
+    assert {c["status"] for c in summary["checks"] if c["name"] == "health: Temperature"} == {"skipped"}
+
+
+def test_headless_stress_survives_its_terminal_closing(tmp_path, py_env):
+    """Issue 17 (4): the README says a headless `stress` survives a dropped SSH link; SIGHUP stopped it."""
+    py, env = py_env
+    err = tmp_path / "err"
+    with open(err, "w") as fh:
+        p = subprocess.Popen([py, "-m", "gpuwatch", "stress", *CPU, "--duration", "6s", "--progress", "1s",
+                              "-o", str(tmp_path / "rec")], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=fh)
+        _wait_for(err, "| step ")
+        p.send_signal(signal.SIGHUP)
+        rc = p.wait(90)
+    assert rc == 0, err.read_text()
+    session = next((tmp_path / "rec").iterdir())
+    rec = open_recording(session)
+    assert rec.complete and "detached" in rec.events["kind"].to_list()
+    assert "| step " in (session / "stress.log").read_text()  # progress went on, into the session's log
+
+
+def test_resume_of_a_finished_session_is_refused(runs, capsys):
+    """Issue 17 (8): resuming a finished session reopened it, ran 0 steps, appended idle samples and a
+    `resumed` entry, exit 0 - again on every call."""
+    session = runs["session"]
+    assert runs["resume"][0] == 0  # the resumed run ran its --duration 5s to the end
+    before = json.loads((session / "meta.json").read_text())
+    files = sorted(p.name for p in session.iterdir())
+    assert main(["stress", "--resume", str(session), "--duration", "5s"]) == 2
+    assert "finished" in capsys.readouterr().err
+    assert json.loads((session / "meta.json").read_text()) == before
+    assert sorted(p.name for p in session.iterdir()) == files

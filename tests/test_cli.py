@@ -94,3 +94,117 @@ def test_stress_exit_code_is_1_when_a_failure_was_not_recovered(py, env):
             "--set", "num_experts_per_tok=8", timeout=300)
     assert r.returncode == 1
     assert "UNRECOVERED" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_record_no_record_is_refused(capsys):
+    """Issue 17 (14): `record --no-record` was accepted and did nothing."""
+    from gpuwatch.cli import main
+
+    assert main(["record", "--no-record", "--duration", "1s"]) == 2
+    assert "--no-record" in capsys.readouterr().err
+
+
+def test_score_warns_when_steps_are_missing(tmp_path, capsys):
+    """Issue 17 (5): `score` of a folder holding only samples.parquet gave fewer alarms, no warning."""
+    import shutil
+
+    from gpuwatch.cli import main
+    from conftest import RAMP
+
+    shutil.copy(RAMP / "samples.parquet", tmp_path / "samples.parquet")
+    shutil.copy(RAMP / "meta.json", tmp_path / "meta.json")
+    assert main(["score", str(tmp_path), "--stride", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "no steps" in err, err
+
+
+def test_score_of_nothing_scored_says_dash_not_none(tmp_path, capsys, monkeypatch):
+    """Issue 17 (12): `max risk None`."""
+    import polars as pl
+
+    from gpuwatch import cli
+    from gpuwatch.predict import scorer
+    from gpuwatch.recording import schema
+    from conftest import RAMP
+
+    monkeypatch.setattr(scorer, "score_source", lambda *a, **k: schema.empty("risk"))
+    assert cli.main(["score", str(RAMP)]) == 0
+    out = capsys.readouterr().out
+    assert "max risk -" in out and "None" not in out, out
+
+
+def test_busy_prometheus_port_is_refused_before_anything_is_written(tmp_path, capsys):
+    """Issue 17 (6): a busy port left a session folder with only meta.json and the lock behind."""
+    import socket
+
+    from gpuwatch.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["record", "--duration", "1s", "--prometheus", str(port), "-o", str(tmp_path / "rec")]) == 2
+    assert "already in use" in capsys.readouterr().err
+    assert not (tmp_path / "rec").exists() or not any((tmp_path / "rec").iterdir())
+
+
+def test_prometheus_on_every_interface_warns(capsys):
+    """Issue 17 (6): `--prometheus 0.0.0.0:PORT` printed http://127.0.0.1:PORT and said nothing."""
+    from gpuwatch.cli import _check_prometheus
+
+    _check_prometheus("0.0.0.0", 0)
+    assert "every interface" in capsys.readouterr().err
+    _check_prometheus("127.0.0.1", 0)
+    assert capsys.readouterr().err == ""
+
+
+def test_gpu_memory_limit_on_the_cpu_is_refused(capsys):
+    """Issue 17 (14): `--gpu-memory-limit 999TiB` on a CPU was accepted silently."""
+    pytest.importorskip("torch")
+    from gpuwatch.errors import UsageError
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload.factory import WorkloadSpec, make_workloads
+
+    with pytest.raises(UsageError, match="gpu-memory-limit"):
+        make_workloads(WorkloadSpec(preset="tiny", device="cpu", memory_limit_bytes=999 * 2**40), Bus())
+
+
+def test_compact_of_a_truncated_compacted_session_is_an_error(tmp_path, capsys):
+    """Issue 17 (14): `compact` of a truncated compacted file said "already compact", exit 0."""
+    import shutil
+
+    from gpuwatch.cli import main
+
+    s = tmp_path / "s"
+    shutil.copytree(RAMP, s)
+    data = (s / "samples.parquet").read_bytes()
+    (s / "samples.parquet").write_bytes(data[: len(data) // 2])
+    assert main(["compact", str(s)]) == 1
+    err = capsys.readouterr().err
+    assert "samples.parquet" in err and "already compact;" not in err, err
+    shutil.copy(RAMP / "samples.parquet", s / "samples.parquet")
+    assert main(["compact", str(s)]) == 0 and "already compact" in capsys.readouterr().err
+
+
+def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
+    """Issue 17 (10): `stress --preset tiny --batch 1000000000` on a CPU logged "CUDA OOM" nine times, ran 0
+    steps and exited 0. (The real run is not repeated here: it grows to 11 GB of RSS.)"""
+    from types import SimpleNamespace
+
+    from gpuwatch.cli import _finish
+    from gpuwatch.telemetry.bus import Bus
+
+    def workload(ooms: int, step: int):
+        return SimpleNamespace(
+            cfg=SimpleNamespace(preset="tiny", mode="prefill", gpu_index=None, schedule="steady"),
+            device_name="cpu", state="stopped", ooms=ooms, recovered=ooms, nonfinite=0, integrity_failures=0,
+            unrecovered=None, schedule=SimpleNamespace(edges=[], oom_levels=None),
+            export_state=lambda: {"step": step})
+
+    def session(w):
+        return SimpleNamespace(workloads=[w], bus=Bus(), guard=None, recorder=None)
+
+    assert _finish(session(workload(9, 0)), "deadline") == 1
+    assert "no step completed (9 OOM(s))" in capsys.readouterr().out
+    assert _finish(session(workload(0, 0)), "deadline") == 0  # built too slowly for a short --duration: no failure
+    assert _finish(session(workload(9, 0)), "SIGTERM") == 143

@@ -178,7 +178,7 @@ def test_parse_goto_never_raises_and_stays_in_the_session(text, start, span, off
     assert t is None or (math.isfinite(t) and start <= t <= end)
 
 
-@pytest.mark.parametrize("text", ["99:00", "25:61:61", "nan%", "+1e999s", "", "12", "12:60", "101%", "-%",
+@pytest.mark.parametrize("text", ["99:00", "25:61:61", "nan%", "+1e999s", "", "12", "12:60", "-%",
                                   "+", "+nan", "-inf s", "23:59:60", "1:2", "12:00:00.1234567", "\x00", "٣:٠٠"])
 def test_parse_goto_bad_input_is_none(text):
     assert parse_goto(text, START, END, START) is None
@@ -189,6 +189,8 @@ def test_parse_goto_good_input():
     assert parse_goto("+90s", START, END, START) == START + 90_000_000
     assert parse_goto("-5m", START, END, START + 600_000_000) == START + 300_000_000
     assert parse_goto("-5m", START, END, START) == START  # clamped to the session
+    # issue 17 (14): `+90s` past the end was clamped but `200%` refused; both are clamped now
+    assert parse_goto("200%", START, END, START) == END and parse_goto("101%", START, END, START) == END
     assert parse_goto("11:00", START, END, START) == START + (6 * 60 + 40) * 1_000_000
     assert parse_goto("11:00:30.5", START, END, START) == START + (7 * 60 + 10.5) * 1_000_000
     assert parse_goto("09:00", START, END, START) is None  # before the session

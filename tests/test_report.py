@@ -286,3 +286,42 @@ def test_a_cpu_session_and_a_two_gpu_session_render():
     assert rows["Temperature"].detail.startswith("GPU 1:") and rows["Temperature"].passed is False
     html = render(two, "html")
     assert ">GPU 1<" in html and html.count('<figure class="chart"') >= 8
+
+
+def _cpu_session():
+    rec = open_recording(SWEEP)
+    gpu_cols = [c for c in rec.samples.columns if c.startswith("gpu")]
+    return dataclasses.replace(
+        rec, meta={**rec.meta, "gpus": []}, events=rec.events.head(0),
+        samples=rec.samples.with_columns(*(pl.lit(None).cast(rec.samples.schema[c]).alias(c) for c in gpu_cols)),
+        steps=rec.steps.head(0))
+
+
+def test_a_session_with_no_data_is_never_a_pass():
+    """Issue 17 (9): a CPU `record` session's report said "PASS - 0 of 0 health checks passed"."""
+    from gpuwatch.report.analysis import anomalies, verdict
+
+    rec = _cpu_session()
+    word, sentence = verdict(health_matrix(rec), anomalies(rec, Thresholds()))
+    assert word == "NO DATA" and "0 of 0" not in sentence and sentence.startswith("no data"), (word, sentence)
+    assert "**NO DATA**" in render(rec, "md") and 'class="verdict v-NODATA"' in render(rec, "html")
+
+
+def test_markdown_has_no_html_entities():
+    """Issue 17 (12): `&gt;` in the Markdown report."""
+    md = render(open_recording(SWEEP), "md")
+    assert "&gt;" not in md and "&lt;" not in md and "&amp;" not in md
+
+
+def test_one_throttling_figure_per_report():
+    """Issue 17 (12): the matrix said 48 % (while the workload ran), the anomaly list 72.3 % (whole session)."""
+    import re
+
+    from gpuwatch.report.analysis import anomalies
+
+    rec = open_recording(SWEEP)
+    row = {r.name: r for r in health_matrix(rec)}["Throttling"]
+    an = [a for a in anomalies(rec, Thresholds()) if a.kind == "throttling"]
+    assert an, "the sweep is throttled by its power cap"
+    said = float(re.search(r"held back in ([0-9.]+) %", an[0].example).group(1))
+    assert said == pytest.approx(row.value * 100, abs=0.5), (said, row.value)

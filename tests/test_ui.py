@@ -230,3 +230,225 @@ async def test_two_gpus_both_shown_and_s_cycles_the_plots(monkeypatch):
         assert app.plot_gpu == 1
         await pilot.press("s")
         assert app.plot_gpu == 0
+
+
+async def test_replay_opens_at_once_and_fills_in_risk_scored_in_the_background():
+    """Issue 17 (13): an 8-minute session without recorded risk used to be scored before the screen
+    opened (~8.5 s on 2 cores); now the first screen comes at once and the risk fills in, said on screen."""
+    import time
+
+    from conftest import BENCH
+    from gpuwatch.ui.launch import score_in_background
+
+    t0 = time.perf_counter()
+    src = ReplaySource(BENCH)
+    assert src.risk_df.is_empty()
+    app = make_app(src)
+    thread = score_in_background(src, None, False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        opened = time.perf_counter() - t0
+        assert "REPLAY" in text(app, "header")
+        assert opened < 1.0, opened
+        assert "scoring risk in the background" in text(app, "risk") or not src.risk_df.is_empty()
+        for _ in range(300):
+            if not thread.is_alive():
+                break
+            await pilot.pause(0.1)
+        assert not thread.is_alive() and not src.risk_df.is_empty()
+        await pilot.press("end")
+        assert "OOM" in text(app, "risk") and "scored on the fly" in text(app, "risk")
+
+
+def test_events_are_ellipsized_at_word_boundaries():
+    """Issue 17 (11): `...; runni`, `next_peak_est_fr` were cut mid-word, without an ellipsis."""
+    from gpuwatch.ui.render import ellipsize, event_lines
+
+    msg = "guard lowered the batch ceiling 24 -> 19 (risk 0.93); next_peak_est_frac 1.02; running at 19"
+    ev = {"ts": 1_796_033_980_000_000, "kind": "guard_action", "message": msg, "severity": "warning",
+          "gpu": 0, "detail": "{}"}
+    full = event_lines([ev], 1, 500)[0].plain
+    for width in range(30, len(full) + 1):
+        line = event_lines([ev], 1, width)[0].plain
+        assert len(line) <= width
+        if line != full:
+            kept = line.removesuffix("…")
+            assert line.endswith("…") and full.startswith(kept), (width, line)
+            assert full[len(kept)] in " ;,:", (width, line)  # cut where a word ends, never inside one
+    assert ellipsize("alpha beta gamma", 12) == "alpha beta…"
+    assert ellipsize("alpha beta", 10) == "alpha beta"
+
+
+async def test_enter_shows_an_event_whole_and_arrows_walk_the_events():
+    from gpuwatch.ui.screens import EventScreen
+
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(3):
+            await pilot.press("n")
+        await pilot.press("enter")
+        assert isinstance(app.screen, EventScreen)
+        body = str(app.screen.query_one("#event-body").render())
+        oom = src.events_df.filter(src.events_df["kind"] == "oom")["message"][0]
+        assert oom in body  # the whole message, however long
+        await pilot.press("up")
+        assert "workload_start" in str(app.screen.query_one("#event-body").render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, EventScreen)
+
+
+async def test_notifications_never_cover_the_header_at_80x24():
+    """Issue 17 (11): n/N and 16x playback piled notifications up over the header."""
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press(*["plus"] * 8, *["n"] * 12, *["N"] * 4, "l", "l")
+        await pilot.pause(0.2)
+        for x in range(0, 80, 4):
+            widget, _ = app.screen.get_widget_at(x, 0)
+            assert widget.id == "header", (x, widget)
+        assert len(app._notifications) <= 1
+
+
+async def test_mark_is_a_live_key_only():
+    """Issue 17 (14): `m mark` was offered in replay, where it does nothing."""
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert "mark" not in {b.description for b in app.screen.active_bindings.values() if hasattr(b, "description")} \
+            and all(b.binding.key != "m" for b in app.screen.active_bindings.values())
+
+
+GUARD_PREFILL = RAMP.parent / "sample-h200-guard-ramp-prefill"
+
+
+async def test_memory_is_measured_against_the_workload_cap():
+    """Issue 20 (8): a run with --gpu-memory-limit 40GiB showed 39.0/140 GiB (28 %), not 39/40 GiB."""
+    src = ReplaySource(GUARD_PREFILL)
+    assert src.gpus[0].effective_limit_bytes == 40 * 2**30
+    mem = src._by_gpu[0]["gpu_mem_used_bytes"]
+    i = int(mem.arg_max())
+    src.seek_to(int(src._ts[0][i]))
+    used = mem[i] / 2**30
+    app = make_app(src)
+    async with app.run_test(size=(160, 50)):
+        gpus = text(app, "gpus")
+        assert f"{used:.1f}/40 GiB" in gpus and "/140 GiB" not in gpus, gpus
+        assert f"{round(100 * used / 40)}%" in gpus
+
+
+async def test_risk_plot_label_agrees_with_the_risk_panel():
+    """Issue 20 (8): at 10:20:14.6 of the ramp the plot's label said 0.993 (the max of its last ten
+    risk rows) while the panel and `gpuwatch score -o` said 0.05."""
+    import re
+    from datetime import datetime, timezone
+
+    from gpuwatch.ui.launch import score_in_background
+
+    src = ReplaySource(RAMP)
+    score_in_background(src, None, False).join()
+    src.seek_to(datetime(2026, 11, 30, 10, 20, 14, 600000, tzinfo=timezone.utc).timestamp() * 1e6)
+    panel = src.risk(0, 1)[-1]["risk"]
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)):
+        plots = text(app, "plots")
+        label = re.search(r"^risk .*?([0-9.]+)\s*$", plots, re.M).group(1)
+        assert float(label) == pytest.approx(panel, abs=0.005), plots
+        assert f"OOM {panel:.2f}" in text(app, "risk")
+
+
+async def test_watch_source_replays_what_the_session_recorded():
+    """Issue 17 (3, f): `watch --source recordings/sample-h200-ramp-train` showed `workload: none in this
+    session`, `tok/s -`, none of its 5 OOMs, this machine's host line and the GPU name cut to `H200 [repl`."""
+    from gpuwatch.recording.replay_backend import ReplayGpuBackend
+    from gpuwatch.recording.source import GpuMeta, LiveSource, RecordedFeed
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.sampler import Sampler
+    from gpuwatch.ui.launch import attach_feed
+    from uihelpers import T0, FixedHost
+
+    bus = Bus()
+    backend = ReplayGpuBackend(RAMP)
+    fake = {"t": 0.0}
+    s = Sampler(bus, backend, FixedHost(), clock=lambda: fake["t"], wall_us=lambda: T0 + int(fake["t"] * 1e6))
+    g = backend.gpus[0]
+    src = LiveSource(bus, [GpuMeta(0, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c)], backend.label)
+
+    class S:  # the part of a Session attach_feed and the App use
+        workload, recorder, guard, model_note, workloads = None, None, None, "no risk model", []
+    S.bus, S.source = bus, src
+    attach_feed(S, RecordedFeed(bus, RAMP))
+    s.slow_tick()
+    app = make_app(src, session=S())
+    async with app.run_test(size=(100, 30)) as pilot:
+        for _ in range(9):  # the whole recording (81 s) and a bit of its next loop, fed as the ticks come
+            for _ in range(100):
+                s.tick()
+                fake["t"] += 0.1
+            src.poll()
+            await pilot.pause(0.05)
+        await pilot.press("space", "space")  # a full redraw now
+        work = text(app, "work")
+        assert "tok/s" in work and "none in this session" not in work and "- tok/s" not in work, work
+        assert "GPU0 H200 " in text(app, "gpus") and "[repl" not in text(app, "gpus")
+        kinds = [e.kind for e in bus.events.latest(1000)]
+        assert kinds.count("oom") == 5, kinds
+        assert "from vm" in text(app, "header")
+        assert "host" in text(app, "host") and "126.0 GiB" not in text(app, "host")  # not FixedHost's figures
+
+
+def test_the_end_of_a_session_shows_its_last_events():
+    """Issue 17 (14): `--follow` (and replay at its end) never showed the final workload_stop and
+    session_end events: they come after the last sample."""
+    src = ReplaySource(RAMP)
+    src.seek_to(src.end_us)
+    kinds = [e["kind"] for e in src.events(4)]
+    assert kinds[-2:] == ["workload_stop", "session_end"], kinds
+    src.seek(-1)
+    assert "session_end" not in [e["kind"] for e in src.events(4)]
+
+
+def test_process_table_sorts_by_each_key():
+    from gpuwatch.ui.render import PROC_SORTS, proc_lines, proc_rows, sort_procs
+
+    latest = {0: {"gpu_procs": [{"pid": 300, "used_bytes": 5 * 2**30}, {"pid": 100, "used_bytes": 9 * 2**30}]},
+              1: {"gpu_procs": [{"pid": 200, "used_bytes": 1 * 2**30, "sm_util_pct": 97, "mem_util_pct": 40}]}}
+    names = {100: ("bob", "python train.py"), 200: ("alice", "vllm serve"), 300: ("carol", "a.out")}
+    rows = proc_rows(latest, names)
+    order = {k: [r["pid"] for r in sort_procs(rows, k)] for k in PROC_SORTS}
+    assert order == {"memory": [100, 300, 200], "pid": [100, 200, 300], "user": [200, 100, 300],
+                     "command": [300, 100, 200], "gpu": [100, 300, 200]}
+    lines = [t.plain for t in proc_lines(rows, "memory", 10, 80)]
+    assert "PID" in lines[0] and "USER" in lines[0] and "SM%" in lines[0]
+    assert lines[1].split()[:4] == ["0", "100", "bob", "9"] and "python train.py" in lines[1]
+    assert "97" in lines[3] and "40" in lines[3] and "vllm serve" in lines[3]
+
+
+async def test_t_shows_every_process_of_the_live_gpus_and_o_sorts_them(monkeypatch):
+    """Issue 17 (b): a process panel (PID, user, command, GPU memory), sortable by a key."""
+    import os
+
+    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.nvml import NvmlBackend
+    from gpuwatch.telemetry.sampler import Sampler
+
+    from test_nvml_boundary import FakeDriver
+
+    FakeDriver(monkeypatch)
+    bus = Bus()
+    s = Sampler(bus, NvmlBackend(), None)
+    s.tick()
+    procs = [p for t in bus.ticks.latest(1) for r in t.rows for p in (r.get("gpu_procs") or [])]
+    src = LiveSource(bus, [GpuMeta(0, "NVIDIA H200", 141 * 2**30, 700.0, 89),
+                           GpuMeta(1, "NVIDIA H200", 141 * 2**30, 700.0, 89)])
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("t")
+        panel = text(app, "events")
+        assert "PID" in panel and "sorted by memory" in panel
+        for p in procs:
+            assert str(p["pid"]) in panel
+        await pilot.press("o")
+        assert "sorted by pid" in text(app, "events")
+        await pilot.press("t")
+        assert "PID" not in text(app, "events")

@@ -487,21 +487,44 @@ class PrometheusExporter:
     def _where(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
+    def check(self) -> None:
+        """Bind and release the address now, before a session folder is made or a workload built (a busy
+        port found then left a folder with only meta.json behind, after 11 s of building)."""
+        try:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+                sock.bind(addr)
+        except (socket.gaierror, OSError) as e:
+            self._refused(e)
+
+    @property
+    def public(self) -> bool:
+        """Bound to every interface (or a non-loopback address): reachable from the network."""
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host not in ("localhost",)
+
     def start(self) -> None:
         if self._server is not None:
             return
         try:
             self._server, self._thread = start_http_server(self.port, self.host, registry=self.registry)
-        except socket.gaierror as e:
-            raise UsageError(f"cannot serve Prometheus metrics on {self._where()}: unknown host "
-                             f"({e.strerror})") from e
-        except OSError as e:
-            why = {errno.EADDRINUSE: "address already in use (dcgm-exporter also uses 9400; pick another port)",
-                   errno.EACCES: "permission denied (ports below 1024 need privileges)",
-                   errno.EADDRNOTAVAIL: "no such address on this machine"}.get(e.errno, e.strerror or str(e))
-            raise UsageError(f"cannot serve Prometheus metrics on {self._where()}: {why}") from e
+        except (socket.gaierror, OSError) as e:
+            self._refused(e)
         self._thread.name = "gw-prometheus"
         self.port = self._server.server_address[1]  # the real port when asked for 0
+
+    def _refused(self, e: OSError) -> None:
+        if isinstance(e, socket.gaierror):
+            raise UsageError(f"cannot serve Prometheus metrics on {self._where()}: unknown host "
+                             f"({e.strerror})") from e
+        why = {errno.EADDRINUSE: "address already in use (dcgm-exporter also uses 9400; pick another port)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)",
+               errno.EADDRNOTAVAIL: "no such address on this machine"}.get(e.errno, e.strerror or str(e))
+        raise UsageError(f"cannot serve Prometheus metrics on {self._where()}: {why}") from e
 
     def stop(self) -> None:
         server, self._server = self._server, None

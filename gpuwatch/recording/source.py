@@ -156,7 +156,11 @@ class LiveSource:
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
         return [r for r in self.bus.risk.latest(n * max(1, len(self.gpus))) if r.get("gpu") == gpu][-n:]
 
+    feed: "RecordedFeed | None" = None  # watch --source: the rest of the recording, fed in step
+
     def poll(self) -> bool:
+        if self.feed is not None:
+            self.feed.pump()
         seq = self.bus.ticks.next_seq + self.bus.events.next_seq + self.bus.steps.next_seq
         changed, self._seen = seq != self._seen, seq
         return changed
@@ -167,7 +171,11 @@ class LiveSource:
 
     def latest(self) -> dict[int | None, dict[str, Any]]:
         last = self.bus.ticks.latest(1)
-        return {r["gpu"]: r for r in last[0].rows} if last else {}
+        if not last:
+            return {}
+        if self.feed is not None and self.feed.host_row:  # the recorded host, not this machine
+            return {r["gpu"]: {**r, **self.feed.host_row} for r in last[0].rows}
+        return {r["gpu"]: r for r in last[0].rows}
 
     def series(self, column: str, gpu: int | None, n: int) -> list[Any]:
         out = []
@@ -283,10 +291,16 @@ class ReplaySource:
     writer_gone = False  # follow: the recording process is gone without closing it
 
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
-        """Risk rows computed after the fact (an older session scored on the fly)."""
-        self.risk_df = _sorted(df)
-        self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
+        """Risk rows computed after the fact (an older session scored on the fly, maybe on another
+        thread: the rows and their times are swapped in together, and reads clip to both)."""
+        df = _sorted(df)
+        ts = df["ts"].dt.epoch("us").to_numpy()
+        self.risk_df, self._risk_ts = df, ts
         self.risk_note = note
+        self._changed = True
+
+    def touch(self) -> None:
+        """Something shown changed outside the cursor's data (a note): redraw at the next poll."""
         self._changed = True
 
     def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
@@ -320,8 +334,9 @@ class ReplaySource:
         return part.tail(n)
 
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._risk_ts, self._t, side="right"))
-        part = self.risk_df.slice(max(0, i - n * max(1, len(self.gpus))), min(i, n * max(1, len(self.gpus))))
+        df, ts = self.risk_df, self._risk_ts
+        i = min(int(np.searchsorted(ts, self._t, side="right")), df.height)
+        part = df.slice(max(0, i - n * max(1, len(self.gpus))), min(i, n * max(1, len(self.gpus))))
         rows = part.filter(part["gpu"] == gpu).tail(n).to_dicts() if gpu is not None else part.tail(n).to_dicts()
         for r in rows:
             r["ts"] = int(r["ts"].timestamp() * 1e6)
@@ -435,16 +450,101 @@ class ReplaySource:
         i = int(np.searchsorted(ts, self._t, side="right"))
         return col.slice(max(0, i - n), min(n, i)).to_list()
 
+    def _upto(self, ts: np.ndarray) -> int:
+        """Rows at or before the cursor; at the session's end, all of them (a session's last events -
+        workload_stop, session_end - come after its last sample, and follow never showed them)."""
+        if len(self.ticks_ts) and self._t >= self.end_us:
+            return len(ts)
+        return int(np.searchsorted(ts, self._t, side="right"))
+
     def events(self, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._events_ts, self._t, side="right"))
+        i = self._upto(self._events_ts)
         rows = self.events_df.slice(max(0, i - n), min(n, i)).to_dicts()
         for r in rows:
             r["ts"] = int(r["ts"].timestamp() * 1e6)
         return rows
 
     def steps(self, n: int) -> list[dict[str, Any]]:
-        i = int(np.searchsorted(self._steps_ts, self._t, side="right"))
+        i = self._upto(self._steps_ts)
         return self.steps_df.slice(max(0, i - n), min(n, i)).to_dicts()
+
+
+class RecordedFeed:
+    """`watch --source SESSION`: the sampler replays the session's GPU samples as live (one recorded
+    row a tick, looping); this feeds the rest of what the session recorded - its steps, events, risk
+    (guard actions are events) and its host's figures - to the live bus in step with those rows, so
+    the no-GPU demo shows the product, not an idle GPU. Recorded times are moved to the tick's time;
+    each loop of the recording feeds them again."""
+
+    HOST_PREFIXES = ("host_", "proc_")
+
+    def __init__(self, bus: Bus, path: Path | str) -> None:
+        from gpuwatch.recording.reader import open_recording
+
+        rec = open_recording(path)
+        self.bus, self.meta = bus, rec.meta
+        self.host = str(rec.meta.get("host") or "")
+        gpus = rec.gpus
+        first = rec.samples.filter(rec.samples["gpu"] == gpus[0]) if gpus else rec.samples
+        self._rec_ts = first["ts"].dt.epoch("us").to_numpy()
+        host_cols = [c for c in first.columns if c.startswith(self.HOST_PREFIXES)]
+        self._host = first.select(host_cols).to_dicts()
+        self.caps = recorded_caps(rec.meta)
+        self.has_risk = not rec.risk.is_empty()
+
+        def rows(df: pl.DataFrame) -> tuple[np.ndarray, list[dict[str, Any]]]:
+            df = _sorted(df) if df.height else df
+            return df["ts"].dt.epoch("us").to_numpy(), df.to_dicts()
+        self._tables = {"steps": rows(rec.steps), "events": rows(rec.events), "risk": rows(rec.risk)}
+        self._next = {t: 0 for t in self._tables}
+        self._first_tick: int | None = None
+        self._cycle = 0
+        self._shift = 0
+        self.host_row: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def pump(self) -> int:
+        """Feed what was recorded up to the recorded moment of the latest tick; returns rows fed."""
+        last = self.bus.ticks.latest(1)
+        if not last or not self._rec_ts.size:
+            return 0
+        with self._lock:
+            t = last[0]
+            if self._first_tick is None:
+                self._first_tick = t.tick
+            cycle, pos = divmod(t.tick - self._first_tick, self._rec_ts.size)
+            fed = 0
+            if cycle != self._cycle:  # the recording looped: finish the last loop, then again from its start
+                fed += self._feed_upto(2**62, self._shift)
+                self._cycle, self._next = cycle, {k: 0 for k in self._next}
+            rec_now = int(self._rec_ts[pos])
+            self._shift = t.ts_us - rec_now
+            self.host_row = self._host[pos] if self._host else {}
+            return fed + self._feed_upto(rec_now, self._shift)
+
+    def _feed_upto(self, rec_now: int, shift: int) -> int:
+        fed = 0
+        for table, (ts, rows) in self._tables.items():
+            i = self._next[table]
+            while i < len(rows) and ts[i] <= rec_now:
+                self._feed(table, rows[i], int(ts[i]) + shift)
+                i += 1
+                fed += 1
+            self._next[table] = i
+        return fed
+
+    def _feed(self, table: str, row: dict[str, Any], ts_us: int) -> None:
+        from gpuwatch.telemetry.bus import Event
+
+        if table == "events":
+            try:
+                detail = json.loads(row.get("detail") or "{}")
+            except ValueError:
+                detail = {}
+            self.bus.events.append(Event(row["kind"], row["message"] or "", row.get("severity") or "info",
+                                         row.get("gpu"), detail if isinstance(detail, dict) else {}, ts_us))
+        else:
+            getattr(self.bus, table).append({**row, "ts": ts_us})
 
 
 def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:

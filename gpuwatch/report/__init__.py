@@ -96,7 +96,9 @@ def _env(fmt: str):
 def _md_cell(x: Any) -> str:
     """A value safe inside a Markdown table cell (and not read as HTML by GitHub)."""
     text = " ".join(str(x).split())
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    # `<` backslash-escaped so no renderer reads a tag; `>` needs nothing inside a cell, and `&gt;`
+    # showed up as such in the Markdown as read in a terminal or an editor
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "\\<")
 
 
 def render(rec: Recording, fmt: str = "html", th: Thresholds | None = None) -> str:

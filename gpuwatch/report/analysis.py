@@ -17,7 +17,7 @@ import polars as pl
 from gpuwatch.recording.reader import Recording
 from gpuwatch.report.health import (
     Row, Thresholds, active_window, effective_limits, measured_steps, mem_used_expr,
-    throttle_breakdown, workloads,
+    throttle_breakdown, throttle_row, workloads,
 )
 from gpuwatch.units import fmt_bytes
 
@@ -242,9 +242,11 @@ def anomalies(rec: Recording, th: Thresholds) -> list[Anomaly]:
         out.append(Anomaly(KIND_NAMES.get(kind, kind.replace("_", " ")), part.height, _clock(first), _clock(last),
                            str(part["message"][0] or ""), action, sev))
     # throttling from the samples (there are no throttle_* events yet)
-    a = rec.samples.filter(pl.col("gpu").is_not_null() & pl.col("gpu_clocks_event_reasons").is_not_null())
-    if a.height and "throttle onset" not in {x.kind for x in out}:
+    row, active = throttle_row(rec, th)  # the matrix's own figure (worst GPU, while the workload ran)
+    a = active.filter(pl.col("gpu_clocks_event_reasons").is_not_null())
+    if a.height and "throttle onset" not in {x.kind for x in out} and row.value:
         frac, per = throttle_breakdown(a, th.throttle_mask)
+        frac = row.value
         if frac > 0:
             held = a.filter((pl.col("gpu_clocks_event_reasons") & th.throttle_mask) != 0)
             reasons = ", ".join(f"{k} {v * 100:.0f} %" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
@@ -477,6 +479,10 @@ def verdict(matrix: list[Row], anomalies_: list[Anomaly]) -> tuple[str, str]:
     if warn:
         parts.append("warnings: " + ", ".join(f"{a.count} {a.kind}" for a in warn))
     word = "FAIL" if failed or bad else ("WARN" if warn else "PASS")
+    if not checked and not failed and not bad:  # nothing could be judged: never a green PASS
+        parts[0] = (f"no data: none of the {len(matrix)} health checks could be judged "
+                    f"({'; '.join(sorted({r.detail for r in matrix if r.detail}))})")
+        word = "NO DATA"
     return word, "; ".join(parts) + "."
 
 

@@ -248,6 +248,13 @@ def throttle_breakdown(frame: pl.DataFrame, mask: int) -> tuple[float, dict[str,
     return anyf, {k: v for k, v in per.items() if v > 0}
 
 
+def throttle_row(rec: Recording, th: Thresholds) -> tuple[Row, pl.DataFrame]:
+    """The health matrix's throttling row and the samples it judged (while the workload ran): the
+    report's anomaly list quotes the same figure, not a second one over the whole session."""
+    ctx = _context(rec)
+    return _throttle_row(ctx, th), ctx.active
+
+
 def _throttle_row(ctx: _Ctx, th: Thresholds) -> Row:
     name = "Throttling"
     a = ctx.active.filter(pl.col("gpu_clocks_event_reasons").is_not_null())

@@ -1,99 +1,96 @@
-"""The dashboard: one App for live, replay and follow, reading a TelemetrySource.
+"""The dashboard: a live screen and a replay screen (replay and follow), each with its own keys and
+help, over the same panels, reading a TelemetrySource.
 
 Data collection never runs here: the sampler, recorder and workload live on their own threads (or
-process); this App pulls the latest samples at 4 Hz and re-renders only the panels whose text changed.
+process); a screen pulls the latest samples at 4 Hz and re-renders only the panels whose text changed.
+The history plots have one column a second, so they (the costliest panel) are rebuilt at most once a
+second of data, not on every pull.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import polars as pl
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from gpuwatch.recording.source import ReplaySource, TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
-from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
+from gpuwatch.ui.screens import ConfirmQuit, EventScreen, GotoScreen, HelpScreen
 
 PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
-LIVE_ONLY = {"toggle_pause_view", "batch_up", "batch_down", "precision", "workload_pause", "guard_mode", "hand_back"}
 GUARD_CYCLE = ("on", "observe", "off")
-REPLAY_ONLY = {"play", "seek", "step", "speed", "event", "goto", "home", "end", "loop", "live_edge"}
+PANELS = ("header", "gpus", "plots", "work", "risk", "host", "events")
 
 
-class GpuwatchApp(App):
-    CSS_PATH = "app.tcss"
-    TITLE = "gpuwatch"
+class Panel(Static):
+    """One panel of the dashboard: its lines cut to the width (with an ellipsis), redrawn only when
+    what it shows changed."""
+
+    def __init__(self, wid: str) -> None:
+        super().__init__(id=wid, markup=False)
+        self.key: str | None = None
+        self.n_lines = -1
+
+    def show(self, text: Text, width: int) -> bool:
+        lines = text.split("\n")
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+        text = Text("\n").join(lines)
+        key = text.plain + str(len(text.spans))
+        if key == self.key:
+            return False
+        self.key = key
+        # the same number of lines (each cut to the width): the same size, so no layout pass
+        self.update(text, layout=len(lines) != self.n_lines)
+        self.n_lines = len(lines)
+        return True
+
+
+class Dashboard(Screen):
+    """The panels and their refresh, shared by the live and the replay screen."""
+
     BINDINGS = [
         Binding("q", "request_quit", "quit"),
         Binding("question_mark", "help", "help"),
-        Binding("space", "toggle_pause_view", "pause view"),
-        Binding("plus,equals_sign", "batch_up", "batch+"),
-        Binding("minus", "batch_down", "batch-"),
-        Binding("p", "precision", "precision"),
-        Binding("w", "workload_pause", "workload ‖", show=False),
-        Binding("m", "mark", "mark"),
-        Binding("G", "guard_mode", "guard", show=False),
-        Binding("a", "hand_back", "hand back", show=False),
         Binding("s", "next_gpu", "next GPU", show=False),
-        Binding("space", "play", "play/pause"),
-        Binding("left", "seek(-1)", "-1s", show=False),
-        Binding("right", "seek(1)", "+1s", show=False),
-        Binding("left_square_bracket,shift+left", "seek(-10)", "-10s"),
-        Binding("right_square_bracket,shift+right", "seek(10)", "+10s"),
-        Binding("comma", "step(-1)", "step-", show=False),
-        Binding("full_stop", "step(1)", "step+", show=False),
-        Binding("minus", "speed(0)", "slower"),
-        Binding("plus,equals_sign", "speed(1)", "faster"),
-        Binding("n", "event(1)", "next event"),
-        Binding("N", "event(-1)", "prev event", show=False),
-        Binding("g", "goto", "go to"),
-        Binding("home", "home", "start", show=False),
-        Binding("end", "end", "end", show=False),
-        Binding("l", "loop", "loop", show=False),
-        Binding("f", "live_edge", "live edge", show=False),
+        Binding("enter", "show_event", "event", show=False),
+        Binding("t", "toggle_procs", "processes", show=False),
+        Binding("o", "proc_sort", "sort", show=False),
     ]
+    HELP_MODE = "live"
 
     def __init__(self, source: TelemetrySource, session=None, refresh_hz: float = 4.0,
-                 interval_s: float | None = None) -> None:
+                 interval_s: float = 0.1) -> None:
         super().__init__()
-        interval_s = interval_s or getattr(source, "interval_s", 0.1)
-        self.crashed: BaseException | None = None
         self.source, self.session = source, session
         self.refresh_hz, self.interval_s = refresh_hz, interval_s
         self.view_paused = False
         self.plot_gpu = source.gpus[0].index if source.gpus else None
-        self._texts: dict[str, str] = {}
-
-    @property
-    def mode(self) -> str:
-        return "live" if self.source.kind == "live" else "replay"
+        self._last_size = None
+        self._plots_key: tuple | None = None
+        self._last_full = 0.0
+        self._last_event: Any = None
+        self.show_procs = False  # the bottom panel: events, or every process on every GPU (t)
+        self.proc_sort = R.PROC_SORTS[0]
+        self._names: dict[int, tuple[str, str]] = {}
 
     @property
     def workload(self):
         return self.session.workload if self.session is not None else None
 
-    def _print_error_renderables(self) -> None:
-        """An uncaught exception: the caller writes the traceback to a log file and prints one line
-        (Textual would print a full traceback to the restored terminal)."""
-        if self._exception is not None:
-            self.crashed = self._exception
-            self._exit_renderables.clear()
-            return
-        super()._print_error_renderables()
-
-    # -- layout ------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        for wid in ("header", "gpus", "plots", "work", "risk", "host", "events"):
-            yield Static(id=wid, markup=False)
+        for wid in PANELS:
+            yield Panel(wid)
         yield Footer()
 
     def on_mount(self) -> None:
-        self._last_size = None
         self.refresh_data(force=True)
         self.set_interval(1 / self.refresh_hz, self.refresh_data)
 
@@ -102,29 +99,38 @@ class GpuwatchApp(App):
         w, h = self.size
         return w >= 120 and h >= 40
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in LIVE_ONLY and self.mode != "live":
-            return False
-        if action in REPLAY_ONLY and self.mode == "live":
-            return False
-        if action in ("batch_up", "batch_down", "precision", "workload_pause", "hand_back") and self.workload is None:
-            return False
-        if action == "guard_mode" and (self.session is None or self.session.guard is None):
-            return False
-        return True
+    def note(self, message: str, **kw) -> None:
+        """A notification that replaces the previous one (seeking, stepping through events or fast
+        playback would otherwise stack them up over the header)."""
+        self.app.clear_notifications()
+        self.notify(message, **kw)
 
     # -- refresh -------------------------------------------------------------------------------------------
+    # Seconds between full redraws while nothing but new samples arrives (None: at every pull). Each
+    # redraw costs the Textual compositor milliseconds of CPU; new events are shown at the next pull.
+    REDRAW_EVERY_S: float | None = None
+
     def refresh_data(self, force: bool = False) -> None:
         changed = self.source.poll()
         if self.size != self._last_size:  # a resize re-lays out everything once
             self._last_size, force = self.size, True
-            self.screen.set_class(self.wide, "wide")
+            self._plots_key = None
+            self.set_class(self.wide, "wide")
         if self.view_paused and not force:
             self._set("header", self._header())
             return
         if not (changed or force):
             return
-        width = self.size.width - (4 if self.wide else 0)
+        now = time.monotonic()
+        if not force and self.REDRAW_EVERY_S and now - self._last_full < self.REDRAW_EVERY_S:
+            last = self.source.events(1)
+            if last and last[-1].get("ts") != self._last_event and not self.show_procs:  # news: show it now
+                self._last_event = last[-1].get("ts")
+                h = self._events_height()
+                self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, self._width())))
+            return
+        self._last_full = now
+        width = self._width()
         latest = self.source.latest()
         rows = [latest.get(g.index) for g in self.source.gpus]
         gpu_text = Text("\n").join(line for g, row in zip(self.source.gpus, rows)
@@ -132,53 +138,75 @@ class GpuwatchApp(App):
             else Text("no GPU: CPU-only mode (host and workload panels still work)", style="yellow")
         self._set("header", self._header())
         self._set("gpus", gpu_text)
-        plots, risk = self._plots(width)
-        self._set("plots", plots)
+        meta = self._plot_meta()
+        mem = self.source.series("gpu_mem_used_bytes", meta.index, 300) if meta else None  # the headroom fit's
+        key = self._plots_moment()
+        if force or key != self._plots_key:  # one column a second: rebuilt once a second of data
+            self._plots_key = key
+            self._set("plots", self._plots(width))
+        risk = self._risk(mem)[0]
         power = rows[0].get("gpu_power_w") if rows and rows[0] else None
         self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
         host_row = next(iter(latest.values()), None)
         self._set("host", Text("\n").join(R.host_lines(host_row, width, self.wide)))
         self._set("risk", risk)
-        h = max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
-        self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+        self._bottom(latest, width)
+
+    def _bottom(self, latest: dict, width: int) -> None:
+        h = self._events_height()
+        if self.show_procs:
+            rows = R.proc_rows(latest, self._proc_names(latest))
+            self._set("events", Text("\n").join(R.proc_lines(rows, self.proc_sort, h, width)))
+        else:
+            self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
+
+    def _proc_names(self, latest: dict) -> dict[int, tuple[str, str]]:
+        """User and command of each PID NVML reports, looked up once (live: this machine's processes;
+        a replay shows what was recorded, and NVML records neither)."""
+        if self.source.kind != "live" or getattr(self.source, "feed", None) is not None:
+            return {}
+        import psutil
+
+        for row in latest.values():
+            for p in (row or {}).get("gpu_procs") or []:
+                pid = p.get("pid")
+                if pid is None or pid in self._names:
+                    continue
+                try:
+                    proc = psutil.Process(pid)
+                    self._names[pid] = (proc.username(), " ".join(proc.cmdline()) or proc.name())
+                except (psutil.Error, OSError):
+                    self._names[pid] = ("?", "? (not visible from here)")
+        return self._names
+
+    def _width(self) -> int:
+        return self.size.width - (4 if self.wide else 0)
+
+    def _events_height(self) -> int:
+        return max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
 
     def _set(self, wid: str, text: Text) -> None:
         width = self.size.width - (4 if self.wide and wid not in ("header", "events") else 0)
-        lines = text.split("\n")
-        for line in lines:
-            line.truncate(width, overflow="ellipsis")
-        text = Text("\n").join(lines)
-        key = text.plain + str(len(text.spans))
-        if self._texts.get(wid) != key:
-            self._texts[wid] = key
-            self.query_one(f"#{wid}", Static).update(text)
+        self.query_one(f"#{wid}", Panel).show(text, width)
+
+    def header_extra(self) -> str:
+        return ""
 
     def _header(self) -> Text:
         src = self.source
-        extra = ""
-        if isinstance(src, ReplaySource):
-            pos = (src.cursor_us() or 0) - src.start_us
-            total = src.end_us - src.start_us
-            state = "▶" if src.playing else "‖"
-            extra = f"{state} {src.speed:g}x  {pos / 1e6:,.1f}/{total / 1e6:,.1f} s" + ("  loop" if src.loop else "")
-            if src.follow:
-                if src.writer_done:
-                    extra += "  writer finished"
-                elif src.writer_gone:
-                    extra += "  writer gone (not closed)"
-                else:
-                    extra += "  at live edge" if src.at_edge else "  f: to live edge"
-        elif self.session is not None and self.session.recorder is not None:
-            r = self.session.recorder
-            extra = (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
-                     if not r.error else f"REC ERROR: {r.error}")
-        elif self.mode == "live":
-            extra = "not recording"
-        return R.header(src.kind, src.label, src.cursor_us(), extra, self.view_paused)
+        return R.header(src.kind, src.label, src.cursor_us(), self.header_extra(), self.view_paused)
 
-    def _plots(self, width: int) -> tuple[Text, Text]:
-        """History plots, one column per second (the max of its samples, so no peak is hidden), and
-        the risk line, which reads the same memory series."""
+    def _plots_moment(self) -> tuple:
+        """What the plots depend on: the cursor's second while time runs (live, playback: a column
+        is a second, so nothing but the last column's max can change within one), the exact cursor
+        when the user steps through a paused replay; the GPU shown; risk filled in after the fact."""
+        src = self.source
+        t = src.cursor_us() or 0
+        running = src.kind == "live" or getattr(src, "playing", False)
+        return (t // 1_000_000 if running else t, self.plot_gpu, getattr(src, "risk_note", None))
+
+    def _plots(self, width: int) -> Text:
+        """History plots, one column per second (the max of its samples, so no peak is hidden)."""
         g = self.plot_gpu
         src = self.source
         meta = self._plot_meta()
@@ -192,25 +220,32 @@ class GpuwatchApp(App):
         def hist(col: str, scale: float = 1.0) -> list:
             return R.bucket_max(src.series(col, g, n), k, scale)
         specs: list[tuple[str, list, float | None, str]] = []
+        labels: dict[str, float | None] = {}  # a plot whose label is not its last column's max
         if meta is not None:
-            total = meta.mem_total_bytes
-            mem = src.series("gpu_mem_used_bytes", g, max(n, 300))  # the risk fit reads the last 300
-            risk, free = self._risk(mem)
+            total = meta.effective_limit_bytes  # the workload's cap where one is set, as the risk reads it
+            mem = src.series("gpu_mem_used_bytes", g, n)
+            free = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem]
             rows = src.risk(g, n)
-            last = ("risk", R.bucket_max([r.get("risk") for r in rows], k), 1.0, "bright_red") if rows else \
-                ("headroom", R.bucket_min(free, k), 1.0, "cyan")
+            end = src.cursor_us()
+            if rows and end is not None:
+                # by time (risk rows do not come one per sample); the label is the latest risk, the
+                # same figure as the risk panel beside it
+                last = ("risk", R.bucket_time(rows, end, plot_w), 1.0, "bright_red")
+                labels["risk"] = rows[-1].get("risk")
+            else:
+                last = ("headroom", R.bucket_min(free, k), 1.0, "cyan")
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
                       ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
                       ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"), last]
         else:
-            risk = self._risk()[0]
             specs += [("CPU %", R.bucket_max(src.series("host_cpu_pct", None, n), k), 100, "green")]
         specs.append(("tok/s", [r.get("tokens_per_s") for r in src.steps(plot_w)], None, "bright_green"))
         blocks = []
         for label, vals, hi, style in specs:
             nums = [v for v in vals if v is not None]
-            last = R.compact(nums[-1]).rjust(7) if nums else "      -"
+            shown = labels[label] if label in labels else nums[-1] if nums else None
+            last = R.compact(shown).rjust(7) if shown is not None else "      -"
             lines = R.plot(vals, plot_w, height, 0.0, hi, style)
             blocks.append([Text(f"{label:<{label_w}}" if i == 0 else " " * label_w) + ln + Text(last if i == height - 1 else " " * 7)
                            for i, ln in enumerate(lines)])
@@ -220,9 +255,9 @@ class GpuwatchApp(App):
             for r in range(height):
                 out.append(Text("  ").join(b[r] for b in group))
         if not self.wide:
-            return Text("\n").join(out), risk
+            return Text("\n").join(out)
         title = Text(f"history {'GPU' + str(g) if g is not None else 'host'}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
-        return Text("\n").join([title, *out]), risk
+        return Text("\n").join([title, *out])
 
     def _risk(self, mem: list | None = None) -> tuple[Text, list]:
         """The risk panel for the plotted GPU (what the scorer published, live or recorded), and its
@@ -243,6 +278,8 @@ class GpuwatchApp(App):
             line = Text(f"{self.session.model_note}; ", style="yellow") + line
         elif not getattr(self.source, "risk_df", pl.DataFrame()).is_empty():
             line = Text("risk: not scored yet at this moment; ", style="dim") + line
+        elif getattr(self.source, "risk_note", None):  # e.g. being scored in the background
+            line = Text(f"{self.source.risk_note} ", style="yellow") + line
         return line, free
 
     def _guard_status(self) -> str:
@@ -260,7 +297,8 @@ class GpuwatchApp(App):
 
     def _recorded_workload(self) -> dict[str, Any]:
         """The first workload's config as the replayed recording's meta.json describes it ({} if none)."""
-        meta = getattr(getattr(self.source, "reader", None), "meta", None) or {}
+        holder = getattr(self.source, "reader", None) or getattr(self.source, "feed", None)  # replay / watch --source
+        meta = getattr(holder, "meta", None) or {}
         loads = (meta.get("config") or {}).get("workloads") or []
         return loads[0] if loads else {}
 
@@ -272,7 +310,74 @@ class GpuwatchApp(App):
         return {"state": w.state, "preset": w.cfg.preset,
                 "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
 
-    # -- live actions ----------------------------------------------------------------------------------------
+    # -- keys both screens have ---------------------------------------------------------------------------
+    def action_next_gpu(self) -> None:
+        ids = [g.index for g in self.source.gpus]
+        if ids:
+            self.plot_gpu = ids[(ids.index(self.plot_gpu) + 1) % len(ids)]
+            self._plots_key = None
+            self.refresh_data(force=True)
+
+    def action_toggle_procs(self) -> None:
+        self.show_procs = not self.show_procs
+        self.note("processes on every GPU (o: sort; t: events)" if self.show_procs else "events")
+        self.refresh_data(force=True)
+
+    def action_proc_sort(self) -> None:
+        self.proc_sort = R.PROC_SORTS[(R.PROC_SORTS.index(self.proc_sort) + 1) % len(R.PROC_SORTS)]
+        self.show_procs = True
+        self.refresh_data(force=True)
+
+    def action_show_event(self) -> None:
+        """The events the panel shows, the newest (at the cursor) selected, in full."""
+        self.app.push_screen(EventScreen(self.source.events(max(50, self._events_height()))))
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen(self.HELP_MODE, workload=self.workload is not None,
+                                        guard=self.session is not None and getattr(self.session, "guard", None) is not None))
+
+    def action_request_quit(self) -> None:
+        w = self.workload
+        if w is not None and w.state in ("building", "running", "paused"):
+            self.app.push_screen(ConfirmQuit(), lambda yes: self.app.exit() if yes else None)
+        else:
+            self.app.exit()
+
+
+class LiveScreen(Dashboard):
+    """Live (and a recording played as live by `watch --source`): the workload's and the guard's keys.
+    Panels redraw once a second (keys and new events at once): what a 4 Hz redraw cost was most of the
+    dashboard's CPU (benchmarks/bench_tui.py cost, docs/BENCHMARKS.md)."""
+
+    REDRAW_EVERY_S = 1.0
+
+    BINDINGS = [
+        Binding("space", "toggle_pause_view", "pause view"),
+        Binding("plus,equals_sign", "batch_up", "batch+"),
+        Binding("minus", "batch_down", "batch-"),
+        Binding("p", "precision", "precision"),
+        Binding("w", "workload_pause", "workload ‖", show=False),
+        Binding("m", "mark", "mark"),
+        Binding("G", "guard_mode", "guard", show=False),
+        Binding("a", "hand_back", "hand back", show=False),
+    ]
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("batch_up", "batch_down", "precision", "workload_pause", "hand_back") and self.workload is None:
+            return False
+        if action == "guard_mode" and (self.session is None or self.session.guard is None):
+            return False
+        if action == "mark" and (self.session is None or getattr(self.session, "bus", None) is None):
+            return False
+        return True
+
+    def header_extra(self) -> str:
+        if self.session is not None and self.session.recorder is not None:
+            r = self.session.recorder
+            return (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
+                    if not r.error else f"REC ERROR: {r.error}")
+        return "not recording"
+
     def action_toggle_pause_view(self) -> None:
         self.view_paused = not self.view_paused
         self.refresh_data(force=True)
@@ -286,62 +391,85 @@ class GpuwatchApp(App):
 
     def _set_batch(self, batch: int) -> None:
         self.workload.set_batch_size(batch)
-        self.notify(f"batch → {batch} (next step)")
+        self.note(f"batch → {batch} (next step)")
 
     def action_precision(self) -> None:
         cur = self.workload.precision
         nxt = PRECISION_CYCLE[(PRECISION_CYCLE.index(cur) + 1) % len(PRECISION_CYCLE)] if cur in PRECISION_CYCLE else "bf16"
         self.workload.set_precision(nxt)
-        self.notify(f"precision → {nxt} (next step)")
+        self.note(f"precision → {nxt} (next step)")
 
     def action_workload_pause(self) -> None:
         w = self.workload
         if w.state == "paused" or w.paused:
             w.resume()
-            self.notify("workload resumed")
+            self.note("workload resumed")
         else:
             w.pause()
-            self.notify("workload paused (after this step)")
+            self.note("workload paused (after this step)")
 
     def action_guard_mode(self) -> None:
         g = self.session.guard
         nxt = GUARD_CYCLE[(GUARD_CYCLE.index(g.cfg.mode) + 1) % len(GUARD_CYCLE)]
         g.set_mode(nxt)
-        self.notify(f"guard {nxt}")
+        self.note(f"guard {nxt}")
         self.refresh_data(force=True)
 
     def action_hand_back(self) -> None:
         self.workload.hand_back()
-        self.notify("control handed back to the guard" if self.session.guard else "no guard in this run")
+        self.note("control handed back to the guard" if self.session.guard else "no guard in this run")
 
     def action_mark(self) -> None:
-        if self.mode == "live" and self.session is not None:
-            self.session.bus.emit("mark", "operator mark")
-            self.notify("marked")
-        else:
-            self.notify("marks are recorded in live sessions", severity="warning")
+        self.session.bus.emit("mark", "operator mark")
+        self.note("marked")
 
-    def action_next_gpu(self) -> None:
-        ids = [g.index for g in self.source.gpus]
-        if ids:
-            self.plot_gpu = ids[(ids.index(self.plot_gpu) + 1) % len(ids)]
-            self.refresh_data(force=True)
 
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.mode, workload=self.workload is not None,
-                                    guard=self.session is not None and getattr(self.session, "guard", None) is not None))
+class ReplayScreen(Dashboard):
+    """A recorded session (or one still being written, followed): time travel."""
 
-    def action_request_quit(self) -> None:
-        w = self.workload
-        if w is not None and w.state in ("building", "running", "paused"):
-            self.push_screen(ConfirmQuit(), lambda yes: self.exit() if yes else None)
-        else:
-            self.exit()
+    BINDINGS = [
+        Binding("space", "play", "play/pause"),
+        Binding("left", "seek(-1)", "-1s", show=False),
+        Binding("right", "seek(1)", "+1s", show=False),
+        Binding("left_square_bracket,shift+left", "seek(-10)", "-10s"),
+        Binding("right_square_bracket,shift+right", "seek(10)", "+10s"),
+        Binding("comma", "step(-1)", "step-", show=False),
+        Binding("full_stop", "step(1)", "step+", show=False),
+        Binding("minus", "speed(0)", "slower"),
+        Binding("plus,equals_sign", "speed(1)", "faster"),
+        Binding("n", "event(1)", "next event"),
+        Binding("N", "event(-1)", "prev event", show=False),
+        Binding("g", "goto", "go to"),
+        Binding("home", "home", "start", show=False),
+        Binding("end", "end", "end", show=False),
+        Binding("l", "loop", "loop", show=False),
+        Binding("f", "live_edge", "live edge", show=False),
+    ]
+    HELP_MODE = "replay"
 
-    # -- replay actions ------------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "live_edge":
+            return bool(self.source.follow)
+        return True
+
+    def header_extra(self) -> str:
+        src = self.source
+        pos = (src.cursor_us() or 0) - src.start_us
+        total = src.end_us - src.start_us
+        state = "▶" if src.playing else "‖"
+        extra = f"{state} {src.speed:g}x  {pos / 1e6:,.1f}/{total / 1e6:,.1f} s" + ("  loop" if src.loop else "")
+        if src.follow:
+            if src.writer_done:
+                extra += "  writer finished"
+            elif src.writer_gone:
+                extra += "  writer gone (not closed)"
+            else:
+                extra += "  at live edge" if src.at_edge else "  f: to live edge"
+        return extra
+
     def _moved(self, note: str | None = None) -> None:
         if note:
-            self.notify(note, timeout=2)
+            self.note(note, timeout=2)
         self.refresh_data(force=True)
 
     def action_play(self) -> None:
@@ -361,7 +489,7 @@ class GpuwatchApp(App):
 
     def action_event(self, direction: int) -> None:
         ev = self.source.jump_event(direction)
-        self._moved(f"{ev['kind']}: {ev['message']}" if ev else "no more events")
+        self._moved(R.ellipsize(f"{ev['kind']}: {ev['message']}", 60) if ev else "no more events")
 
     def action_home(self) -> None:
         self.source.seek_to(self.source.start_us)
@@ -376,10 +504,9 @@ class GpuwatchApp(App):
         self._moved(f"loop {'on' if self.source.loop else 'off'}")
 
     def action_live_edge(self) -> None:
-        if self.source.follow:
-            self.source.seek_to(self.source.end_us)
-            self.source.playing = True
-            self._moved("following the live edge")
+        self.source.seek_to(self.source.end_us)
+        self.source.playing = True
+        self._moved("following the live edge")
 
     def action_goto(self) -> None:
         def done(value: str | None) -> None:
@@ -387,14 +514,49 @@ class GpuwatchApp(App):
                 src = self.source
                 t = parse_goto(value, src.start_us, src.end_us, src.cursor_us() or src.start_us)
                 if t is None:
-                    self.notify(f"cannot go to {value!r}", severity="error")
+                    self.note(f"cannot go to {value!r}", severity="error")
                 else:
                     self.source.seek_to(t)
                     self._moved()
-        self.push_screen(GotoScreen(), done)
+        self.app.push_screen(GotoScreen(), done)
+
+
+class GpuwatchApp(App):
+    """The App only picks the screen (live or replay) and turns a crash into one line."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "gpuwatch"
+
+    def __init__(self, source: TelemetrySource, session=None, refresh_hz: float = 4.0,
+                 interval_s: float | None = None) -> None:
+        super().__init__()
+        self.crashed: BaseException | None = None
+        self.source, self.session = source, session
+        kind = LiveScreen if source.kind == "live" else ReplayScreen
+        self.dashboard: Dashboard = kind(source, session, refresh_hz,
+                                         interval_s or getattr(source, "interval_s", 0.1))
+
+    def get_default_screen(self) -> Screen:
+        return self.dashboard
+
+    @property
+    def mode(self) -> str:
+        return "live" if self.source.kind == "live" else "replay"
+
+    @property
+    def plot_gpu(self):
+        return self.dashboard.plot_gpu
+
+    def _print_error_renderables(self) -> None:
+        """An uncaught exception: the caller writes the traceback to a log file and prints one line
+        (Textual would print a full traceback to the restored terminal)."""
+        if self._exception is not None:
+            self.crashed = self._exception
+            self._exit_renderables.clear()
+            return
+        super()._print_error_renderables()
 
 
 def make_app(source: TelemetrySource, session=None, **kw) -> GpuwatchApp:
     """The App with its collaborators injected: tests pass a replay or a hand-fed live source."""
     return GpuwatchApp(source, session=session, **kw)
-

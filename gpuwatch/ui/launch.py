@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -54,27 +55,55 @@ def _run_app(app, log_folder: Path | None, status) -> int:
 
 
 MAX_ON_THE_FLY = 1500  # windows scored when replaying a session recorded without risk (~3 s)
+FIRST_PASS = 150  # a first, coarse pass so that the plot and the panel fill in within a second or two
 
 
-def score_on_the_fly(source: ReplaySource, model_path: Path | None, trust: bool, status) -> None:
-    """A session recorded before risk was recorded (or without a model): score it now with the
-    model at hand, every k-th sample so that it takes seconds, and say so in the panel."""
-    if source.follow or not source.risk_df.is_empty() or not source.gpus:
-        return
-    from gpuwatch.predict.model import ModelError, load_model
-    from gpuwatch.predict.scorer import score_source
+def needs_scoring(source: ReplaySource) -> bool:
+    return not source.follow and source.risk_df.is_empty() and bool(source.gpus)
 
-    try:
-        model = load_model(model_path, trust=trust)
-    except ModelError as e:
-        if model_path is not None:
-            raise
-        status(f"no risk shown: {e}")
-        return
-    n = int(source.ticks_ts.size)
-    stride = max(1, -(-n // MAX_ON_THE_FLY))
-    status(f"scoring risk on the fly with {model.label} (every {stride} sample(s))...")
-    source.set_risk(score_source(source, model, stride=stride), f"scored on the fly by {model.label}")
+
+def score_in_background(source: ReplaySource, model_path: Path | None, trust: bool, status=None,
+                        model=None) -> threading.Thread | None:
+    """A session recorded without risk (older, or without a model): the replay opens at once and the
+    risk is scored on a thread with the model at hand - a coarse pass first, then every k-th sample -
+    each pass handed to the source as it finishes; the risk panel says which it shows."""
+    if not needs_scoring(source):
+        return None
+    source.risk_note = "scoring risk in the background..."
+
+    def work() -> None:
+        from gpuwatch.predict.model import ModelError, load_model
+        from gpuwatch.predict.scorer import score_source
+
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # the screen comes first
+        except (AttributeError, OSError):
+            pass
+        try:
+            m = model or load_model(model_path, trust=trust)
+        except ModelError as e:
+            source.risk_note = f"no risk shown: {e}"
+            source.touch()
+            if status:
+                status(f"no risk shown: {e}")
+            return
+        n = int(source.ticks_ts.size)
+        for i, budget in enumerate((FIRST_PASS, MAX_ON_THE_FLY)):
+            stride = max(1, -(-n // budget))
+            last = i == 1 or stride == 1
+            note = f"scored on the fly by {m.label}" if last else \
+                f"scored on the fly by {m.label}, coarse (every {stride} samples); refining..."
+            try:
+                source.set_risk(score_source(source, m, stride=stride), note)
+            except Exception as e:  # noqa: BLE001 - the replay goes on; the panel says why risk is missing
+                source.risk_note = f"risk scoring failed: {type(e).__name__}: {e}"
+                source.touch()
+                return
+            if last:
+                return
+    t = threading.Thread(target=work, name="gpuwatch-score", daemon=True)
+    t.start()
+    return t
 
 
 def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None, model: Path | None = None,
@@ -83,8 +112,13 @@ def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None
 
     status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
     source = ReplaySource(path, follow=follow, speed=speed)
+    loaded = None
+    if not no_model and model is not None and needs_scoring(source):
+        from gpuwatch.predict.model import load_model
+
+        loaded = load_model(model, trust=trust)  # a model the user named: a bad one is a one-line error
     if not no_model:
-        score_on_the_fly(source, model, trust, status)
+        score_in_background(source, model, trust, None, model=loaded)
     for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
         status(f"warning: {w}")
     app = make_app(source)
@@ -92,8 +126,29 @@ def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None
     why = getattr(source.reader, "incomplete_reason", None)
     if why and not follow:
         notes.insert(0, why)
-    app.call_later(lambda: [app.notify(w, severity="warning", timeout=15) for w in notes])
+    if notes:  # one notification, not a stack of them over the screen
+        app.call_later(lambda: app.notify("\n".join(notes), severity="warning", timeout=15))
     return _run_app(app, None, status)
+
+
+class _NullBus:
+    """A placeholder until the session's bus exists (the feed is read before the session starts)."""
+
+
+def attach_feed(session, feed) -> None:
+    """Feed a replayed-as-live session what its recording holds besides GPU samples; its GPUs take the
+    recorded workload caps, its label the recorded host."""
+    from dataclasses import replace
+
+    feed.bus = session.bus
+    src = session.source
+    src.feed = feed
+    src.gpus[:] = [replace(g, mem_limit_bytes=feed.caps.get(g.index) or g.mem_limit_bytes) for g in src.gpus]
+    if feed.host:
+        src.label = src.label.replace(" (not live)", f" from {feed.host} (not live)") \
+            if "(not live)" in src.label else f"{src.label} from {feed.host}"
+    if feed.has_risk:
+        session.model_note = "risk as recorded"
 
 
 def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
@@ -101,7 +156,18 @@ def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
     from gpuwatch.ui.app import make_app
 
     status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
+    feed = None
+    if cfg.source and cfg.workload is None:  # watch --source: the recording's steps, events, risk and host too
+        from dataclasses import replace
+
+        from gpuwatch.recording.source import RecordedFeed
+
+        feed = RecordedFeed(_NullBus(), cfg.source)
+        if feed.has_risk:  # show the risk that was live then, not a second scoring beside it
+            cfg = replace(cfg, model=replace(cfg.model, enabled=False))
     with Session(cfg, on_status=status) as session:
+        if feed is not None:
+            attach_feed(session, feed)
         app = make_app(session.source, session=session, interval_s=cfg.interval_s)
         if duration_s:
             app.call_later(lambda: app.set_timer(duration_s, app.exit))

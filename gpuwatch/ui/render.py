@@ -56,6 +56,22 @@ def bucket_max(values: list, k: int, scale: float = 1.0) -> list:
     return _bucket(values, k, max, scale)
 
 
+def bucket_time(rows: list[dict[str, Any]], end_us: int, columns: int, col_us: int = 1_000_000,
+                key: str = "risk") -> list:
+    """Rows with a `ts` (us) into `columns` columns of `col_us` each, the last ending at `end_us`: the max
+    of `key` in each (None where no row fell). Risk rows come at the scorer's pace (or every k-th sample
+    when scored after the fact), not one per sample, so they are placed by time, not by count."""
+    out: list = [None] * columns
+    start = end_us - columns * col_us
+    for r in rows:
+        v, ts = r.get(key), r.get("ts")
+        if v is None or ts is None or ts <= start or ts > end_us:
+            continue
+        i = min(columns - 1, int((ts - start - 1) // col_us))
+        out[i] = v if out[i] is None else max(out[i], v)
+    return out
+
+
 def bucket_min(values: list, k: int, scale: float = 1.0) -> list:
     return _bucket(values, k, min, scale)
 
@@ -85,14 +101,17 @@ def _f(v: Any, fmt: str = "{:.0f}", none: str = "-") -> str:
 def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool) -> list[Text]:
     if row is None:
         return [Text(f"GPU{meta.index} {meta.name}: no data (lost?)", style="bold red")]
-    bw = max(6, (width - 56) // 2)
+    bw = max(6, (width - 62) // 2)
     util = row.get("gpu_util_pct")
-    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
+    used, card = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
+    # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set
+    total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
-        (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
+        (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
         f" {_f(util):>3}%  mem ", bar(mfrac, bw, "magenta"),
-        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB")
+        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
+        f" {_f(mfrac * 100 if mfrac is not None else None)}%")
     temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
     pw, lim = row.get("gpu_power_w"), row.get("gpu_power_limit_w") or meta.power_limit_w
     tstyle = "red" if temp is not None and slow and temp >= slow - 5 else ""
@@ -218,14 +237,35 @@ def _dur(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+def ellipsize(text: str, width: int) -> str:
+    """`text` in at most `width` cells, cut at a word boundary and ended with an ellipsis when it does
+    not fit (never mid-word; a single word longer than the whole line is the only thing cut inside)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = text[:width - 1]
+    cut = max(head.rfind(" "), head.rfind(";"), head.rfind(","))
+    if text[width - 1] in " ;,":  # the cut falls right on a boundary: keep the whole last word
+        cut = width - 1
+    head = head[:cut] if cut > 0 else head
+    return head.rstrip(" ;,:") + "…"
+
+
+def event_text(e: dict[str, Any]) -> str:
+    """One event in full: time, kind, GPU, message and the risk behind it."""
+    d = event_detail(e)
+    msg = e["message"]
+    if e.get("kind") == "control":  # sessions recorded before the wording was fixed said `ceiling -> None`
+        msg = msg.replace(" -> None (", " -> none (lifted) (")
+    extra = f" (risk {d['risk']:.2f})" if isinstance(d.get("risk"), (int, float)) else ""
+    gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
+    return f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{msg}{extra}"
+
+
 def event_lines(events: list[dict[str, Any]], n: int, width: int) -> list[Text]:
-    out = []
-    for e in events[-n:]:
-        d = event_detail(e)
-        extra = f" (risk {d['risk']:.2f})" if "risk" in d else ""
-        gpu = f"GPU{e['gpu']} " if e.get("gpu") is not None else ""
-        line = f"{clock(e['ts'])[:8]} {e['kind']:<15} {gpu}{e['message']}{extra}"
-        out.append(Text(line[:width], style=SEVERITY_STYLE.get(e.get("severity"), "")))
+    out = [Text(ellipsize(event_text(e), width), style=SEVERITY_STYLE.get(e.get("severity"), ""))
+           for e in events[-n:]]
     return out or [Text("no events yet", style="dim")]
 
 
@@ -242,3 +282,43 @@ def header(kind: str, label: str, cursor_us: int | None, extra: str, paused: boo
         t.append("  " + extra)
     t.append("  " + label, style="bold")  # last: the first thing a narrow terminal cuts
     return t
+
+
+PROC_SORTS = ("memory", "pid", "user", "command", "gpu")
+
+
+def proc_rows(latest: dict[Any, dict[str, Any]], names: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
+    """Every process on every GPU at the cursor: gpu, pid, GPU memory (NVML's compute-apps), SM and
+    memory utilization where NVML gave them, user and command where known (`names`: pid -> both)."""
+    out = []
+    for g, row in latest.items():
+        for p in (row or {}).get("gpu_procs") or []:
+            pid = p.get("pid")
+            user, cmd = names.get(pid, ("-", "-"))
+            out.append({"gpu": g, "pid": pid, "used_bytes": p.get("used_bytes"), "sm_pct": p.get("sm_util_pct"),
+                        "mem_pct": p.get("mem_util_pct"), "user": user, "command": cmd})
+    return out
+
+
+def sort_procs(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    if key == "memory":
+        return sorted(rows, key=lambda r: (-(r["used_bytes"] or 0), r["pid"] or 0))
+    if key in ("user", "command"):
+        return sorted(rows, key=lambda r: (str(r[key]).lower(), r["pid"] or 0))
+    if key == "gpu":
+        return sorted(rows, key=lambda r: (r["gpu"] if r["gpu"] is not None else -1, -(r["used_bytes"] or 0)))
+    return sorted(rows, key=lambda r: r["pid"] or 0)
+
+
+def proc_lines(rows: list[dict[str, Any]], key: str, n: int, width: int) -> list[Text]:
+    """A process table like nvitop's: the first `n` rows after sorting by `key`, commands cut last."""
+    head = Text(f"{'GPU':>3} {'PID':>8} {'USER':<10} {'GPU MEM':>9} {'SM%':>4} {'MEM%':>4}  COMMAND"
+                f"   (sorted by {key}; o: sort)", style="bold")
+    out = [head]
+    for r in sort_procs(rows, key)[:max(0, n - 1)]:
+        line = (f"{_f(r['gpu']):>3} {_f(r['pid']):>8} {str(r['user'])[:10]:<10} {fmt_bytes(r['used_bytes']):>9} "
+                f"{_f(r['sm_pct']):>4} {_f(r['mem_pct']):>4}  ")
+        out.append(Text(line + ellipsize(str(r["command"]), max(1, width - len(line)))))
+    if not rows:
+        out.append(Text("no process on any GPU at this moment", style="dim"))
+    return out

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -12,6 +16,8 @@ LIVE_HELP = """[b]Live[/b]
   space      pause / resume the view (recording goes on)
   m          mark this moment (an event in the recording)
   s          show the plots of the next GPU
+  enter      the newest event in full (↑/↓ older/newer)
+  t          processes on every GPU instead of the events (o: sort by memory, pid, user, command, GPU)
   q          quit (asks first while a workload runs)"""
 
 WORKLOAD_HELP = """
@@ -37,6 +43,8 @@ REPLAY_HELP = """[b]Replay[/b]
   l          loop on / off
   f          back to the live edge (follow)
   s          show the plots of the next GPU
+  enter      the event at the cursor in full (↑/↓ older/newer)
+  t          processes on every GPU instead of the events (o: sort)
   q          quit"""
 
 
@@ -78,3 +86,40 @@ class GotoScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class EventScreen(ModalScreen[None]):
+    """One event whole: the line the events panel ellipsizes, wrapped, and every detail recorded with
+    it; ↑/↓ move to the older/newer event of those the panel had."""
+
+    BINDINGS = [Binding("escape,enter,q", "dismiss", "close"), Binding("up,k", "move(-1)", "older"),
+                Binding("down,j", "move(1)", "newer")]
+
+    def __init__(self, events: list[dict[str, Any]], index: int = -1) -> None:
+        super().__init__()
+        self.events = events
+        self.index = index % len(events) if events else 0
+
+    def compose(self) -> ComposeResult:
+        yield Vertical(Static(self._body(), id="event-body", markup=False), id="dialog")
+
+    def _body(self) -> Text:
+        from gpuwatch.ui.render import SEVERITY_STYLE, event_text
+
+        if not self.events:
+            return Text("no events at this moment", style="dim")
+        e = self.events[self.index]
+        t = Text(event_text(e), style=SEVERITY_STYLE.get(e.get("severity"), ""))
+        try:
+            detail = json.loads(e.get("detail") or "{}")
+        except (TypeError, ValueError):
+            detail = {}
+        for k, v in (detail.items() if isinstance(detail, dict) else []):
+            t.append(f"\n  {k}: {v if isinstance(v, (str, int, float)) or v is None else json.dumps(v)}", style="")
+        t.append(f"\n\n  event {self.index + 1} of {len(self.events)}   ↑/↓ older/newer   esc closes", style="dim")
+        return t
+
+    def action_move(self, step: int) -> None:
+        if self.events:
+            self.index = min(max(self.index + step, 0), len(self.events) - 1)
+            self.query_one("#event-body", Static).update(self._body())

@@ -90,6 +90,13 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
     out = []
     for dev in _devices(spec):
         mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+        lim = spec.memory_limit_bytes
+        if lim and dev.type != "cuda":  # was accepted silently, and did nothing
+            raise UsageError(f"--gpu-memory-limit caps a CUDA GPU's memory; this workload runs on {dev} "
+                             "(drop the flag, or run on a GPU)")
+        if lim and mem and lim > mem:
+            raise UsageError(f"--gpu-memory-limit {lim / 2**30:.1f} GiB is more than {dev}'s "
+                             f"{mem / 2**30:.1f} GiB: it would limit nothing")
         ident = cuda_identity(dev)
         index = nvml_index(ident) if nvml_index and dev.type == "cuda" else None
         if index is None and dev.type == "cuda":
