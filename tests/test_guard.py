@@ -51,7 +51,8 @@ def test_refuses_the_ramps_step_up():
 
 def test_floor_and_precision_fallback():
     p = Policy(GuardConfig(cooldown_s=0))
-    assert p.decide(obs(0, 0.9, planned=1, last=1)).kind == "none"  # bf16 at batch 1: nothing left to do
+    a = p.decide(obs(0, 0.9, planned=1, last=1))  # bf16 at batch 1: nothing left to do, and it says so
+    assert a.kind == "unable" and "floor" in a.why and "sequence length" in a.value
     a = p.decide(obs(1, 0.9, planned=1, last=1, precision="fp32"))
     assert a.kind == "precision" and a.value == "bf16" and "floor" in a.why
     o = obs(2, 0.9, planned=8, last=8, precision="fp32", alloc_growth_frac_per_step=0.01, plan_growth=1.0)
