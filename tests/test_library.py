@@ -281,12 +281,16 @@ def test_the_user_loop_is_guarded_and_recorded_as_a_normal_session(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpuwatch", "score", str(folder), "--json"], capture_output=True,
                        text=True, timeout=120, env={**__import__("os").environ, **env})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout)["guard_actions"]
+    assert json.loads(r.stdout)["actions"]
     r = subprocess.run([sys.executable, "-m", "gpuwatch", "report", str(folder), "-o", str(tmp_path / "r.md")],
                        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "user" in (tmp_path / "r.md").read_text()
     from gpuwatch.predict.dataset import session_timelines
+    from gpuwatch.recording.source import ReplaySource
+
+    src = ReplaySource(folder)  # what `gpuwatch replay` opens
+    assert src.gpus and src.gpus[0].index == 0 and src.events_df.height > 5
 
     tls = session_timelines(folder, stride=5)
     assert tls and sum(len(t.X) for t in tls) > 10

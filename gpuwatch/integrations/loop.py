@@ -38,6 +38,7 @@ import torch
 from gpuwatch.control.contract import Action, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
+from gpuwatch.workload import flops as F
 from gpuwatch.workload.allocator import release_cache
 
 Batch = Any  # a tensor, or a Mapping / tuple / list of tensors whose first dimension is the batch
@@ -83,6 +84,8 @@ class GuardedLoop:
         self._baseline = None
         self._lock = threading.Lock()
         self.gpu_index = gpu_index
+        self._params = sum(p.numel() for p in model.parameters()) if model is not None else None
+        self._device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
         if memory_limit and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), self.device)
@@ -225,13 +228,22 @@ class GuardedLoop:
             self._baseline = baseline(self.device)
         row = {"ts": time.time_ns() // 1000, "step": self.steps - 1, "gpu": self.gpu_index, "mode": "train",
                "phase": "train", "precision": self.precision, "batch": n, "seq_len": s, "step_time_s": dt,
-               "tokens_per_s": n * s / dt if dt > 0 else None, "tflops": None, "mfu": None, "loss": loss,
+               "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
                "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
                "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
                "next_precision": self.precision}
         self._last = row
         self.bus.steps.append(row)
         self._maybe_snapshot()
+
+    def _flops(self, tokens: int, dt: float) -> dict[str, float | None]:
+        """Training FLOPs by the usual estimate, 6 x parameters x tokens (forward 2, backward 4; attention's
+        own FLOPs left out), and the share of the device's dense peak at this precision."""
+        if self._params is None or dt <= 0:
+            return {"tflops": None, "mfu": None}
+        tf = 6.0 * self._params * tokens / dt / 1e12
+        peak = F.peak_tflops(self._device_name, self.precision)
+        return {"tflops": tf, "mfu": tf / peak if peak else None}
 
     def _recover(self, failure: str, n: int, s: int, micro: int, before: int | None) -> bool:
         """An OOM the guard did not prevent: free, record, and retry the same batch at half the
@@ -369,7 +381,7 @@ class GuardedLoop:
     # -- what the session records and the runtime asks -----------------------------------------------------
     def describe(self) -> dict[str, Any]:
         n, s = self._wanted or (None, None)
-        params = sum(p.numel() for p in self.model.parameters()) if self.model is not None else None
+        params = self._params
         return {"preset": "user", "mode": "train", "schedule": "user", "precision": self.precision, "batch": n,
                 "seq_len": s, "device": str(self.device), "params": params, "overrides": {},
                 "faults": {"memory_limit_bytes": self.memory_limit_bytes}, "integrity_every": 0, "seed": None,
