@@ -104,6 +104,8 @@ class GuardedLoop:
         if self.session is None:
             self.session = Session(self.session_config, workloads=self._attach)
             self.session.start()
+            self.bus.emit("workload_start", f"{self.label} guarded by gpuwatch on {self.device}", gpu=self.gpu_index,
+                          **self.describe())
         return self
 
     def _attach(self, bus, nvml_index) -> list:
@@ -112,8 +114,6 @@ class GuardedLoop:
             from gpuwatch.workload.factory import cuda_identity
 
             self.gpu_index = nvml_index(cuda_identity(self.device))
-        bus.emit("workload_start", f"{self.label} guarded by gpuwatch on {self.device}", gpu=self.gpu_index,
-                 **self.describe())
         return [self]
 
     def close(self) -> None:
