@@ -162,12 +162,7 @@ class GuardedLoop:
         t_in = time.perf_counter()
         n = _batch_size(batch)
         s = seq_len if seq_len is not None else _seq_len(batch)
-        self._wanted = (n, s)
-        if self.guard is not None and not self.manual:
-            self.guard.before_step(self)
-        self._apply_pending()
-        if self._stop_why is not None:
-            self._stop(self._stop_why)
+        if self.decide(n, s) is None:
             return None
         overhead = time.perf_counter() - t_in
         for _attempt in range(64):
@@ -196,6 +191,32 @@ class GuardedLoop:
         self._record(n, s, micro, k, loss, dt)
         self.step_overhead_s = (self.step_overhead_s + [overhead + time.perf_counter() - t1])[-1000:]
         return loss
+
+    # -- frameworks that run the step themselves (Hugging Face, Lightning) ----------------------------------
+    def decide(self, batch_size: int, seq_len: int) -> StepPlan | None:
+        """The guard decides for a step of `batch_size` x `seq_len` (the effective batch); returns the
+        plan (its `batch` the micro-batch under the guard's ceiling) or None when the run must stop (the
+        checkpoint hook has then been called)."""
+        if self.session is None:
+            self.start()
+        if self.should_stop:
+            return None
+        self._wanted = (int(batch_size), int(seq_len))
+        if self.guard is not None and not self.manual:
+            self.guard.before_step(self)
+        self._apply_pending()
+        if self._stop_why is not None:
+            self._stop(self._stop_why)
+            return None
+        return self.next_plan()
+
+    def record_step(self, batch_size: int, seq_len: int, micro_batches: int, step_time_s: float,
+                    loss: float | None = None) -> None:
+        """One optimizer step that ran (a steps row; the allocator figures are read here)."""
+        self._record(int(batch_size), int(seq_len), -(-int(batch_size) // max(1, micro_batches)), max(1, micro_batches),
+                     loss, step_time_s)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _run(self, batch: Batch, n: int, k: int, loss_fn) -> float | None:
         parts = _split(batch, k)
@@ -472,3 +493,13 @@ def _ranges(n: int, k: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def per_device_batch(effective: int, cap: int) -> int:
+    """The largest divisor of `effective` that is at most `cap` (at least 1): a framework's per-device
+    batch that, with `effective // it` accumulation steps, keeps the effective batch exactly."""
+    cap = max(1, min(int(cap), int(effective)))
+    for b in range(cap, 0, -1):
+        if effective % b == 0:
+            return b
+    return 1
