@@ -123,7 +123,7 @@ def _lightning_run(tmp_path, name, actions):
                 gw.loop.apply(actions[trainer.current_epoch])
 
     model = LM()
-    trainer = L.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_epochs=4, accelerator="cpu", logger=False, default_root_dir=str(tmp_path / f"pl-{name}"), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Inject(), gw],
                         reload_dataloaders_every_n_epochs=1)
     trainer.fit(model, train_dataloaders=gw.dataloader(ds, batch_size=8))
@@ -143,3 +143,9 @@ def test_lightning_keeps_the_effective_batch_and_the_update_through_the_guard(tm
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     rec = open_recording(tmp_path / "guarded")
     assert set(rec.steps["batch"].to_list()) == {8} and rec.steps["micro_batches"].max() == 4
+
+
+def test_lightning_stops_cleanly_with_a_checkpoint_when_the_guard_stops(tmp_path):
+    model, gw, seen, t = _lightning_run(tmp_path, "leak", {1: Action("stop", None, "test: a leak")})
+    assert t.global_step == 16 and gw.loop.should_stop and len(seen) == 16
+    assert (tmp_path / "pl-leak" / "gpuwatch-stop-step16.ckpt").is_file()
