@@ -328,3 +328,27 @@ def test_the_readme_library_example_runs_as_is(tmp_path, env):
     rec = open_recording(sessions[0])
     assert rec.steps.height >= 10 and rec.samples.height > 0
     assert set(rec.events["kind"].to_list()) >= {"session_start", "workload_start", "session_end"}
+
+
+# -- the H200 benchmark's dry run (CPU, tiny, simulated OOMs): its code paths and its JSON ---------------------
+def test_the_guard_library_benchmark_dry_run(tmp_path, env):
+    out = tmp_path / "dry.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/guard_library.py"), "--dry-run", "--out", str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["scenarios"]
+    assert not [k for k, v in s.items() if "error" in v], {k: v.get("traceback") for k, v in s.items()}
+    assert set(s) == {"ramp-loop", "healthy", "fragment", "leak", "ramp-hf"}
+    ramp = s["ramp-loop"]
+    assert ramp["unguarded"]["ooms"] > 0 and ramp["unguarded"]["steps_lost"] > 0  # the ramp does pass the limit
+    assert ramp["guarded"]["steps_lost"] == 0 and ramp["guarded"]["effective_batch"] == [16]
+    assert ramp["guarded"]["guard_unable"] == 1  # a CPU: the guard says once it cannot act
+    leak = s["leak"]["guarded"]
+    assert leak["stopped"] and leak["checkpoint_calls"]  # never an OOM loop: checkpoint, then a clean stop
+    hf = s["ramp-hf"]
+    assert hf["unguarded"]["ooms"] > 0 and hf["guarded"]["crashed"] is None
+    assert hf["guarded"]["effective_batch_per_step"] == [16] and hf["guarded"]["global_step"] == hf["steps"]
+    assert set(res["targets"]) == {"ramp_loop_zero_ooms", "ramp_hf_zero_ooms", "fragment_zero_ooms", "leak_clean_stop",
+                                   "healthy_ratio_ge_0.98"}
+    assert 0 < s["healthy"]["tokens_per_s_ratio"]

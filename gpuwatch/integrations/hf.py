@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gpuwatch.control.contract import Action
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.integrations.loop import GuardedLoop, per_device_batch
 
@@ -45,6 +46,7 @@ class GpuwatchCallback(TrainerCallback):
         self.pending: tuple[int, int] | None = None  # (per-device batch, accumulation) for the resumed run
         self.base_batch: int | None = None  # the user's own per-device batch (what is given back)
         self.restarts = 0
+        self.ooms = 0  # OOMs the guard did not prevent (each resumed at half the per-device batch)
         self.effective: list[int] = []  # the effective batch of every optimizer step (tests, benchmarks)
         self._t0 = None
         self._tokens = 0
@@ -131,24 +133,69 @@ class GpuwatchCallback(TrainerCallback):
 
 def train(trainer, max_restarts: int = 16, **train_kwargs):
     """`trainer.train(**train_kwargs)`, resumed from its last checkpoint with the per-device batch and
-    gradient accumulation the guard asked for, as often as it asks (at most `max_restarts`)."""
+    gradient accumulation the guard asked for, as often as it asks (at most `max_restarts`). An OOM the
+    guard did not prevent is recorded and the run resumed the same way at half the per-device batch
+    (from the last checkpoint; without one, from the start: those steps are run again); at a per-device
+    batch of 1 it is raised."""
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, GpuwatchCallback)), None)
     if cb is None:
         raise ValueError("add GpuwatchCallback() to the Trainer's callbacks first")
+    kw = dict(train_kwargs)
     try:
-        out = trainer.train(**train_kwargs)
-        while cb.pending is not None and cb.restarts < max_restarts and not cb.loop.should_stop:
+        while True:
+            failed = None
+            try:
+                out = trainer.train(**kw)
+            except torch.OutOfMemoryError as e:
+                failed = str(e).splitlines()[0][:300]
+            if failed is not None:  # outside the handler: its traceback pins the step's tensors
+                b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+                cb.ooms += 1
+                if cb.loop is not None:
+                    cb.loop.bus.emit("oom", f"CUDA OOM in the Trainer at per-device batch {b}", "error",
+                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed)
+                    if cb.loop.guard is not None:
+                        cb.loop.guard.after_oom(cb.loop, b * k, b)
+                if b <= 1 or cb.restarts >= max_restarts:
+                    raise torch.OutOfMemoryError(failed)
+                nb = per_device_batch(b * k, b // 2)
+                cb.pending = (nb, b * k // nb)
+                if cb.loop is not None:  # the guard's ceiling follows, so the resumed run is not talked back up
+                    cb.loop.apply(Action("lower_ceiling", nb, f"OOM at per-device batch {b}"), who="recovery")
+                _free(trainer)
+            if cb.pending is None or cb.restarts >= max_restarts or (cb.loop is not None and cb.loop.should_stop):
+                return out
             b, k = cb.pending
             cb.pending = None
             cb.restarts += 1
             trainer.args.per_device_train_batch_size = b
             trainer.args.gradient_accumulation_steps = k
             trainer._train_batch_size = trainer.args.train_batch_size  # the Trainer keeps its own copy
-            out = trainer.train(resume_from_checkpoint=True)
-        return out
+            last = get_last_checkpoint(trainer.args.output_dir) if Path(trainer.args.output_dir).is_dir() else None
+            kw = {**train_kwargs, "resume_from_checkpoint": last}
+            if last is None and cb.loop is not None:
+                cb.loop.bus.emit("oom_recovered", f"no checkpoint yet: the Trainer starts again at per-device batch {b} "
+                                 f"x {k} accumulation", "warning", gpu=cb.loop.gpu_index, who="recovery", retried=True,
+                                 decision=f"per-device batch -> {b}, accumulation -> {k}")
     finally:
         cb.pending = None
         cb.close()
+
+
+def _free(trainer) -> None:
+    import gc
+
+    import torch
+
+    if trainer.optimizer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _last_loss(state) -> float | None:
