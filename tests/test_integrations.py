@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpuwatch.control.contract import Action  # noqa: E402
+from gpuwatch.contract import Action  # noqa: E402
 from gpuwatch.integrations.loop import per_device_batch  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.control.contract", "gpuwatch.control.guard", "gpuwatch.control.policy", "gpuwatch.runtime",
+CORE = ["gpuwatch.cli", "gpuwatch.control", "gpuwatch.contract", "gpuwatch.control.guard", "gpuwatch.control.policy", "gpuwatch.runtime",
         "gpuwatch.telemetry.sampler", "gpuwatch.telemetry.sampler_process", "gpuwatch.recording.reader",
         "gpuwatch.recording.writer", "gpuwatch.recording.replay_backend", "gpuwatch.recording.backends",
         "gpuwatch.predict.features", "gpuwatch.predict.model", "gpuwatch.workload.presets",

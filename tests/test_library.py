@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpuwatch.control.contract import Action, GuardedWorkload, StepPlan  # noqa: E402
+from gpuwatch.contract import Action, GuardedWorkload, StepPlan  # noqa: E402
 from gpuwatch.control.guard import Guard  # noqa: E402
 from gpuwatch.control.policy import GuardConfig, Observation, Policy  # noqa: E402
 from gpuwatch.integrations.loop import GuardedLoop, _split  # noqa: E402
@@ -196,7 +196,7 @@ class FloorWorkload:
         return StepPlan(batch=1, seq_len=64, precision="bf16")
 
     def guard_view(self):
-        from gpuwatch.control.contract import WorkloadView
+        from gpuwatch.contract import WorkloadView
 
         return WorkloadView(gpu=0, ceiling=1, last_ok_batch=1)
 

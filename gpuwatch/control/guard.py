@@ -5,7 +5,7 @@ reasons and features (and, at an alarm's onset, asks the workload for an allocat
 workload's thread calls `before_step` between steps: the policy decides on the latest risk, and when
 the workload's plan grew since that risk was scored (a ramp's step up, a longer batch from the user's
 loader), the plan is scored again right there, so a step the model says will fail is refused before
-it runs. The guard talks to a workload only through `gpuwatch.control.contract` (`next_plan`,
+it runs. The guard talks to a workload only through `gpuwatch.contract` (`next_plan`,
 `guard_view`, `accepts`, `apply`): gpuwatch's DeepSeek workload and a user's loop alike.
 
 Each action is a `guard_action` event with the risk and the figures behind it. `observe` mode logs
@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.control.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
+from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 
 

@@ -18,7 +18,7 @@ Rules (the same guard runs any of them, so they compare like for like):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from gpuwatch.control.contract import NONE, Action
+from gpuwatch.contract import NONE, Action
 
 RULES = ("model", "fixed", "accelerate", "composer")
 MODES = ("off", "observe", "on")

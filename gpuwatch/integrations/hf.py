@@ -28,7 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from gpuwatch.control.contract import Action
+from gpuwatch.contract import Action
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.integrations.loop import GuardedLoop, per_device_batch
 

@@ -18,7 +18,7 @@ effective batch); at the floor the loop stops instead (never an OOM loop).
 
 It records a normal gpuwatch session (samples 10 Hz, one steps row per optimizer step, risk, guard and
 control events) that `gpuwatch replay`, `score`, `report` and `train` open. The loop is one
-`GuardedWorkload` (gpuwatch.control.contract); the session is the same `runtime.Session` that
+`GuardedWorkload` (gpuwatch.contract); the session is the same `runtime.Session` that
 `gpuwatch stress` runs. Cost per step: docs/LIBRARY.md.
 """
 
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from gpuwatch.control.contract import Action, StepPlan, WorkloadView
+from gpuwatch.contract import Action, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 from gpuwatch.workload import flops as F

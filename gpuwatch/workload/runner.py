@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gpuwatch.control.contract import Action, StepPlan, WorkloadView, lower_precisions
+from gpuwatch.contract import Action, StepPlan, WorkloadView, lower_precisions
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
@@ -63,7 +63,7 @@ class WorkloadConfig:
 
 
 class Workload:
-    """gpuwatch's DeepSeek workload; implements `gpuwatch.control.contract.GuardedWorkload` (the
+    """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
 
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
@@ -168,7 +168,7 @@ class Workload:
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
         return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff}
 
-    # -- the guard's contract (gpuwatch.control.contract.GuardedWorkload) -----------------------------------
+    # -- the guard's contract (gpuwatch.contract.GuardedWorkload) -----------------------------------
     @property
     def gpu_index(self) -> int | None:
         return self.cfg.gpu_index

@@ -3,10 +3,11 @@ the guard may read back (`WorkloadView`), and the actions a workload accepts (`A
 
 Why a contract and not duck typing: the guard used to read a dozen members of gpuwatch's own
 `Workload` (its schedule, its pending controls, `last`, `manual`, `cfg.gpu_index`...), so nothing else
-could be guarded. Now the guard asks a `GuardedWorkload` three questions (`next_plan`, `guard_view`,
+could be guarded. It sits at the bottom of the layers (stdlib only), so the guard (control), the
+workloads (workload, integrations) and the risk model (predict) can all name its types. Now the guard asks a `GuardedWorkload` three questions (`next_plan`, `guard_view`,
 `accepts`) and hands it one `Action` at a time through `apply`; gpuwatch's DeepSeek workload
 (`gpuwatch.workload.runner.Workload`) and the library loop around a user's own training loop
-(`gpuwatch.integrations.loop.GuardedLoop`) both implement it. Pure Python: no torch here (layer 3).
+(`gpuwatch.integrations.loop.GuardedLoop`) both implement it. Pure Python: no torch here.
 
 The plan carries what the risk model scores (batch, seq_len, precision, mode): `StepPlan.scored()` is
 the dict the scorer takes today.
