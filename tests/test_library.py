@@ -169,6 +169,11 @@ def test_a_leak_is_named_once_then_stopped_before_the_crash_whatever_the_risk():
     assert a.kind == "stop" and "before the OOM" in a.why
     growing_plan = obs(2, 0.1, alloc_growth_frac_per_step=0.02, next_peak_est_frac=0.95, plan_growth=1.5)
     assert Policy(GuardConfig()).decide(growing_plan).kind != "stop"  # a ramp is not a leak
+    jump = obs(2, 0.1, alloc_growth_frac_per_step=0.05, next_peak_est_frac=0.95)
+    jump.alloc_rising_steps = 1  # one jump (the optimizer's state after step 1), not a rise every step
+    assert Policy(GuardConfig()).decide(jump).kind == "none"
+    jump.alloc_rising_steps = 4
+    assert Policy(GuardConfig()).decide(jump).kind == "stop"
 
 
 def test_fragmentation_releases_the_cache_and_switches_to_expandable_segments_once():
@@ -352,3 +357,37 @@ def test_the_guard_library_benchmark_dry_run(tmp_path, env):
     assert set(res["targets"]) == {"ramp_loop_zero_ooms", "ramp_hf_zero_ooms", "fragment_zero_ooms", "leak_clean_stop",
                                    "healthy_ratio_ge_0.98"}
     assert 0 < s["healthy"]["tokens_per_s_ratio"]
+
+
+class AllocWorkload(FloorWorkload):
+    """torch allocated after each step follows `series` (one value per step)."""
+
+    def __init__(self, series):
+        super().__init__()
+        self.series, self.i = series, 0
+
+    def next_plan(self):
+        return StepPlan(batch=8, seq_len=64, precision="bf16")
+
+    def guard_view(self):
+        from gpuwatch.contract import WorkloadView
+
+        a = self.series[min(self.i, len(self.series) - 1)]
+        self.i += 1
+        return WorkloadView(gpu=0, ceiling=None, last_ok_batch=8, last_allocated_bytes=a, device="cuda")
+
+    def accepts(self):
+        return frozenset({"lower_ceiling", "stop", "name_leak"})
+
+
+@pytest.mark.parametrize("series,stops", [([100 + 10 * i for i in range(12)], True),  # rises every step: a leak
+                                          ([100] * 2 + [300] * 10, False)])  # one jump (optimizer state)
+def test_the_guard_stops_a_leak_that_rises_every_step_not_a_one_off_jump(series, stops):
+    bus, w = Bus(), AllocWorkload(series)
+    g = Guard(bus, GuardConfig(cooldown_s=0.0), {0: w}, threshold=0.9, limits={0: 1000})
+    g.on_risk(0, 0.1, [], {"alloc_growth_frac_per_step": 0.02, "next_peak_est_frac": 0.95, "plan_growth": 1.0},
+              None, False)
+    kinds = [g.before_step(w).kind for _ in series]
+    assert ("stop" in kinds) is stops, kinds
+    if stops:
+        assert kinds.index("stop") >= 4 and g.stopped[0]

@@ -46,6 +46,7 @@ class Guard:
         self.actions = 0
         self.misses = 0
         self.stopped: dict[int | None, str] = {}  # workloads the guard stopped, and why
+        self._alloc: dict[int | None, tuple[int | None, int]] = {}  # last allocated seen, steps it rose in a row
         if unable:
             for g in workloads:
                 self._unable(g, "session", f"guard {cfg.mode} but it cannot act: {unable}", _help_for(unable))
@@ -95,6 +96,7 @@ class Guard:
             risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
         obs = self._observe(w, plan, view, latest)
+        obs.alloc_rising_steps = self._rising(gpu, view)
         act = self.policies[gpu].decide(obs)
         if act.kind == "unable":
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
@@ -103,6 +105,19 @@ class Guard:
             self._apply(w, act, obs)
             return act
         return NONE
+
+    def _rising(self, gpu, view: WorkloadView) -> int | None:
+        """In how many steps in a row torch allocated rose (by more than 0.05 % of the limit): a leak
+        rises every step, a one-off jump once. None where the workload has no allocator figures."""
+        a = view.last_allocated_bytes
+        if a is None:
+            return None
+        prev, n = self._alloc.get(gpu, (None, 0))
+        if prev is not None and a != prev:
+            limit = self.limits.get(view.gpu) or 0
+            n = n + 1 if a - prev > 0.0005 * limit else 0
+        self._alloc[gpu] = (a, n)
+        return n
 
     def _observe(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, latest: dict) -> Observation:
         limit = self.limits.get(view.gpu)

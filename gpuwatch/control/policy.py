@@ -48,6 +48,8 @@ class GuardConfig:
     leak_growth: float = 0.002
     leak_stop_steps: float = 3.0
     leak_stop_at: float = 0.98
+    leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
+    # jump, such as the optimizer's state after the first step, is not a leak)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Observation:
     bf16_ok: bool = True
     lower_precisions: tuple[str, ...] | None = None  # None: from precision and bf16_ok
     accepts: frozenset[str] | None = None  # the actions the workload can apply (None: all)
+    alloc_rising_steps: int | None = None  # steps in a row after which torch allocated rose (None: unknown)
     act_frac: float = 0.0  # the last step's activation peak (peak - allocated) / effective limit
     features: dict[str, float] = field(default_factory=dict)
     reasons: list = field(default_factory=list)
@@ -125,6 +128,8 @@ class Policy:
         before the step that would fail."""
         growth = _f(obs, "alloc_growth_frac_per_step")
         if growth <= self.cfg.leak_growth or _f(obs, "plan_growth", 1.0) > 1.0:
+            return None
+        if obs.alloc_rising_steps is not None and obs.alloc_rising_steps < self.cfg.leak_min_steps:
             return None
         est = _f(obs, "next_peak_est_frac", _f(obs, "mem_used_frac", float("nan")))
         if est != est:
