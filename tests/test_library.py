@@ -391,3 +391,19 @@ def test_the_guard_stops_a_leak_that_rises_every_step_not_a_one_off_jump(series,
     assert ("stop" in kinds) is stops, kinds
     if stops:
         assert kinds.index("stop") >= 4 and g.stopped[0]
+
+
+def test_a_grown_plan_is_rescored_only_when_it_could_matter():
+    bus, w = Bus(), AllocWorkload([0])
+    calls = []
+    g = Guard(bus, GuardConfig(), {0: w}, threshold=0.9,
+              rescore=lambda gpu, plan: calls.append(plan) or (0.1, [], {"next_peak_est_frac": 0.5}))
+    g.on_risk(0, 0.05, [], {"next_peak_est_frac": 0.4}, {"batch": 8, "seq_len": 48}, False)
+    g.before_step(w)  # 8 x 64 against 8 x 48: 0.4 x 1.33 = 0.53 < 0.8, risk far from the alarm
+    assert not calls
+    g.on_risk(0, 0.05, [], {"next_peak_est_frac": 0.7}, {"batch": 8, "seq_len": 48}, False)
+    g.before_step(w)  # 0.7 x 1.33 = 0.93: scored before the step
+    assert len(calls) == 1 and calls[0]["seq_len"] == 64
+    g.on_risk(0, 0.6, [], {"next_peak_est_frac": 0.3}, {"batch": 8, "seq_len": 48}, False)
+    g.before_step(w)  # the risk is within reach of the alarm
+    assert len(calls) == 2

@@ -92,7 +92,7 @@ class Guard:
         view = w.guard_view()
         if view.manual:
             return NONE
-        if self.rescore is not None and latest.get("plan") and plan.tokens > _tokens(latest["plan"]):
+        if self.rescore is not None and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
         obs = self._observe(w, plan, view, latest)
@@ -105,6 +105,20 @@ class Guard:
             self._apply(w, act, obs)
             return act
         return NONE
+
+    def _worth_rescoring(self, plan: StepPlan, latest: dict) -> bool:
+        """Score the grown plan now, in the workload's thread (a few ms), only when it could matter: the
+        last estimate of the next peak scaled by the growth (an overestimate: weights do not grow with
+        the batch) reaches `rescore_from`, or the risk was already within reach of the alarm. Variable
+        sequence lengths grow the plan every other step; most of those steps are far from the limit."""
+        old = _tokens(latest.get("plan") or {})
+        if not latest.get("plan") or plan.tokens <= old:
+            return False
+        est = (latest.get("features") or {}).get("next_peak_est_frac")
+        risk = latest.get("risk")
+        if est is None or est != est or risk is None:
+            return True
+        return est * plan.tokens / max(1.0, old) >= self.cfg.rescore_from or risk >= 0.5 * self.threshold
 
     def _rising(self, gpu, view: WorkloadView) -> int | None:
         """In how many steps in a row torch allocated rose (by more than 0.05 % of the limit): a leak

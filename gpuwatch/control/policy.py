@@ -48,6 +48,7 @@ class GuardConfig:
     leak_growth: float = 0.002
     leak_stop_steps: float = 3.0
     leak_stop_at: float = 0.98
+    rescore_from: float = 0.8  # a grown plan is scored before its step when its scaled peak estimate reaches this
     leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
     # jump, such as the optimizer's state after the first step, is not a leak)
 
