@@ -322,10 +322,11 @@ def readme_example() -> str:
 
 
 def test_the_readme_library_example_runs_as_is(tmp_path, env):
-    code = readme_example()
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    (tmp_path / "train.py").write_text(readme_example())  # a script with no __main__ guard, as users write them
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count(" steps, last loss ") == 1  # the spawned sampler did not run the script again
     sessions = [p for p in (tmp_path / "recordings").iterdir() if (p / "meta.json").exists()]
     assert len(sessions) == 1
     from gpuwatch.recording.reader import open_recording

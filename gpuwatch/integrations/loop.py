@@ -24,8 +24,10 @@ control events) that `gpuwatch replay`, `score`, `report` and `train` open. The 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -102,7 +104,8 @@ class GuardedLoop:
     def start(self) -> "GuardedLoop":
         """Build and start the session (sampler, recorder, scorer, guard). `with` does this."""
         if self.session is None:
-            self.session = Session(self.session_config, workloads=self._attach)
+            with _main_not_reimported():  # the sampler child is spawned here
+                self.session = Session(self.session_config, workloads=self._attach)
             self.session.start()
             self.bus.emit("workload_start", f"{self.label} guarded by gpuwatch on {self.device}", gpu=self.gpu_index,
                           **self.describe())
@@ -415,6 +418,26 @@ class GuardedLoop:
         """The session stops: the user's loop goes on running steps unguarded only if it ignores this."""
         if self.state not in ("stopped", "failed"):
             self.state = "finished" if self.stopped is None else "stopped"
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Spawned children (the sampler process) re-run the parent's `__main__` unless told not to: a user's
+    training script without an `if __name__ == "__main__":` guard would train again in the child. The
+    sampler needs nothing from `__main__` (its target lives in gpuwatch), so while it is spawned the
+    main module shows neither `__spec__` nor `__file__`, which is what multiprocessing reads to decide."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _device_of(model) -> torch.device:
