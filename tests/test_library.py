@@ -408,3 +408,17 @@ def test_a_grown_plan_is_rescored_only_when_it_could_matter():
     g.on_risk(0, 0.6, [], {"next_peak_est_frac": 0.3}, {"batch": 8, "seq_len": 48}, False)
     g.before_step(w)  # the risk is within reach of the alarm
     assert len(calls) == 2
+
+
+def test_stress_never_loops_on_ooms_at_batch_1_when_guarded():
+    """recordings/sample-h200-guard-leak looped "OOM -> recovered: batch halved to 1" every 2 s."""
+    from gpuwatch.workload.runner import Faults, Workload, WorkloadConfig
+    from gpuwatch.workload.summary import format_summary, summarize
+
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(mode="prefill", batch=4, seq_len=16, integrity_every=0, max_steps=20,
+                                     faults=Faults(oom_above_tokens=8), overrides={"num_hidden_layers": 1}))
+    w.guard = Guard(bus, GuardConfig(), {None: w}, threshold=0.5, unable="no GPU: nothing to score")
+    w.run()
+    assert w.state == "stopped" and w.ooms == 4 and "twice in a row" in w.stopped_by  # 4, 2, 1, 1: then stop
+    assert "STOPPED CLEANLY" in format_summary(summarize(w, bus))

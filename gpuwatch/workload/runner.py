@@ -100,6 +100,7 @@ class Workload:
         self.lost_steps = 0  # OOMs the schedule recovered by moving on: those steps were lost
         self.snapshot_request: tuple[str, Any] | None = None
         self.stopped_by: str | None = None  # why the guard stopped this run cleanly (a leak), if it did
+        self._floor_ooms = 0  # OOMs in a row at batch 1 (no step ran between them)
         self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
@@ -425,6 +426,7 @@ class Workload:
             return
         self.schedule.done()
         self._step += 1
+        self._floor_ooms = 0
         self.last_ok_batch = micro
         if self._baseline_blocks is None and self.device.type == "cuda" and self.guard is not None:
             from gpuwatch.workload.memsnap import baseline
@@ -528,6 +530,14 @@ class Workload:
             decision = self.schedule.oom(micro)
             self.lost_steps += 1
         self.recovered += 1
+        self._floor_ooms = self._floor_ooms + 1 if micro <= 1 and react is None else 0
+        if self._floor_ooms >= 2 and self.guard is not None and self.guard.acting and not self.manual:
+            # the guard's promise: never an OOM loop. Nothing smaller can run: stop with the summary.
+            self.stopped_by = (f"OOM at batch 1 twice in a row ({self.precision}, seq {seq}): nothing smaller to run; "
+                               "stopped instead of looping (a leak? see the memory_snapshot event)")
+            self._stop.set()
+            self._resume.set()
+            decision = "stop: " + self.stopped_by
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
                       allocated_after=after, allocated_before=before, decision=decision, who="recovery",
                       retried=react is not None, retry_control=react[0] if react else None,
