@@ -8,6 +8,9 @@
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
 #               --guard observe (benchmarks/nearcap.py; ~9 minutes): issue 20's training data
 #   tests       the GPU test suite in one process (tests marked gpu)
+#   library     the guard in users' loops: plain PyTorch and HF Trainer ramps, healthy, fragment and leak,
+#               unguarded vs guarded under a calibrated cap (benchmarks/guard_library.py; <= 4 minutes;
+#               the HF Trainer needs accelerate: ../shared/tools/device-wheels.sh accelerate==1.15.0)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -24,6 +27,12 @@ stage_nearcap() {
 stage_tests() {
   EXT=txt stage gputests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA
   grep -E "PASSED|FAILED|^E |passed|failed" $R/gputests.txt | tail -n 20
+}
+stage_library() {
+  EXT=txt stage guard_library 250 python3 benchmarks/guard_library.py --out $R/guard_library.json \
+    --sessions /tmp/guard-library-sessions --budget-s 200
+  tail -n 1 $R/guard_library.txt
+  tar czf "$OUT/guard-library-sessions.tgz" -C /tmp guard-library-sessions --exclude='hf-*' 2>/dev/null
 }
 
 for s in "$@"; do

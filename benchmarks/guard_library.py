@@ -403,7 +403,7 @@ def scenario_ramp_hf(ctx) -> dict:
                                  gradient_accumulation_steps=1, max_steps=n, learning_rate=1e-4, bf16=d.type == "cuda",
                                  train_sampling_strategy="sequential", report_to=[], save_strategy="no", logging_steps=1,
                                  use_cpu=d.type != "cuda", include_num_input_tokens_seen=True, seed=0, disable_tqdm=True,
-                                 auto_find_batch_size=arm == "unguarded", save_only_model=False)
+                                 auto_find_batch_size=arm == "unguarded", save_total_limit=1)
         count = Count()
         cbs = [count]
         gw = None
@@ -452,7 +452,7 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, simulated OOMs: the code paths only")
     ap.add_argument("--only", nargs="*", default=None, help="scenarios: ramp-loop ramp-hf healthy fragment leak")
     ap.add_argument("--steps", type=int, default=None, help="steps of the ramp and fragment scenarios")
-    ap.add_argument("--budget-s", type=float, default=225.0,
+    ap.add_argument("--budget-s", type=float, default=200.0,
                     help="start no scenario after this many seconds (each writes its result as it ends)")
     a = ap.parse_args()
     dry = a.dry_run
@@ -483,8 +483,8 @@ def main() -> int:
                                                    "params": sum(p.numel() for p in model.parameters())},
               "calibration": {"fixed_bytes": cal["fixed"], "activation_bytes_per_token": cal["per_token"],
                               "cap_bytes": cap, "fit_tokens": fit_tokens}, "scenarios": {}}
-    runs = {"ramp-loop": scenario_ramp_loop, "healthy": scenario_healthy, "fragment": scenario_fragment,
-            "leak": scenario_leak, "ramp-hf": scenario_ramp_hf}
+    runs = {"ramp-loop": scenario_ramp_loop, "ramp-hf": scenario_ramp_hf, "healthy": scenario_healthy,
+            "leak": scenario_leak, "fragment": scenario_fragment}
     for name, fn in runs.items():
         if a.only and name not in a.only:
             continue
