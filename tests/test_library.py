@@ -339,7 +339,8 @@ def test_the_readme_library_example_runs_as_is(tmp_path, env):
 # -- the H200 benchmark's dry run (CPU, tiny, simulated OOMs): its code paths and its JSON ---------------------
 def test_the_guard_library_benchmark_dry_run(tmp_path, env):
     out = tmp_path / "dry.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/guard_library.py"), "--dry-run", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/guard_library.py"), "--dry-run", "--out", str(out),
+                        "--budget-s", "1000"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
