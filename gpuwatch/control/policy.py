@@ -190,7 +190,9 @@ class Policy:
             return Action("precision", to, why + ("; batch at its floor" if cur <= obs.floor else
                                                   "; memory grows at a fixed batch" if growing else
                                                   "; halving activations saves more than a smaller batch"))
-        if (obs.last_batch and obs.planned_batch > obs.last_batch and obs.last_batch >= obs.floor
+        # refuse a step up that the ceiling does not already stop: under a ceiling the next micro-batch is
+        # the ceiling, and when that is what ran last (risk still high) the ceiling itself must come down
+        if (obs.last_batch and cur > obs.last_batch and obs.last_batch >= obs.floor
                 and _can(obs, "refuse_step")):
             return Action("refuse_step", obs.last_batch,
                           f"{why}; the schedule's step to {obs.planned_batch} refused, held at {obs.last_batch}")
