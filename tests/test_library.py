@@ -423,3 +423,18 @@ def test_stress_never_loops_on_ooms_at_batch_1_when_guarded():
     w.run()
     assert w.state == "stopped" and w.ooms == 4 and "twice in a row" in w.stopped_by  # 4, 2, 1, 1: then stop
     assert "STOPPED CLEANLY" in format_summary(summarize(w, bus))
+
+
+def test_stress_on_a_cpu_keeps_its_guard_and_says_once_it_cannot_act():
+    """`gpuwatch stress --guard on` on a CPU used to drop the guard without a word (`guard: null`)."""
+    from gpuwatch.runtime import Session, SessionConfig
+    from gpuwatch.workload.factory import WorkloadSpec
+
+    s = Session(SessionConfig(sampler="thread", workload=WorkloadSpec(preset="tiny", device="cpu"),
+                              guard=GuardConfig(mode="on")))
+    try:
+        assert s.guard is not None and s.guard.unable
+        msgs = [e.message for e in events(s.bus, "guard_unable")]
+        assert len(msgs) == 1 and "What would help" in msgs[0]
+    finally:
+        s.stop()

@@ -127,8 +127,7 @@ class GpuwatchCallback(TrainerCallback):
 
     def _peek_seq(self, args) -> int:
         """The sequence length the next step is scored with: the last step's."""
-        rows = self.loop._last
-        return int(rows.get("seq_len") or self.seq_len or 1)
+        return int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
 
 
 def train(trainer, max_restarts: int = 16, **train_kwargs):

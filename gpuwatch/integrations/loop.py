@@ -83,6 +83,7 @@ class GuardedLoop:
         self._stop_why: str | None = None
         self._last: dict[str, Any] = {}
         self._snapshot_req: tuple[str, Any] | None = None
+        self._pending: list[tuple[Action, str]] = []  # guard actions, applied before the next step
         self._baseline = None
         self._lock = threading.Lock()
         self.gpu_index = gpu_index
@@ -138,6 +139,11 @@ class GuardedLoop:
     def session_dir(self) -> Path | None:
         r = self.session.recorder if self.session else None
         return r.dir if r is not None else None
+
+    @property
+    def last_step(self) -> dict[str, Any]:
+        """The last steps row recorded (empty before the first step)."""
+        return dict(self._last)
 
     @property
     def should_stop(self) -> bool:
@@ -352,12 +358,11 @@ class GuardedLoop:
 
     def apply(self, action: Action, who: str = "guard") -> None:
         with self._lock:
-            self._pending = getattr(self, "_pending", [])
             self._pending.append((action, who))
 
     def _apply_pending(self) -> None:
         with self._lock:
-            pending, self._pending = getattr(self, "_pending", []), []
+            pending, self._pending = self._pending, []
         for act, who in pending:
             k, v = act.kind, act.value
             if k in ("lower_ceiling", "raise_ceiling", "refuse_step"):
@@ -415,7 +420,8 @@ class GuardedLoop:
         return {"step": self.steps, "precision": self.precision, "ooms": self.ooms, "retries": self.retries}
 
     def stop(self, join: bool = True) -> None:
-        """The session stops: the user's loop goes on running steps unguarded only if it ignores this."""
+        """The session is stopping (Session.stop calls every workload's): nothing runs on a thread here,
+        the state says the loop is over."""
         if self.state not in ("stopped", "failed"):
             self.state = "finished" if self.stopped is None else "stopped"
 
