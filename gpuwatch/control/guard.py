@@ -166,6 +166,11 @@ class Guard:
             self.stopped[gpu] = act.why
         w.apply(act, who="guard")
 
+    def cannot_act(self, gpu: int | None, state: str, message: str, helps: str | None) -> None:
+        """A workload's own reason the guard cannot act (a loop on the CPU, a framework that cannot change
+        its batch): said once per (workload, state), as every such state is."""
+        self._unable(gpu, state, message, helps)
+
     def _unable(self, gpu: int | None, key: str, message: str, helps: str | None, obs: Observation | None = None) -> None:
         """Say once per (workload, state) that the guard cannot act, and what would help."""
         said = self._said.setdefault(gpu, set())

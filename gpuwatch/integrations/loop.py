@@ -110,6 +110,11 @@ class GuardedLoop:
             self.session.start()
             self.bus.emit("workload_start", f"{self.label} guarded by gpuwatch on {self.device}", gpu=self.gpu_index,
                           **self.describe())
+            g = self.session.guard
+            if g is not None and not g.unable and self.device.type != "cuda" and self.gpu_index is None:
+                g.cannot_act(self.gpu_index, "loop on the CPU", f"guard {g.cfg.mode} but this loop runs on {self.device}, "
+                             "not on a GPU the session watches", "move the model and batches to a CUDA device "
+                             "(GuardedLoop(device=...) when the model has no parameters yet)")
         return self
 
     def _attach(self, bus, nvml_index) -> list:
