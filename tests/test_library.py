@@ -267,14 +267,14 @@ def test_the_user_loop_is_guarded_and_recorded_as_a_normal_session(tmp_path):
     gen = torch.Generator().manual_seed(0)
     with GuardedLoop(model, opt, record_dir=tmp_path, name="lib", source=str(RAMP), gpu_index=0, sampler="thread",
                      threshold=0.3, guard_config=GuardConfig(cooldown_s=0.5, restore_after_s=3.0)) as g:
-        t_end = time.monotonic() + 20
-        while time.monotonic() < t_end:
+        t0 = time.monotonic()  # 20 s of the replayed ramp and at least 60 steps, however loaded the machine
+        while (time.monotonic() - t0 < 20 or g.steps < 60) and time.monotonic() - t0 < 90:
             ids = torch.randint(0, 64, (16, int(torch.randint(8, 33, (1,), generator=gen))), generator=gen)
             g.step(ids, lm_loss(model))
             time.sleep(0.02)
         folder = g.session_dir
     rec = open_recording(folder)
-    assert rec.steps.height > 50 and set(rec.steps["batch"].to_list()) == {16}  # the effective batch held
+    assert rec.steps.height >= 60 and set(rec.steps["batch"].to_list()) == {16}  # the effective batch held
     assert rec.steps["micro_batches"].max() > 1  # the guard split steps
     acts = rec.events.filter(rec.events["kind"] == "guard_action")
     assert acts.height >= 1 and rec.risk.height > 20
@@ -438,3 +438,18 @@ def test_stress_on_a_cpu_keeps_its_guard_and_says_once_it_cannot_act():
         assert len(msgs) == 1 and "What would help" in msgs[0]
     finally:
         s.stop()
+
+
+def test_a_cpu_loop_in_a_session_that_watches_gpus_says_so_once():
+    """On a GPU machine, a loop whose model stayed on the CPU is not guarded in silence."""
+    from gpuwatch.predict.model import DEFAULT_MODEL
+
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("no shipped model")
+    model = tiny_lm()
+    with GuardedLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), record_dir=None, source=str(RAMP),
+                     sampler="thread") as g:
+        for _ in range(3):
+            g.step(torch.randint(0, 64, (4, 8)), lm_loss(model))
+        msgs = [e.message for e in events(g.bus, "guard_unable")]
+    assert len(msgs) == 1 and "runs on cpu" in msgs[0] and "CUDA device" in msgs[0]
