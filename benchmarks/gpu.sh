@@ -45,6 +45,9 @@
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
 #               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1|2 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
+#   library     the guard in users' loops: plain PyTorch and HF Trainer ramps, healthy, fragment and leak,
+#               unguarded vs guarded under a calibrated cap (benchmarks/guard_library.py; <= 4 minutes;
+#               the HF Trainer needs accelerate: ../shared/tools/device-wheels.sh accelerate==1.15.0)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -108,6 +111,12 @@ stage_scorer() {
   cat $R/scorer.json
   stage scorer_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs 6 --window 6
   cat $R/scorer_overhead.json; tail -8 $R/scorer_overhead.err
+}
+stage_library() {
+  EXT=txt stage guard_library 250 python3 benchmarks/guard_library.py --out $R/guard_library.json \
+    --sessions /tmp/guard-library-sessions --budget-s 200
+  tail -n 1 $R/guard_library.txt
+  tar czf "$OUT/guard-library-sessions.tgz" -C /tmp guard-library-sessions --exclude='hf-*' 2>/dev/null
 }
 stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's effect on the workload (ABBA)
   stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48

@@ -75,11 +75,15 @@ class Session:
     threads; `wait()` blocks the caller until a deadline, a signal or the workloads finish."""
 
     def __init__(self, config: SessionConfig | None = None, bus: Bus | None = None,
-                 on_status: Callable[[str], None] | None = None, workload_factory: Callable | None = None) -> None:
+                 on_status: Callable[[str], None] | None = None, workload_factory: Callable | None = None,
+                 workloads: Callable[[Bus, Callable], list] | None = None) -> None:
         """`workload_factory(spec, bus, nvml_index) -> [Workload]` replaces the default
-        (`gpuwatch.workload.factory.make_workloads`): benchmarks reuse one built model across runs."""
+        (`gpuwatch.workload.factory.make_workloads`): benchmarks reuse one built model across runs.
+        `workloads(bus, nvml_index) -> [GuardedWorkload]`: workloads driven from outside (the library loop
+        around a user's training loop), guarded and recorded like gpuwatch's own."""
         self.config = cfg = config or SessionConfig()
         self._workload_factory = workload_factory
+        self._external = workloads
         self.bus = bus or Bus()
         self._say = on_status or (lambda _msg: None)
         self.workloads: list = []
@@ -115,6 +119,8 @@ class Session:
             from gpuwatch.workload.factory import make_workloads
 
             self.workloads = (self._workload_factory or make_workloads)(cfg.workload, self.bus, self._nvml_index)
+        elif self._external is not None:
+            self.workloads = list(self._external(self.bus, self._nvml_index))
         self.resumed_after_s = 0.0  # run time before this process (a resumed session), for --duration
         if cfg.resume is not None:
             self._restore(cfg.resume)
@@ -159,25 +165,29 @@ class Session:
             return None
 
     def _make_scorer(self, cfg: SessionConfig, model) -> None:
-        """The risk model scores every GPU of every session that has one; the guard acts on it."""
+        """The risk model scores every GPU of every session that has one; the guard acts on it. A guard
+        that was asked for and cannot act (no GPU, no model) still exists, to say so once."""
+        unable = None
         if model is None:
-            return
-        if not self.source.gpus:
-            self.model_note = "no GPU: nothing to score"
-            return
-        from gpuwatch.predict.scorer import LiveScorer
+            unable = self.model_note
+        elif not self.source.gpus:
+            self.model_note = unable = "no GPU: nothing to score"
+        else:
+            from gpuwatch.predict.scorer import LiveScorer
 
-        self.model_note = f"risk model {model.label}"
-        hz = cfg.score_hz or (5.0 if self.workloads else 2.0)
-        self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=hz)
+            self.model_note = f"risk model {model.label}"
+            hz = cfg.score_hz or (5.0 if self.workloads else 2.0)
+            self.scorer = LiveScorer(self.source, model, self.bus, self._plan, hz=hz)
         if self.workloads and cfg.guard.mode != "off":
             from gpuwatch.control.guard import Guard
 
             limits = {m.index: m.effective_limit_bytes for m in self.source.gpus}
-            self.guard = Guard(self.bus, cfg.guard, {w.cfg.gpu_index: w for w in self.workloads}, model.threshold,
-                               rescore=self.scorer.rescore, limits=limits,
+            self.guard = Guard(self.bus, cfg.guard, {w.gpu_index: w for w in self.workloads},
+                               model.threshold if model is not None else 1.0,
+                               rescore=self.scorer.rescore if self.scorer else None, limits=limits, unable=unable,
                                snapshot_dir=lambda: self.recorder.dir if self.recorder and not self.recorder.error else None)
-            self.scorer.on_risk = self.guard.on_risk
+            if self.scorer:
+                self.scorer.on_risk = self.guard.on_risk
 
     def _nvml_index(self, ident: dict[str, Any]) -> int | None:
         """The NVML index of a CUDA device, matched by UUID, then PCI bus id (never by CUDA ordinal)."""
@@ -192,14 +202,15 @@ class Session:
     def _plan(self, gpu: int | None) -> dict[str, Any] | None:
         """The next step a GPU's workload will run (what the model scores), or None."""
         for w in self.workloads:
-            if w.cfg.gpu_index == gpu:
-                return w.plan_info()
+            if w.gpu_index == gpu:
+                p = w.next_plan()
+                return None if p is None else p.scored()
         return None
 
     def gpu_meta(self) -> list[GpuMeta]:
         if self.gpu is None:
             return []
-        caps = {w.cfg.gpu_index: w.cfg.faults.memory_limit_bytes for w in self.workloads}
+        caps = {w.gpu_index: w.memory_limit_bytes for w in self.workloads}
         return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
                         mem_limit_bytes=caps.get(g.index), pid=os.getpid() if g.index in caps else None)
                 for g in self.gpu.gpus]
@@ -290,7 +301,7 @@ class Session:
         """Block until `duration_s` passes, the workloads finish (`until_done`), or a signal arrives;
         `on_tick()` is called every `tick_s` seconds meanwhile (progress lines), signals still honoured.
         Returns why: "deadline", "done", "SIGINT", "SIGTERM" or "SIGHUP"."""
-        done = (lambda: all(w.state in ("finished", "failed") for w in self.workloads)) if until_done else None
+        done = (lambda: all(w.state in ("finished", "failed", "stopped") for w in self.workloads)) if until_done else None
         return wait_until(time.monotonic() + duration_s if duration_s is not None else None, done, poll_s,
                           on_tick=on_tick, tick_s=tick_s, on_hup=on_hup)
 

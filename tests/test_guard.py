@@ -49,9 +49,18 @@ def test_refuses_the_ramps_step_up():
     assert a.kind == "refuse_step" and a.value == 16 and "refused" in a.why
 
 
+def test_under_a_ceiling_the_ceiling_comes_down_instead_of_another_refusal():
+    """The ramp still wants 20 while the ceiling holds 16 and 16 ran: with the risk still high (a longer
+    sequence, a leak) refusing the step up again would hold 16 for ever; the ceiling is lowered."""
+    p = Policy(GuardConfig())
+    a = p.decide(obs(0, 0.8, planned=20, last=16, ceiling=16))
+    assert a.kind == "lower_ceiling" and a.value == 12
+
+
 def test_floor_and_precision_fallback():
     p = Policy(GuardConfig(cooldown_s=0))
-    assert p.decide(obs(0, 0.9, planned=1, last=1)).kind == "none"  # bf16 at batch 1: nothing left to do
+    a = p.decide(obs(0, 0.9, planned=1, last=1))  # bf16 at batch 1: nothing left to do, and it says so
+    assert a.kind == "unable" and "floor" in a.why and "sequence length" in a.value
     a = p.decide(obs(1, 0.9, planned=1, last=1, precision="fp32"))
     assert a.kind == "precision" and a.value == "bf16" and "floor" in a.why
     o = obs(2, 0.9, planned=8, last=8, precision="fp32", alloc_growth_frac_per_step=0.01, plan_growth=1.0)

@@ -1,31 +1,37 @@
-"""The guard: turns the live risk into actions on the workload before the failing step.
+"""The guard: turns the live risk into actions on a workload before the failing step.
 
-Two threads meet here. The scorer thread calls `on_risk` about ten times a second with each GPU's
-risk, reasons and features (and, at an alarm's onset, asks the workload for an allocator snapshot).
-The workload thread calls `before_step` between steps: the policy decides on the latest risk, and
-when the schedule's plan changed since that risk was scored (a ramp's step up), the plan is scored
-again right there, so a step the model says will fail is refused before it runs. Actions go through
-the workload's controls (who="guard", why=...), and each is a `guard_action` event with the risk
-and the figures behind it. `observe` mode logs what it would do and acts on nothing. A failure that
-happens anyway is a `guard_miss` (and, for the reactive rules, their retry decision).
+Two threads meet here. The scorer thread calls `on_risk` several times a second with each GPU's risk,
+reasons and features (and, at an alarm's onset, asks the workload for an allocator snapshot). The
+workload's thread calls `before_step` between steps: the policy decides on the latest risk, and when
+the workload's plan grew since that risk was scored (a ramp's step up, a longer batch from the user's
+loader), the plan is scored again right there, so a step the model says will fail is refused before
+it runs. The guard talks to a workload only through `gpuwatch.contract` (`next_plan`,
+`guard_view`, `accepts`, `apply`): gpuwatch's DeepSeek workload and a user's loop alike.
+
+Each action is a `guard_action` event with the risk and the figures behind it. `observe` mode logs
+what it would do and acts on nothing. A failure that happens anyway is a `guard_miss`. Every state in
+which the guard cannot act (no risk to act on, batch at its floor, no lower precision, observe) is a
+`guard_unable` event, said once per state with what would help, never once per step.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.control import WorkloadControls
-from gpuwatch.control.policy import NONE, Action, GuardConfig, Observation, Policy
+from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
+from gpuwatch.control.policy import GuardConfig, Observation, Policy
 
 
 class Guard:
-    def __init__(self, bus, cfg: GuardConfig, workloads: dict[int | None, WorkloadControls], threshold: float,
+    def __init__(self, bus, cfg: GuardConfig, workloads: dict[int | None, GuardedWorkload], threshold: float,
                  rescore: Callable[[int | None, dict], tuple[float, list, dict]] | None = None,
                  snapshot_dir: Callable[[], Path | None] | None = None, clock=time.monotonic,
-                 limits: dict[int | None, int | None] | None = None) -> None:
+                 limits: dict[int | None, int | None] | None = None, unable: str | None = None) -> None:
+        """`unable`: why this guard can never act in this session (no GPU, no risk model): said once."""
         self.bus, self.cfg, self.threshold = bus, cfg, threshold
         self.limits = limits or {}
         self.workloads = workloads
@@ -35,8 +41,19 @@ class Guard:
         self.policies = {g: Policy(cfg) for g in workloads}
         self._latest: dict[int | None, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        self._said: dict[int | None, set[str]] = {}
+        self.unable = unable
         self.actions = 0
         self.misses = 0
+        self.stopped: dict[int | None, str] = {}  # workloads the guard stopped, and why
+        self._alloc: dict[int | None, tuple[int | None, int]] = {}  # last allocated seen, steps it rose in a row
+        if unable:
+            for g in workloads:
+                self._unable(g, "session", f"guard {cfg.mode} but it cannot act: {unable}", _help_for(unable))
+        elif cfg.mode == "observe":
+            for g in workloads:
+                self._unable(g, "observe", "guard in observe mode: it logs what it would do and acts on nothing",
+                             "--guard on (or G in the dashboard) to let it act")
 
     @property
     def acting(self) -> bool:
@@ -45,11 +62,11 @@ class Guard:
     def set_mode(self, mode: str) -> None:
         """on / observe / off at run time (the dashboard's G key); off keeps scoring, acts on nothing
         and logs nothing."""
-        from dataclasses import replace
-
         if mode != self.cfg.mode:
             self.cfg = replace(self.cfg, mode=mode)
             self.bus.emit("guard_override", f"guard switched to {mode}", who="user", mode=mode)
+            for said in self._said.values():
+                said.discard("observe")
 
     # -- the scorer thread -----------------------------------------------------------------------------
     def on_risk(self, gpu: int | None, risk: float, reasons: list, feats: dict[str, float],
@@ -57,66 +74,119 @@ class Guard:
         with self._lock:
             self._latest[gpu] = {"risk": risk, "reasons": reasons, "features": feats, "plan": plan}
         w = self.workloads.get(gpu)
-        if onset and w is not None and hasattr(w, "request_snapshot"):
+        if onset and w is not None:
             w.request_snapshot(self.snapshot_dir(), f"risk {risk:.2f}")
 
     # -- the workload thread ---------------------------------------------------------------------------
-    def before_step(self, w) -> None:
-        if self.cfg.mode == "off":
-            return
-        gpu = w.cfg.gpu_index
+    def before_step(self, w: GuardedWorkload) -> Action:
+        """Decide before the workload's next step; the action (if any) has been handed to `w.apply`.
+        Returns it, or NONE."""
+        if self.cfg.mode == "off" or self.unable:
+            return NONE
+        gpu = w.gpu_index
         with self._lock:
             latest = dict(self._latest.get(gpu) or {})
-        plan = w.plan_info()
+        plan = w.next_plan()
         if plan is None or not latest:
-            return
-        if self.rescore is not None and latest.get("plan") and _tokens(plan) > _tokens(latest["plan"]):
-            risk, reasons, feats = self.rescore(gpu, plan)  # the plan stepped up since it was scored
-            latest.update(risk=risk, reasons=reasons, features=feats, plan=plan)
-        obs = self._observe(w, plan, latest)
+            return NONE
+        view = w.guard_view()
+        if view.manual:
+            return NONE
+        if self.rescore is not None and self._worth_rescoring(plan, latest):
+            risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
+            latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
+        obs = self._observe(w, plan, view, latest)
+        obs.alloc_rising_steps = self._rising(gpu, view)
         act = self.policies[gpu].decide(obs)
+        if act.kind == "unable":
+            self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
+            return NONE
         if act.kind != "none":
             self._apply(w, act, obs)
+            return act
+        return NONE
 
-    def _observe(self, w, plan: dict, latest: dict) -> Observation:
-        last = getattr(w, "last", None) or {}
-        limit = self.limits.get(w.cfg.gpu_index)
+    def _worth_rescoring(self, plan: StepPlan, latest: dict) -> bool:
+        """Score the grown plan now, in the workload's thread (a few ms), only when it could matter: the
+        last estimate of the next peak scaled by the growth (an overestimate: weights do not grow with
+        the batch) reaches `rescore_from`, or the risk was already within reach of the alarm. Variable
+        sequence lengths grow the plan every other step; most of those steps are far from the limit."""
+        old = _tokens(latest.get("plan") or {})
+        if not latest.get("plan") or plan.tokens <= old:
+            return False
+        est = (latest.get("features") or {}).get("next_peak_est_frac")
+        risk = latest.get("risk")
+        if est is None or est != est or risk is None:
+            return True
+        return est * plan.tokens / max(1.0, old) >= self.cfg.rescore_from or risk >= 0.5 * self.threshold
+
+    def _rising(self, gpu, view: WorkloadView) -> int | None:
+        """In how many steps in a row torch allocated rose (by more than 0.05 % of the limit): a leak
+        rises every step, a one-off jump once. None where the workload has no allocator figures."""
+        a = view.last_allocated_bytes
+        if a is None:
+            return None
+        prev, n = self._alloc.get(gpu, (None, 0))
+        if prev is not None and a != prev:
+            limit = self.limits.get(view.gpu) or 0
+            n = n + 1 if a - prev > 0.0005 * limit else 0
+        self._alloc[gpu] = (a, n)
+        return n
+
+    def _observe(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, latest: dict) -> Observation:
+        limit = self.limits.get(view.gpu)
         act_frac = 0.0
-        if limit and last.get("torch_peak_bytes") is not None and last.get("torch_allocated_bytes") is not None:
-            act_frac = max(0.0, last["torch_peak_bytes"] - last["torch_allocated_bytes"]) / limit
-        wanted = w.schedule.wanted()
+        if limit and view.last_peak_bytes is not None and view.last_allocated_bytes is not None:
+            act_frac = max(0.0, view.last_peak_bytes - view.last_allocated_bytes) / limit
         return Observation(
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
-            planned_batch=wanted[0] if wanted else plan["batch"],
-            last_batch=getattr(w, "last_ok_batch", None), ceiling=w.ceiling, precision=w.precision,
-            bf16_ok=getattr(w, "bf16_supported", True), act_frac=act_frac, features=latest.get("features") or {},
-            reasons=latest.get("reasons") or [])
+            planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,
+            floor=view.floor, precision=plan.precision, bf16_ok="bf16" in view.lower_precisions,
+            lower_precisions=view.lower_precisions, accepts=w.accepts(), act_frac=act_frac,
+            features=latest.get("features") or {}, reasons=latest.get("reasons") or [])
 
-    def _apply(self, w, act: Action, obs: Observation) -> None:
+    def _apply(self, w: GuardedWorkload, act: Action, obs: Observation) -> None:
         self.actions += 1
-        gpu = w.cfg.gpu_index
+        gpu = w.gpu_index
         verb = "would " if not self.acting else ""
-        self.bus.emit("guard_action", f"{verb}{act.kind.replace('_', ' ')}: {act.why}", "warning", gpu=gpu,
+        self.bus.emit("guard_action", f"{verb}{act.kind.replace('_', ' ')}: {act.why}",
+                      "error" if act.kind == "stop" else "warning", gpu=gpu,
                       action=act.kind, value=act.value, rule=self.cfg.rule, mode=self.cfg.mode,
                       risk=obs.risk, threshold=obs.threshold, reasons=obs.reasons[:3],
                       planned_batch=obs.planned_batch, ceiling=obs.ceiling, precision=obs.precision,
                       mem_used_frac=obs.features.get("mem_used_frac"),
-                      next_peak_est_frac=obs.features.get("next_peak_est_frac"))
+                      next_peak_est_frac=obs.features.get("next_peak_est_frac"),
+                      alloc_growth_frac_per_step=obs.features.get("alloc_growth_frac_per_step"),
+                      torch_reserved_gap_frac=obs.features.get("torch_reserved_gap_frac"))
+        if act.kind == "name_leak":  # naming costs nothing to the run: observe mode does it too
+            w.request_snapshot(self.snapshot_dir(), act.why)
         if not self.acting:
             return
-        if act.kind in ("lower_ceiling", "raise_ceiling"):
-            w.set_ceiling(act.value, who="guard", why=act.why)
-        elif act.kind == "clear_ceiling":
-            w.set_ceiling(None, who="guard", why=act.why)
-        elif act.kind == "refuse_step":  # one control: a separate ceiling would be overridden by the hold
-            w.hold(who="guard", why=act.why, batch=act.value)
-        elif act.kind == "precision":
-            w.set_precision(act.value, who="guard", why=act.why)
+        if act.kind == "stop":
+            self.stopped[gpu] = act.why
+        w.apply(act, who="guard")
 
-    def after_oom(self, w, batch: int, micro: int) -> tuple[str, int] | None:
+    def cannot_act(self, gpu: int | None, state: str, message: str, helps: str | None) -> None:
+        """A workload's own reason the guard cannot act (a loop on the CPU, a framework that cannot change
+        its batch): said once per (workload, state), as every such state is."""
+        self._unable(gpu, state, message, helps)
+
+    def _unable(self, gpu: int | None, key: str, message: str, helps: str | None, obs: Observation | None = None) -> None:
+        """Say once per (workload, state) that the guard cannot act, and what would help."""
+        said = self._said.setdefault(gpu, set())
+        if key in said:
+            return
+        said.add(key)
+        self.bus.emit("guard_unable", message + (f". What would help: {helps}" if helps else ""), "warning", gpu=gpu,
+                      state=key, helps=helps, mode=self.cfg.mode, rule=self.cfg.rule,
+                      risk=None if obs is None else obs.risk,
+                      precision=None if obs is None else obs.precision)
+
+    def after_oom(self, w: GuardedWorkload, batch: int, micro: int) -> tuple[str, int] | None:
         """A failure the guard did not prevent: recorded as a miss; a reactive rule decides the retry."""
-        gpu = w.cfg.gpu_index
-        react = self.policies[gpu].after_oom(batch, micro) if self.acting and not getattr(w, "manual", False) else None
+        gpu = w.gpu_index
+        manual = w.guard_view().manual
+        react = self.policies[gpu].after_oom(batch, micro) if self.acting and not manual else None
         if self.cfg.rule in ("model", "fixed"):
             self.misses += 1
             with self._lock:
@@ -125,6 +195,14 @@ class Guard:
                                         f"last risk {latest.get('risk', float('nan')):.2f})", "error", gpu=gpu,
                           rule=self.cfg.rule, risk=latest.get("risk"), batch=micro)
         return react
+
+
+def _help_for(unable: str) -> str:
+    if "no GPU" in unable:
+        return "run on a CUDA GPU (on a CPU there is no device memory to run out of, so nothing to score)"
+    if "model" in unable:
+        return "a risk model: models/risk.joblib with its manifest, or `gpuwatch train` on your sessions"
+    return "see docs/LIBRARY.md"
 
 
 def _tokens(plan: dict) -> float:

@@ -18,7 +18,7 @@ Rules (the same guard runs any of them, so they compare like for like):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from gpuwatch.contract import NONE, Action
 
 RULES = ("model", "fixed", "accelerate", "composer")
 MODES = ("off", "observe", "on")
@@ -36,6 +36,21 @@ class GuardConfig:
     fixed_high: float = 0.90
     fixed_low: float = 0.30
     precision_fallback: bool = True
+    # fragmentation: reserved-but-unallocated memory this large (fraction of the limit), with memory this
+    # full or the risk at its threshold, releases the allocator's cache (and switches it to expandable
+    # segments once, where the workload can); at most once per `frag_every_s`
+    frag_gap: float = 0.05
+    frag_used: float = 0.85
+    frag_every_s: float = 10.0
+    # a leak: torch allocated grows by more than this fraction of the limit per step at a plan that does
+    # not grow. Named once (an allocator snapshot); the run is stopped cleanly (checkpoint hook first)
+    # when the next step's estimated peak is within `leak_stop_steps` steps of `leak_stop_at`.
+    leak_growth: float = 0.002
+    leak_stop_steps: float = 3.0
+    leak_stop_at: float = 0.98
+    rescore_from: float = 0.8  # a grown plan is scored before its step when its scaled peak estimate reaches this
+    leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
+    # jump, such as the optimizer's state after the first step, is not a leak)
 
 
 @dataclass
@@ -51,19 +66,26 @@ class Observation:
     floor: int = 1
     precision: str = "bf16"
     bf16_ok: bool = True
+    lower_precisions: tuple[str, ...] | None = None  # None: from precision and bf16_ok
+    accepts: frozenset[str] | None = None  # the actions the workload can apply (None: all)
+    alloc_rising_steps: int | None = None  # steps in a row after which torch allocated rose (None: unknown)
     act_frac: float = 0.0  # the last step's activation peak (peak - allocated) / effective limit
     features: dict[str, float] = field(default_factory=dict)
     reasons: list = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Action:
-    kind: str  # lower_ceiling | refuse_step | raise_ceiling | clear_ceiling | precision | none
-    value: Any = None
-    why: str = ""
 
 
-NONE = Action("none")
+def _lower(obs: Observation) -> tuple[str, ...]:
+    if obs.lower_precisions is not None:
+        return obs.lower_precisions
+    if obs.precision not in ("fp32", "tf32"):
+        return ()
+    return ("bf16", "fp16") if obs.bf16_ok else ("fp16",)
+
+
+def _can(obs: Observation, kind: str) -> bool:
+    return obs.accepts is None or kind in obs.accepts
 
 
 def _f(obs: Observation, name: str, default: float = 0.0) -> float:
@@ -80,20 +102,70 @@ class Policy:
         self.cfg = cfg
         self._last_action = -1e18
         self._low_since: float | None = None
+        self._leak_named = False
+        self._released = -1e18
+        self._expandable = False
 
     def decide(self, obs: Observation) -> Action:
+        """The action before the next step. Kind "unable" (value: what would help) = the guard should act
+        and cannot; the guard says so once."""
         if self.cfg.rule in ("accelerate", "composer"):
             return NONE  # reactive rules act only after a failure (see after_oom)
+        leak = self._leak(obs) if self.cfg.rule == "model" else None
+        if leak is not None and leak.kind == "stop":  # a stop before the crash does not wait out a cooldown
+            return leak
         if obs.now_s - self._last_action < self.cfg.cooldown_s:
+            if leak is not None:
+                self._leak_named = False  # named after the cooldown
             return NONE
-        act = self._fixed(obs) if self.cfg.rule == "fixed" else self._model(obs)
-        if act.kind != "none":
+        act = self._fixed(obs) if self.cfg.rule == "fixed" else self._model(obs, leak)
+        if act.kind not in ("none", "unable"):
             self._last_action = obs.now_s
         return act
 
+    # -- remedies beyond the batch -------------------------------------------------------------------
+    def _leak(self, obs: Observation) -> Action | None:
+        """Memory that grows at a fixed plan is not helped by a smaller batch: name it, then stop cleanly
+        before the step that would fail."""
+        growth = _f(obs, "alloc_growth_frac_per_step")
+        if growth <= self.cfg.leak_growth or _f(obs, "plan_growth", 1.0) > 1.0:
+            return None
+        if obs.alloc_rising_steps is not None and obs.alloc_rising_steps < self.cfg.leak_min_steps:
+            return None
+        est = _f(obs, "next_peak_est_frac", _f(obs, "mem_used_frac", float("nan")))
+        if est != est:
+            return None
+        left = max(0.0, (self.cfg.leak_stop_at - est) / growth)
+        what = f"memory grows {growth:.2%} of the limit per step at a fixed plan (a leak)"
+        if left <= self.cfg.leak_stop_steps and _can(obs, "stop"):
+            return Action("stop", None, f"{what}; the next step's peak {est:.0%} of the limit, about {left:.0f} "
+                                        f"step(s) from {self.cfg.leak_stop_at:.0%}: stopping cleanly before the OOM")
+        if not self._leak_named and _can(obs, "name_leak"):
+            self._leak_named = True
+            return Action("name_leak", growth, f"{what}; about {left:.0f} steps to the limit at this rate")
+        return None
+
+    def _fragmented(self, obs: Observation, alarm: bool) -> Action | None:
+        gap, used = _f(obs, "torch_reserved_gap_frac"), _f(obs, "mem_used_frac")
+        if gap < self.cfg.frag_gap or not (alarm or used >= self.cfg.frag_used) or not _can(obs, "release_cache"):
+            return None
+        if obs.now_s - self._released < self.cfg.frag_every_s:
+            return None
+        self._released = obs.now_s
+        expand = not self._expandable
+        self._expandable = True
+        return Action("release_cache", expand,
+                      f"{gap:.0%} of the limit reserved but not allocated (fragmentation) at {used:.0%} used: "
+                      f"cache released" + ("; allocator switched to expandable segments" if expand else ""))
+
     # -- the model rule ------------------------------------------------------------------------------
-    def _model(self, obs: Observation) -> Action:
+    def _model(self, obs: Observation, leak: Action | None = None) -> Action:
+        if leak is not None:
+            return leak
         r = obs.risk
+        frag = self._fragmented(obs, r is not None and r >= obs.threshold)
+        if frag is not None:
+            return frag
         if r is None:
             return NONE
         if r >= obs.threshold:
@@ -112,17 +184,25 @@ class Policy:
         cur = min(obs.planned_batch, obs.ceiling or obs.planned_batch)
         why = f"risk {obs.risk:.2f} >= {obs.threshold:.2f}" + (f" ({_top(obs.reasons)})" if obs.reasons else "")
         growing = _f(obs, "alloc_growth_frac_per_step") > 0.002 and _f(obs, "plan_growth", 1.0) <= 1.0
-        if self.cfg.precision_fallback and obs.precision == "fp32" and (cur <= obs.floor or growing
-                                                                         or self._precision_saves_more(obs)):
-            to = "bf16" if obs.bf16_ok else "fp16"
+        lower = _lower(obs) if self.cfg.precision_fallback and _can(obs, "precision") else ()
+        if lower and obs.precision == "fp32" and (cur <= obs.floor or growing or self._precision_saves_more(obs)):
+            to = lower[0]
             return Action("precision", to, why + ("; batch at its floor" if cur <= obs.floor else
                                                   "; memory grows at a fixed batch" if growing else
                                                   "; halving activations saves more than a smaller batch"))
-        if obs.last_batch and obs.planned_batch > obs.last_batch and obs.last_batch >= obs.floor:
+        # refuse a step up that the ceiling does not already stop: under a ceiling the next micro-batch is
+        # the ceiling, and when that is what ran last (risk still high) the ceiling itself must come down
+        if (obs.last_batch and cur > obs.last_batch and obs.last_batch >= obs.floor
+                and _can(obs, "refuse_step")):
             return Action("refuse_step", obs.last_batch,
                           f"{why}; the schedule's step to {obs.planned_batch} refused, held at {obs.last_batch}")
-        if cur <= obs.floor:
-            return Action("none", None, why + "; batch already at its floor")
+        if cur <= obs.floor or not _can(obs, "lower_ceiling"):
+            helps = ["a smaller sequence length", "gradient checkpointing", "a larger memory limit or GPU"]
+            if obs.precision in ("fp32", "tf32") and not lower:
+                helps.insert(0, "bf16/fp16 (autocast)")
+            where = "batch already at its floor" if cur <= obs.floor else "this workload cannot lower its batch"
+            return Action("unable", "; ".join(helps), f"{why}; {where}" + ("" if obs.precision not in ("bf16", "fp16")
+                                                                            else f", already {obs.precision}"))
         new = max(obs.floor, min(cur - 1, int(cur * (1 - self.cfg.lower_by))))
         return Action("lower_ceiling", new, f"{why}; batch ceiling {cur} -> {new}")
 

@@ -106,7 +106,7 @@ EVENT_KINDS = (
     "integrity_mismatch", "throttle_onset", "throttle_end", "guard_action", "control", "mark",
     "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
     "risk_alarm", "risk_clear", "guard_override", "guard_miss", "memory_snapshot", "compile",
-    "recorder_resumed", "sampler_error", "session_resumed", "detached",
+    "recorder_resumed", "sampler_error", "session_resumed", "detached", "guard_unable", "guard_remedy",
 )
 
 

@@ -288,6 +288,8 @@ class Dashboard(Screen):
         if s is None or s.guard is None:
             return "guard off" if s is not None and s.workloads else ""
         g = s.guard
+        if getattr(g, "unable", None):  # said once as a guard_unable event; shown here while it holds
+            return f"guard {g.cfg.mode}: cannot act ({g.unable})"
         manual = " (user has control: a hands back)" if self.workload is not None and self.workload.manual else ""
         return f"guard {g.cfg.mode}/{g.cfg.rule}: {g.actions} act, {g.misses} miss{manual}"
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from gpuwatch.contract import Action, StepPlan, WorkloadView, lower_precisions
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
+from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload import model as M
 from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
 from gpuwatch.workload.schedule import Schedule
@@ -61,6 +63,9 @@ class WorkloadConfig:
 
 
 class Workload:
+    """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
+    guard's side) and `WorkloadControls` (the dashboard's keys)."""
+
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
 
     def __init__(self, bus: Bus, cfg: WorkloadConfig, model=None) -> None:
@@ -94,6 +99,9 @@ class Workload:
         self.retries = 0  # OOMs retried in place (reactive rules); the step was not lost
         self.lost_steps = 0  # OOMs the schedule recovered by moving on: those steps were lost
         self.snapshot_request: tuple[str, Any] | None = None
+        self.stopped_by: str | None = None  # why the guard stopped this run cleanly (a leak), if it did
+        self._floor_ooms = 0  # OOMs in a row at batch 1 (no step ran between them)
+        self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
 
@@ -160,6 +168,59 @@ class Workload:
         seq = pend["seq_len"][0] if "seq_len" in pend else p[1]
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
         return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff}
+
+    # -- the guard's contract (gpuwatch.contract.GuardedWorkload) -----------------------------------
+    @property
+    def gpu_index(self) -> int | None:
+        return self.cfg.gpu_index
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return self.cfg.faults.memory_limit_bytes
+
+    def next_plan(self) -> StepPlan | None:
+        p = self.plan_info()
+        if p is None:
+            return None
+        wanted = self.schedule.wanted()
+        k = math.ceil(p["effective_batch"] / p["batch"]) if p["effective_batch"] > p["batch"] else 1
+        return StepPlan(batch=p["batch"], seq_len=p["seq_len"], precision=p["precision"], mode=self.cfg.mode,
+                        micro_batches=k, effective_batch=p["effective_batch"],
+                        wanted_batch=wanted[0] if wanted else p["batch"])
+
+    def guard_view(self) -> WorkloadView:
+        last = self.last or {}
+        return WorkloadView(gpu=self.cfg.gpu_index, ceiling=self.schedule.ceiling, last_ok_batch=self.last_ok_batch,
+                            lower_precisions=lower_precisions(self.precision, self.bf16_supported),
+                            manual=self.manual, last_peak_bytes=last.get("torch_peak_bytes"),
+                            last_allocated_bytes=last.get("torch_allocated_bytes"),
+                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type)
+
+    def accepts(self) -> frozenset[str]:
+        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "precision", "stop"}
+        if self.device.type == "cuda":
+            acts |= {"release_cache", "name_leak"}
+        return frozenset(acts)
+
+    def apply(self, action: Action, who: str = "guard") -> None:
+        """Hand one guard action to the workload; it takes effect before the next step."""
+        k, v, why = action.kind, action.value, action.why
+        if k in ("lower_ceiling", "raise_ceiling"):
+            self.set_ceiling(v, who=who, why=why)
+        elif k == "clear_ceiling":
+            self.set_ceiling(None, who=who, why=why)
+        elif k == "refuse_step":  # one control: a separate ceiling would be overridden by the hold
+            self.hold(who=who, why=why, batch=v)
+        elif k == "precision":
+            self.set_precision(v, who=who, why=why)
+        elif k == "release_cache":
+            self._put("release_cache", bool(v), who, why)
+        elif k == "stop":  # a leak: end cleanly (the summary and the recording close as after --duration)
+            self.stopped_by = why
+            self._stop.set()
+            self._resume.set()
+        elif k != "name_leak":
+            raise ValueError(f"unknown guard action {k!r}")
 
     def pause(self, who: str = "user") -> None:
         if self._resume.is_set():
@@ -238,6 +299,8 @@ class Workload:
                     continue
                 if self.guard is not None and not self.manual:
                     self.guard.before_step(self)
+                    if self._stop.is_set():  # the guard stopped the run (a leak): no further step
+                        break
                 self._apply_controls()
                 self._maybe_snapshot()
                 plan = self.schedule.wanted()
@@ -253,7 +316,9 @@ class Workload:
         finally:
             if self.state not in ("failed", "finished"):
                 self.state = "stopped"
-            self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps", gpu=self.cfg.gpu_index)
+            by = f" by the guard: {self.stopped_by}" if self.stopped_by else ""
+            self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps{by}", gpu=self.cfg.gpu_index,
+                          stopped_by=self.stopped_by)
 
     def _build(self) -> None:
         self.state = "building"
@@ -295,6 +360,9 @@ class Workload:
                 value = self.schedule.ceiling
             elif key == "seq_len":
                 self.schedule.set_seq_len(value)
+            elif key == "release_cache":
+                value = ", ".join(release_cache(self.device, expandable=value)) or "nothing to release here"
+                self.remedies.append(value)
             elif key == "precision":
                 if value == self.precision:
                     continue
@@ -358,6 +426,7 @@ class Workload:
             return
         self.schedule.done()
         self._step += 1
+        self._floor_ooms = 0
         self.last_ok_batch = micro
         if self._baseline_blocks is None and self.device.type == "cuda" and self.guard is not None:
             from gpuwatch.workload.memsnap import baseline
@@ -461,6 +530,14 @@ class Workload:
             decision = self.schedule.oom(micro)
             self.lost_steps += 1
         self.recovered += 1
+        self._floor_ooms = self._floor_ooms + 1 if micro <= 1 and react is None else 0
+        if self._floor_ooms >= 2 and self.guard is not None and self.guard.acting and not self.manual:
+            # the guard's promise: never an OOM loop. Nothing smaller can run: stop with the summary.
+            self.stopped_by = (f"OOM at batch 1 twice in a row ({self.precision}, seq {seq}): nothing smaller to run; "
+                               "stopped instead of looping (a leak? see the memory_snapshot event)")
+            self._stop.set()
+            self._resume.set()
+            decision = "stop: " + self.stopped_by
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
                       allocated_after=after, allocated_before=before, decision=decision, who="recovery",
                       retried=react is not None, retry_control=react[0] if react else None,

@@ -14,7 +14,8 @@ def summarize(w, bus) -> dict[str, Any]:
             "ooms": w.ooms, "recovered": w.recovered, "nonfinite": w.nonfinite,
             "integrity_failures": w.integrity_failures, "unrecovered": w.unrecovered,
             "ramp_edges": w.schedule.edges, "sweep": sweep_table(rows) if w.cfg.schedule == "sweep" else None,
-            "sweep_oom": w.schedule.oom_levels}
+            "sweep_oom": w.schedule.oom_levels, "stopped_by_guard": getattr(w, "stopped_by", None),
+            "remedies": list(getattr(w, "remedies", []) or [])}
 
 
 def sweep_table(rows: list[dict]) -> list[dict[str, Any]]:
@@ -41,6 +42,10 @@ def format_summary(s: dict[str, Any]) -> str:
              f"{s['nonfinite']} non-finite, {s['integrity_failures']} integrity failures"]
     if s["unrecovered"]:
         lines.append(f"  UNRECOVERED: {s['unrecovered']}")
+    if s.get("stopped_by_guard"):
+        lines.append(f"  STOPPED CLEANLY BY THE GUARD before an OOM: {s['stopped_by_guard']}")
+    if s.get("remedies"):
+        lines.append(f"  allocator remedies: {'; '.join(s['remedies'])}")
     if s["ramp_edges"]:
         lines.append(f"  ramp OOM edges (last batch that fit): {s['ramp_edges']}")
     if s["sweep"]:

@@ -1,0 +1,124 @@
+"""The one contract between the guard and any workload: what the next step will be (`StepPlan`), what
+the guard may read back (`WorkloadView`), and the actions a workload accepts (`Action`, `ACTIONS`).
+
+Why a contract and not duck typing: the guard used to read a dozen members of gpuwatch's own
+`Workload` (its schedule, its pending controls, `last`, `manual`, `cfg.gpu_index`...), so nothing else
+could be guarded. It sits at the bottom of the layers (stdlib only), so the guard (control), the
+workloads (workload, integrations) and the risk model (predict) can all name its types. Now the guard asks a `GuardedWorkload` three questions (`next_plan`, `guard_view`,
+`accepts`) and hands it one `Action` at a time through `apply`; gpuwatch's DeepSeek workload
+(`gpuwatch.workload.runner.Workload`) and the library loop around a user's own training loop
+(`gpuwatch.integrations.loop.GuardedLoop`) both implement it. Pure Python: no torch here.
+
+The plan carries what the risk model scores (batch, seq_len, precision, mode): `StepPlan.scored()` is
+the dict the scorer takes today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+MODES = ("train", "prefill", "decode")
+
+# Every action the guard may return. A workload says which of them it can apply (`accepts`); the guard
+# never sends one it cannot, and says once what would have helped instead.
+ACTIONS = (
+    "lower_ceiling",  # value: the new micro-batch ceiling (train: same effective batch by accumulation)
+    "raise_ceiling",  # value: the new, higher ceiling (giving the batch back)
+    "clear_ceiling",  # no ceiling any more
+    "refuse_step",  # value: the batch to hold (the schedule's step up is refused)
+    "precision",  # value: the precision to switch to (bf16 / fp16)
+    "release_cache",  # fragmentation: empty the caching allocator; value True = also expandable segments
+    "name_leak",  # memory grows at a fixed plan: save an allocator snapshot naming the growing blocks
+    "stop",  # the run cannot be saved: call the user's checkpoint hook (where there is one), stop cleanly
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # one of ACTIONS, or "none"
+    value: Any = None
+    why: str = ""
+
+
+NONE = Action("none")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The next step, as the workload will run it if the guard does nothing more."""
+
+    batch: int  # the micro-batch: what one forward/backward holds in memory
+    seq_len: int
+    precision: str = "fp32"
+    mode: str = "train"
+    micro_batches: int = 1  # gradient accumulation steps the batch is split into
+    effective_batch: int | None = None  # samples per optimizer update (train), else the batch
+    wanted_batch: int | None = None  # what the schedule or the user's loader wants before any ceiling
+
+    @property
+    def tokens(self) -> int:
+        return int(self.batch) * int(self.seq_len)
+
+    def scored(self) -> dict[str, Any]:
+        """The plan as the risk model's feature function reads it."""
+        return {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
+                "effective_batch": self.effective_batch if self.effective_batch is not None else self.batch,
+                "micro_batches": self.micro_batches}
+
+
+@dataclass(frozen=True)
+class WorkloadView:
+    """What the guard reads back before a step: plain numbers, read once."""
+
+    gpu: int | None  # the NVML index the workload runs on (None: no GPU)
+    ceiling: int | None  # the guard's current micro-batch ceiling
+    last_ok_batch: int | None = None  # the micro-batch of the last step that ran
+    floor: int = 1  # the smallest micro-batch the workload can run
+    lower_precisions: tuple[str, ...] = ()  # what `precision` could switch to here, best first
+    manual: bool = False  # a user's change overrides the guard until handed back
+    last_peak_bytes: int | None = None  # torch's peak allocated during the last step
+    last_allocated_bytes: int | None = None  # torch allocated after it
+    last_reserved_bytes: int | None = None  # torch reserved after it
+    device: str = "cpu"  # "cuda" or "cpu"
+
+
+@runtime_checkable
+class GuardedWorkload(Protocol):
+    """What the guard drives. Called from the workload's own thread between steps (`next_plan`,
+    `guard_view`, `apply`) and from the scorer thread (`next_plan`, `request_snapshot`)."""
+
+    gpu_index: int | None
+
+    def next_plan(self) -> StepPlan | None: ...  # None: no next step (finished)
+    def guard_view(self) -> WorkloadView: ...
+    def accepts(self) -> frozenset[str]: ...  # the ACTIONS this workload can apply
+    def apply(self, action: Action, who: str = "guard") -> None: ...  # before its next step
+    def request_snapshot(self, directory: Path | None, reason: str) -> None: ...
+
+
+@runtime_checkable
+class WorkloadControls(Protocol):
+    """What a person (the dashboard's keys) may do to a running workload."""
+
+    precision: str  # the precision of the steps now running (fp32, tf32, bf16, fp16)
+    state: str  # idle, building, running, paused, stopped, failed, finished
+
+    @property
+    def batch(self) -> int: ...  # the batch the next step will use
+
+    def set_batch_size(self, n: int) -> None: ...
+    def set_seq_len(self, n: int) -> None: ...
+    def set_precision(self, p: str) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def stop(self, join: bool = True) -> None: ...
+
+
+def lower_precisions(current: str, bf16_ok: bool = True) -> tuple[str, ...]:
+    """Where a guard may fall back from `current` (only fp32/tf32 have somewhere to go)."""
+    if current not in ("fp32", "tf32"):
+        return ()
+    return ("bf16", "fp16") if bf16_ok else ("fp16",)

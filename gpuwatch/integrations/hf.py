@@ -1,0 +1,204 @@
+"""gpuwatch's guard in a Hugging Face `Trainer` (`pip install 'gpuwatch[hf]'`).
+
+    from gpuwatch.integrations.hf import GpuwatchCallback, train
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[GpuwatchCallback()])
+    train(trainer)            # = trainer.train(), resumed with a smaller per-device batch when the guard asks
+
+What the Trainer allows: its data loader's batch size is fixed for a whole `train()` call, and
+`on_step_begin` comes after the step's micro-batches were fetched. So the callback decides at the end of
+each optimizer step (before the next one), for the next step: when the guard lowers the micro-batch
+ceiling under `per_device_train_batch_size`, the callback asks the Trainer to save a checkpoint and stop
+(`control.should_save`, `should_training_stop`); `train()` then resumes from that checkpoint with the
+per-device batch down and `gradient_accumulation_steps` up by the same factor, so the effective batch
+(per-device x accumulation x devices) holds, and the data order with it (the sampler's order does not
+depend on the batch size). When the risk has stayed low the batch is given back the same way. A leak
+stop saves a checkpoint and ends training cleanly. Each restart costs a checkpoint save and load: on
+the H200 benchmark (benchmarks/guard_library.py) they are counted.
+
+The sequence length of a step comes from `state.num_input_tokens_seen` (set
+`include_num_input_tokens_seen=True` in the TrainingArguments), else from `seq_len=`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from gpuwatch.contract import Action
+from gpuwatch.control.policy import GuardConfig
+from gpuwatch.integrations.loop import GuardedLoop, per_device_batch
+
+
+class GpuwatchCallback(TrainerCallback):
+    def __init__(self, record_dir: str | Path | None = "recordings", name: str | None = None, guard: str = "on",
+                 guard_config: GuardConfig | None = None, seq_len: int | None = None, restart: bool = True,
+                 **loop_kwargs: Any) -> None:
+        """`loop_kwargs` go to `GuardedLoop` (memory_limit, risk_model, threshold, source, gpu_index...)."""
+        self.record_dir, self.name, self.guard, self.guard_config = record_dir, name, guard, guard_config
+        self.seq_len = seq_len
+        self.restart = restart
+        self.loop_kwargs = loop_kwargs
+        self.loop: GuardedLoop | None = None
+        self.pending: tuple[int, int] | None = None  # (per-device batch, accumulation) for the resumed run
+        self.base_batch: int | None = None  # the user's own per-device batch (what is given back)
+        self.restarts = 0
+        self.ooms = 0  # OOMs the guard did not prevent (each resumed at half the per-device batch)
+        self.effective: list[int] = []  # the effective batch of every optimizer step (tests, benchmarks)
+        self._t0 = None
+        self._tokens = 0
+        self._said_seq = False
+
+    # -- Trainer events --------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        if self.loop is None:
+            self.loop = GuardedLoop(model, None, record_dir=self.record_dir, name=self.name, guard=self.guard,
+                                    guard_config=self.guard_config, label="Hugging Face Trainer",
+                                    device=args.device, **self.loop_kwargs).start()
+            self.base_batch = args.per_device_train_batch_size
+        self._tokens = state.num_input_tokens_seen or 0
+        self._decide(args, state, control)
+        return control
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        return control
+
+    def on_step_end(self, args, state, control, **kw):
+        now = time.perf_counter()
+        dt = now - (self._t0 or now)
+        self._t0 = now  # the next step's time runs from here (it includes fetching its batches)
+        e = self._effective(args)
+        self.effective.append(e)
+        self.loop.record_step(e, self._seq(args, state, e), args.gradient_accumulation_steps, dt,
+                              loss=_last_loss(state))
+        self._decide(args, state, control)
+        return control
+
+    def on_train_end(self, args, state, control, **kw):
+        self._t0 = None
+        if self.pending is None or not self.restart:
+            self.close()
+        return control
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+
+    # -- deciding ---------------------------------------------------------------------------------------------
+    def _effective(self, args) -> int:
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    def _seq(self, args, state, e: int) -> int:
+        seen = state.num_input_tokens_seen or 0
+        if seen > self._tokens:
+            s = max(1, round((seen - self._tokens) / (e * max(1, args.world_size))))
+            self._tokens = seen
+            return s
+        if self.seq_len is None and not self._said_seq:
+            self._said_seq = True
+            self.loop.bus.emit("guard_unable", "Hugging Face Trainer: the sequence length of a step is unknown; the "
+                               "guard scores the batch alone. What would help: include_num_input_tokens_seen=True "
+                               "in TrainingArguments, or GpuwatchCallback(seq_len=...)", "warning",
+                               gpu=self.loop.gpu_index, state="no sequence length")
+        return self.seq_len or 1
+
+    def _decide(self, args, state, control) -> None:
+        e = self._effective(args)
+        plan = self.loop.decide(e, self._peek_seq(args))
+        if plan is None:  # the guard stopped the run (a leak): checkpoint, then end training cleanly
+            self.pending = None
+            control.should_save = True
+            control.should_training_stop = True
+            return
+        want = per_device_batch(e, min(self.base_batch or e, plan.batch))
+        if self.restart and want != args.per_device_train_batch_size:
+            self.pending = (want, e // want)
+            control.should_save = True
+            control.should_training_stop = True
+            self.loop.bus.emit("control", f"Trainer: per-device batch {args.per_device_train_batch_size} -> {want}, "
+                               f"gradient accumulation {args.gradient_accumulation_steps} -> {e // want} (effective "
+                               f"batch {e} kept); checkpoint and resume", gpu=self.loop.gpu_index, control="restart",
+                               value=[want, e // want], who="guard", why="the guard's micro-batch ceiling")
+
+    def _peek_seq(self, args) -> int:
+        """The sequence length the next step is scored with: the last step's."""
+        return int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
+
+
+def train(trainer, max_restarts: int = 16, **train_kwargs):
+    """`trainer.train(**train_kwargs)`, resumed from its last checkpoint with the per-device batch and
+    gradient accumulation the guard asked for, as often as it asks (at most `max_restarts`). An OOM the
+    guard did not prevent is recorded and the run resumed the same way at half the per-device batch
+    (from the last checkpoint; without one, from the start: those steps are run again); at a per-device
+    batch of 1 it is raised."""
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+
+    cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, GpuwatchCallback)), None)
+    if cb is None:
+        raise ValueError("add GpuwatchCallback() to the Trainer's callbacks first")
+    kw = dict(train_kwargs)
+    try:
+        while True:
+            failed = None
+            try:
+                out = trainer.train(**kw)
+            except torch.OutOfMemoryError as e:
+                failed = str(e).splitlines()[0][:300]
+            if failed is not None:  # outside the handler: its traceback pins the step's tensors
+                b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+                cb.ooms += 1
+                if cb.loop is not None:
+                    cb.loop.bus.emit("oom", f"CUDA OOM in the Trainer at per-device batch {b}", "error",
+                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed)
+                    if cb.loop.guard is not None:
+                        cb.loop.guard.after_oom(cb.loop, b * k, b)
+                if b <= 1 or cb.restarts >= max_restarts:
+                    raise torch.OutOfMemoryError(failed)
+                nb = per_device_batch(b * k, b // 2)
+                cb.pending = (nb, b * k // nb)
+                if cb.loop is not None:  # the guard's ceiling follows, so the resumed run is not talked back up
+                    cb.loop.apply(Action("lower_ceiling", nb, f"OOM at per-device batch {b}"), who="recovery")
+                _free(trainer)
+            if cb.pending is None or cb.restarts >= max_restarts or (cb.loop is not None and cb.loop.should_stop):
+                return out
+            b, k = cb.pending
+            cb.pending = None
+            cb.restarts += 1
+            trainer.args.per_device_train_batch_size = b
+            trainer.args.gradient_accumulation_steps = k
+            trainer._train_batch_size = trainer.args.train_batch_size  # the Trainer keeps its own copy
+            last = get_last_checkpoint(trainer.args.output_dir) if Path(trainer.args.output_dir).is_dir() else None
+            kw = {**train_kwargs, "resume_from_checkpoint": last}
+            if last is None and cb.loop is not None:
+                cb.loop.bus.emit("oom_recovered", f"no checkpoint yet: the Trainer starts again at per-device batch {b} "
+                                 f"x {k} accumulation", "warning", gpu=cb.loop.gpu_index, who="recovery", retried=True,
+                                 decision=f"per-device batch -> {b}, accumulation -> {k}")
+    finally:
+        cb.pending = None
+        cb.close()
+
+
+def _free(trainer) -> None:
+    import gc
+
+    import torch
+
+    if trainer.optimizer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _last_loss(state) -> float | None:
+    for rec in reversed(state.log_history or []):
+        if "loss" in rec:
+            return float(rec["loss"])
+    return None

@@ -1,0 +1,149 @@
+"""gpuwatch's guard in a Lightning `Trainer` (`pip install 'gpuwatch[lightning]'`).
+
+    gw = GpuwatchLightningCallback()
+    trainer = L.Trainer(callbacks=[gw], reload_dataloaders_every_n_epochs=1)
+    trainer.fit(model, train_dataloaders=gw.dataloader(dataset, batch_size=8, shuffle=True))
+
+What Lightning allows: `trainer.accumulate_grad_batches` may change between epochs (that is what its
+GradientAccumulationScheduler does), and a data loader is re-read each epoch with
+`reload_dataloaders_every_n_epochs=1`; mid-epoch neither can change without breaking the accumulation's
+alignment (it counts batches from the epoch's start) and the loader prefetches a batch ahead. So the
+guard decides after every optimizer step (recorded, scored, every action an event) and a new
+micro-batch ceiling takes effect at the next epoch: the data loader from `gw.dataloader(...)` yields
+batches of the new per-device size and the accumulation goes up by the same factor, so the effective
+batch holds (and the sampler's order with it). A leak stop saves a checkpoint
+(`trainer.save_checkpoint`, or your `checkpoint` hook) and sets `trainer.should_stop`: the run ends
+cleanly after the current step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from gpuwatch.control.policy import GuardConfig
+from gpuwatch.integrations.loop import GuardedLoop, _batch_size, _seq_len, per_device_batch
+
+
+class ResizableBatchSampler(torch.utils.data.Sampler):
+    """Batches of `batch_size` indices from `sampler`; the size is read when an epoch starts."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool = False) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), drop_last
+
+    def __iter__(self):
+        b, batch = self.batch_size, []
+        for i in self.sampler:
+            batch.append(i)
+            if len(batch) == b:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+class GpuwatchLightningCallback(L.Callback):
+    def __init__(self, record_dir: str | Path | None = "recordings", name: str | None = None, guard: str = "on",
+                 guard_config: GuardConfig | None = None, checkpoint=None, **loop_kwargs: Any) -> None:
+        self.record_dir, self.name, self.guard, self.guard_config = record_dir, name, guard, guard_config
+        self.checkpoint = checkpoint
+        self.loop_kwargs = loop_kwargs
+        self.loop: GuardedLoop | None = None
+        self.sampler: ResizableBatchSampler | None = None
+        self.base_batch: int | None = None
+        self.effective: list[int] = []  # the effective batch of every optimizer step
+        self._trainer = None
+        self._step_seen = 0
+        self._t0: float | None = None
+        self._seq = 1
+        self._batch_n = 1
+        self._can_resize = False
+
+    def dataloader(self, dataset, batch_size: int, shuffle: bool = False, drop_last: bool = False,
+                   generator: torch.Generator | None = None, **kw) -> torch.utils.data.DataLoader:
+        """A DataLoader whose batch size the guard can change between epochs."""
+        base = (torch.utils.data.RandomSampler(dataset, generator=generator) if shuffle
+                else torch.utils.data.SequentialSampler(dataset))
+        self.sampler = ResizableBatchSampler(base, batch_size, drop_last)
+        self.base_batch = int(batch_size)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler, **kw)
+
+    # -- Lightning events -------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._trainer = trainer
+        self._step_seen = trainer.global_step
+        if self.loop is None:
+            self.loop = GuardedLoop(pl_module, None, record_dir=self.record_dir, name=self.name, guard=self.guard,
+                                    guard_config=self.guard_config, label="Lightning Trainer",
+                                    device=pl_module.device, checkpoint=self._save, **self.loop_kwargs).start()
+        self._can_resize = self.sampler is not None and trainer.reload_dataloaders_every_n_epochs == 1
+        if not self._can_resize:
+            self.loop.bus.emit("guard_unable", "Lightning: the guard cannot change the batch of this data loader; it "
+                               "records, scores, and stops cleanly on a leak. What would help: train_dataloaders="
+                               "gw.dataloader(dataset, batch_size) and Trainer(reload_dataloaders_every_n_epochs=1)",
+                               "warning", gpu=self.loop.gpu_index, state="fixed data loader")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        try:
+            self._seq, self._batch_n = _seq_len(batch), _batch_size(batch)
+        except TypeError:
+            pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._step_seen:
+            return  # still accumulating
+        self._step_seen = trainer.global_step
+        now = time.perf_counter()
+        dt, self._t0 = now - (self._t0 or now), now
+        k = trainer.accumulate_grad_batches
+        e = self._per_device(trainer) * k
+        self.effective.append(e)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.loop.record_step(e, self._seq, k, dt, loss=None if loss is None else float(loss.detach()))
+        if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
+            trainer.should_stop = True
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        """Between epochs: the guard's ceiling becomes the next epoch's per-device batch."""
+        if not self._can_resize or self.loop.should_stop:
+            return
+        k = trainer.accumulate_grad_batches
+        e = self._per_device(trainer) * k
+        plan = self.loop.decide(e, self._seq)
+        if plan is None:
+            trainer.should_stop = True
+            return
+        want = per_device_batch(e, min(self.base_batch or e, plan.batch))
+        if want != self.sampler.batch_size:
+            self.loop.bus.emit("control", f"Lightning: per-device batch {self.sampler.batch_size} -> {want}, "
+                               f"accumulate_grad_batches {k} -> {e // want} from the next epoch (effective batch "
+                               f"{e} kept)", gpu=self.loop.gpu_index, control="epoch_batch", value=[want, e // want],
+                               who="guard", why="the guard's micro-batch ceiling")
+            self.sampler.batch_size = want
+            trainer.accumulate_grad_batches = e // want
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.loop is not None:
+            self.loop.close()
+
+    def _per_device(self, trainer) -> int:
+        return self.sampler.batch_size if self.sampler is not None else self._batch_n
+
+    def _save(self, step: int):
+        if self.checkpoint is not None:
+            return self.checkpoint(step)
+        if self._trainer is None:
+            return None
+        path = Path(self._trainer.default_root_dir) / f"gpuwatch-stop-step{step}.ckpt"
+        self._trainer.save_checkpoint(path)
+        return path

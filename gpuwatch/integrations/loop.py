@@ -1,0 +1,539 @@
+"""`GuardedLoop`: gpuwatch's guard around any PyTorch training loop.
+
+    with GuardedLoop(model, optimizer, record_dir="recordings") as g:
+        for batch in g.wrap(loader):                  # stops when the guard stopped the run
+            g.step(batch, lambda mb: loss_of(model, mb))  # forward + backward per micro-batch, one update
+
+`step()` is told the step's batch (a tensor, or a dict/tuple of tensors with the batch first; the
+sequence length is the second dimension of the first 2-D tensor, or `seq_len=`). Before running it,
+the guard decides on the live risk of *this* plan (re-scored at once when the plan grew since the last
+scoring): the batch is split into micro-batches under the guard's ceiling, each micro-batch's loss is
+weighted by its share of the batch and backpropagated, and the optimizer steps once, so the effective
+batch and the update are those of the unsplit step (to rounding; tested). When the risk has stayed low
+the ceiling is raised back gradually. A fragmentation alarm releases the allocator's cache and switches
+it to expandable segments; a leak is named (an allocator snapshot in the session) and, before the step
+that would fail, your `checkpoint(step)` hook is called and the loop stops cleanly (`g.stopped` says
+why). An OOM the guard did not prevent is recorded, the step retried at half the micro-batch (same
+effective batch); at the floor the loop stops instead (never an OOM loop).
+
+It records a normal gpuwatch session (samples 10 Hz, one steps row per optimizer step, risk, guard and
+control events) that `gpuwatch replay`, `score`, `report` and `train` open. The loop is one
+`GuardedWorkload` (gpuwatch.contract); the session is the same `runtime.Session` that
+`gpuwatch stress` runs. Cost per step: docs/LIBRARY.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gpuwatch.contract import Action, StepPlan, WorkloadView
+from gpuwatch.control.policy import GuardConfig
+from gpuwatch.runtime import ModelChoice, Session, SessionConfig
+from gpuwatch.workload import flops as F
+from gpuwatch.workload.allocator import release_cache
+
+Batch = Any  # a tensor, or a Mapping / tuple / list of tensors whose first dimension is the batch
+
+
+class GuardedLoop:
+    """A `GuardedWorkload` driven by the user's loop, and the session that records and guards it."""
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
+                 record_dir: str | Path | None = "recordings", name: str | None = None, guard: str = "on",
+                 rule: str = "model", guard_config: GuardConfig | None = None, device: str | torch.device | None = None,
+                 memory_limit: int | None = None, checkpoint: Callable[[int], Any] | None = None,
+                 precision: str = "fp32", allow_bf16: bool = True, min_micro_batch: int = 1,
+                 risk_model: str | Path | None = None, use_model: bool = True, threshold: float | None = None,
+                 source: str | None = None, gpu_index: int | None = None, sampler: str = "process",
+                 interval_s: float = 0.1, record_loss: bool = True, label: str = "user loop") -> None:
+        """`memory_limit` (bytes) caps this process's CUDA memory (set_per_process_memory_fraction) and
+        is what the risk is measured against; `checkpoint(step)` is called before a clean stop;
+        `precision` is what your loop runs (the guard may switch fp32 to bf16 autocast when
+        `allow_bf16`); `source` replays a recording as the live telemetry (tests, demos) and
+        `gpu_index` ties the loop to one of its GPUs."""
+        self.model, self.optimizer, self.checkpoint = model, optimizer, checkpoint
+        self.device = torch.device(device) if device is not None else _device_of(model)
+        self.precision = precision
+        self.allow_bf16 = allow_bf16
+        self.floor = max(1, int(min_micro_batch))
+        self.memory_limit_bytes = memory_limit
+        self.record_loss = record_loss
+        self.label = label
+        self.ceiling: int | None = None  # the guard's micro-batch ceiling
+        self.last_ok_batch: int | None = None
+        self.manual = False
+        self.state = "idle"
+        self.guard = None  # set by the session
+        self.stopped: str | None = None  # why the loop stopped (the guard, or an OOM at the floor)
+        self.steps = self.ooms = self.retries = 0
+        self.remedies: list[str] = []
+        self.step_overhead_s: list[float] = []  # gpuwatch's own time per step (the guard, bookkeeping)
+        self._wanted: tuple[int, int] | None = None  # (batch, seq_len) of the step being decided
+        self._stop_why: str | None = None
+        self._last: dict[str, Any] = {}
+        self._snapshot_req: tuple[str, Any] | None = None
+        self._pending: list[tuple[Action, str]] = []  # guard actions, applied before the next step
+        self._baseline = None
+        self._lock = threading.Lock()
+        self.gpu_index = gpu_index
+        self._params = sum(p.numel() for p in model.parameters()) if model is not None else None
+        self._device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
+        if memory_limit and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), self.device)
+        cfg = guard_config or GuardConfig(mode=guard, rule=rule)
+        if guard_config is None:
+            cfg = replace(cfg, mode=guard, rule=rule)
+        self.session_config = SessionConfig(
+            record_dir=Path(record_dir) if record_dir is not None else None, name=name, source=source,
+            sampler=sampler, interval_s=interval_s, guard=cfg,
+            model=ModelChoice(path=Path(risk_model) if risk_model else None, enabled=use_model, threshold=threshold))
+        self.session: Session | None = None
+
+    # -- the session --------------------------------------------------------------------------------------
+    def start(self) -> "GuardedLoop":
+        """Build and start the session (sampler, recorder, scorer, guard). `with` does this."""
+        if self.session is None:
+            with _main_not_reimported():  # the sampler child is spawned here
+                self.session = Session(self.session_config, workloads=self._attach)
+            self.session.start()
+            self.bus.emit("workload_start", f"{self.label} guarded by gpuwatch on {self.device}", gpu=self.gpu_index,
+                          **self.describe())
+            g = self.session.guard
+            if g is not None and not g.unable and self.device.type != "cuda" and self.gpu_index is None:
+                g.cannot_act(self.gpu_index, "loop on the CPU", f"guard {g.cfg.mode} but this loop runs on {self.device}, "
+                             "not on a GPU the session watches", "move the model and batches to a CUDA device "
+                             "(GuardedLoop(device=...) when the model has no parameters yet)")
+        return self
+
+    def _attach(self, bus, nvml_index) -> list:
+        self.bus = bus
+        if self.gpu_index is None and self.device.type == "cuda":
+            from gpuwatch.workload.factory import cuda_identity
+
+            self.gpu_index = nvml_index(cuda_identity(self.device))
+        return [self]
+
+    def close(self) -> None:
+        """Stop the session and close the recording (Parquet per table). `with` does this."""
+        if self.session is not None:
+            if self.state not in ("stopped", "failed"):
+                self.state = "finished"
+            self.bus.emit("workload_stop", f"{self.label} {self.state} after {self.steps} steps"
+                          + (f": {self.stopped}" if self.stopped else ""), gpu=self.gpu_index, stopped_by=self.stopped)
+            self.session.stop()
+
+    def __enter__(self) -> "GuardedLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def session_dir(self) -> Path | None:
+        r = self.session.recorder if self.session else None
+        return r.dir if r is not None else None
+
+    @property
+    def last_step(self) -> dict[str, Any]:
+        """The last steps row recorded (empty before the first step)."""
+        return dict(self._last)
+
+    @property
+    def should_stop(self) -> bool:
+        return self.stopped is not None
+
+    # -- the user's loop ------------------------------------------------------------------------------------
+    def wrap(self, loader: Iterable[Batch]) -> Iterator[Batch]:
+        """Iterate the data loader until it ends or the guard stops the run."""
+        for batch in loader:
+            if self.should_stop:
+                return
+            yield batch
+            if self.should_stop:
+                return
+
+    def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
+        """One optimizer step over `batch`: the guard decides, the batch runs as micro-batches under its
+        ceiling (`loss_fn(micro_batch)` returns the micro-batch's mean loss; it is weighted by its share
+        and backpropagated), then `optimizer.step()` and `zero_grad()` (when an optimizer was given).
+        Returns the batch's mean loss (None when `record_loss=False`), or None after a stop."""
+        if self.session is None:
+            self.start()
+        if self.should_stop:
+            return None
+        t_in = time.perf_counter()
+        n = _batch_size(batch)
+        s = seq_len if seq_len is not None else _seq_len(batch)
+        if self.decide(n, s) is None:
+            return None
+        overhead = time.perf_counter() - t_in
+        for _attempt in range(64):
+            micro = min(n, self.ceiling) if self.ceiling else n
+            k = math.ceil(n / micro)
+            before = self._mem().get("torch_allocated_bytes")
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            t0 = time.perf_counter()
+            failure = None
+            try:
+                loss = self._run(batch, n, k, loss_fn)
+            except Exception as e:  # noqa: BLE001 - classified below, outside the handler
+                if not _is_oom(e):
+                    raise
+                failure = str(e).splitlines()[0][:300]
+            if failure is None:
+                break
+            if not self._recover(failure, n, s, micro, before):  # outside the except: its traceback pins tensors
+                return None
+        else:
+            self._stop("OOM retried 64 times")
+            return None
+        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._record(n, s, micro, k, loss, dt)
+        self.step_overhead_s = (self.step_overhead_s + [overhead + time.perf_counter() - t1])[-1000:]
+        return loss
+
+    # -- frameworks that run the step themselves (Hugging Face, Lightning) ----------------------------------
+    def decide(self, batch_size: int, seq_len: int) -> StepPlan | None:
+        """The guard decides for a step of `batch_size` x `seq_len` (the effective batch); returns the
+        plan (its `batch` the micro-batch under the guard's ceiling) or None when the run must stop (the
+        checkpoint hook has then been called)."""
+        if self.session is None:
+            self.start()
+        if self.should_stop:
+            return None
+        self._wanted = (int(batch_size), int(seq_len))
+        if self.guard is not None and not self.manual:
+            self.guard.before_step(self)
+        self._apply_pending()
+        if self._stop_why is not None:
+            self._stop(self._stop_why)
+            return None
+        return self.next_plan()
+
+    def record_step(self, batch_size: int, seq_len: int, micro_batches: int, step_time_s: float,
+                    loss: float | None = None) -> None:
+        """One optimizer step that ran (a steps row; the allocator figures are read here)."""
+        self._record(int(batch_size), int(seq_len), -(-int(batch_size) // max(1, micro_batches)), max(1, micro_batches),
+                     loss, step_time_s)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _run(self, batch: Batch, n: int, k: int, loss_fn) -> float | None:
+        parts = _split(batch, k)
+        total = None
+        amp = self.precision in ("bf16", "fp16")
+        for part in parts:
+            w = _batch_size(part) / n
+            if amp:
+                with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16):
+                    loss = loss_fn(part)
+            else:
+                loss = loss_fn(part)
+            (loss * w).backward()
+            d = loss.detach() * w
+            total = d if total is None else total + d
+            del loss
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(total) if (self.record_loss and total is not None) else None
+
+    def _record(self, n: int, s: int, micro: int, k: int, loss: float | None, dt: float) -> None:
+        self.steps += 1
+        self.state = "running"
+        self.last_ok_batch = micro
+        mem = self._mem()
+        if self._baseline is None and self.device.type == "cuda" and self.guard is not None:
+            from gpuwatch.workload.memsnap import baseline
+
+            self._baseline = baseline(self.device)
+        row = {"ts": time.time_ns() // 1000, "step": self.steps - 1, "gpu": self.gpu_index, "mode": "train",
+               "phase": "train", "precision": self.precision, "batch": n, "seq_len": s, "step_time_s": dt,
+               "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
+               "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
+               "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
+               "next_precision": self.precision}
+        self._last = row
+        self.bus.steps.append(row)
+        self._maybe_snapshot()
+
+    def _flops(self, tokens: int, dt: float) -> dict[str, float | None]:
+        """Training FLOPs by the usual estimate, 6 x parameters x tokens (forward 2, backward 4; attention's
+        own FLOPs left out), and the share of the device's dense peak at this precision."""
+        if self._params is None or dt <= 0:
+            return {"tflops": None, "mfu": None}
+        tf = 6.0 * self._params * tokens / dt / 1e12
+        peak = F.peak_tflops(self._device_name, self.precision)
+        return {"tflops": tf, "mfu": tf / peak if peak else None}
+
+    def _recover(self, failure: str, n: int, s: int, micro: int, before: int | None) -> bool:
+        """An OOM the guard did not prevent: free, record, and retry the same batch at half the
+        micro-batch (same effective batch). At the floor: checkpoint and stop. True = retry."""
+        self.ooms += 1
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.bus.emit("oom", f"CUDA OOM at batch {micro} x {s} ({self.precision})", "error", gpu=self.gpu_index,
+                      batch=micro, seq_len=s, precision=self.precision, error=failure, effective_batch=n,
+                      allocated_before=before)
+        if self.guard is not None:
+            self.guard.after_oom(self, n, micro)
+        after = self._mem().get("torch_allocated_bytes")
+        if micro <= self.floor:
+            self.bus.emit("oom_recovered", "not recovered: the micro-batch is at its floor; stopping cleanly",
+                          "error", gpu=self.gpu_index, decision="stop", who="recovery", retried=False,
+                          allocated_after=after, allocated_before=before)
+            self._stop(f"OOM at the micro-batch floor ({micro} x {s})")
+            return False
+        self.ceiling = max(self.floor, micro // 2)
+        self.retries += 1
+        self.bus.emit("oom_recovered", f"recovered: micro-batch ceiling -> {self.ceiling}, same step retried "
+                      f"(effective batch {n} kept)", "warning", gpu=self.gpu_index, who="recovery", retried=True,
+                      decision=f"ceiling -> {self.ceiling}", retry_control="ceiling", retry_value=self.ceiling,
+                      allocated_after=after, allocated_before=before)
+        return True
+
+    def _stop(self, why: str) -> None:
+        """Call the user's checkpoint hook, then stop: the loop's next `step()` and `wrap()` end."""
+        saved = None
+        if self.checkpoint is not None:
+            try:
+                saved = self.checkpoint(self.steps)
+                self.bus.emit("guard_remedy", f"checkpoint hook called at step {self.steps} before stopping",
+                              "warning", gpu=self.gpu_index, remedy="checkpoint", step=self.steps,
+                              saved=None if saved is None else str(saved))
+            except Exception as e:  # noqa: BLE001 - a failing hook is said; the stop still happens
+                self.bus.emit("guard_remedy", f"checkpoint hook failed: {type(e).__name__}: {e}", "error",
+                              gpu=self.gpu_index, remedy="checkpoint", step=self.steps)
+        self.stopped = why
+        self.state = "stopped"
+
+    def _mem(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}
+        d = self.device
+        return {"torch_allocated_bytes": torch.cuda.memory_allocated(d),
+                "torch_reserved_bytes": torch.cuda.memory_reserved(d),
+                "torch_peak_bytes": torch.cuda.max_memory_allocated(d)}
+
+    # -- the guard's contract (GuardedWorkload) ------------------------------------------------------------
+    def next_plan(self) -> StepPlan | None:
+        w = self._wanted
+        if w is None or self.should_stop:
+            return None
+        n, s = w
+        micro = min(n, self.ceiling) if self.ceiling else n
+        return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
+                        micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n)
+
+    def guard_view(self) -> WorkloadView:
+        last = self._last
+        lower = ("bf16",) if self.allow_bf16 and self.precision == "fp32" and _bf16_ok(self.device) else ()
+        return WorkloadView(gpu=self.gpu_index, ceiling=self.ceiling, last_ok_batch=self.last_ok_batch,
+                            floor=self.floor, lower_precisions=lower, manual=self.manual,
+                            last_peak_bytes=last.get("torch_peak_bytes"),
+                            last_allocated_bytes=last.get("torch_allocated_bytes"),
+                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type)
+
+    def accepts(self) -> frozenset[str]:
+        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "stop"}
+        if self.allow_bf16:
+            acts.add("precision")
+        if self.device.type == "cuda":
+            acts |= {"release_cache", "name_leak"}
+        return frozenset(acts)
+
+    def apply(self, action: Action, who: str = "guard") -> None:
+        with self._lock:
+            self._pending.append((action, who))
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for act, who in pending:
+            k, v = act.kind, act.value
+            if k in ("lower_ceiling", "raise_ceiling", "refuse_step"):
+                v = max(self.floor, int(v))
+                self.ceiling = v
+            elif k == "clear_ceiling":
+                self.ceiling = v = None
+            elif k == "precision":
+                self.precision = v
+            elif k == "release_cache":
+                v = ", ".join(release_cache(self.device, expandable=bool(v))) or "nothing to release here"
+                self.remedies.append(v)
+                self.bus.emit("guard_remedy", f"fragmentation: {v}", "warning", gpu=self.gpu_index,
+                              remedy="release_cache", result=v)
+            elif k == "stop":
+                self._stop_why = act.why
+                continue
+            else:
+                continue
+            control = {"lower_ceiling": "ceiling", "raise_ceiling": "ceiling", "clear_ceiling": "ceiling",
+                       "refuse_step": "hold"}.get(k, k)
+            shown = "none (lifted)" if v is None else v
+            self.bus.emit("control", f"{control} -> {shown} ({who}: {act.why})", gpu=self.gpu_index,
+                          control=control, value=v, who=who, why=act.why)
+
+    def request_snapshot(self, directory: Path | None, reason: str) -> None:
+        self._snapshot_req = (reason, directory)
+
+    def _maybe_snapshot(self) -> None:
+        req, self._snapshot_req = self._snapshot_req, None
+        if req is None or self.device.type != "cuda":
+            return
+        reason, directory = req
+        try:
+            from gpuwatch.workload.memsnap import save_memory_snapshot
+
+            info = save_memory_snapshot(self.device, directory, self._baseline)
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+            self.bus.emit("memory_snapshot", f"memory snapshot failed: {e}", "warning", gpu=self.gpu_index)
+            return
+        top = ", ".join(f"{b['size'] / 2**20:.0f} MiB" for b in info["largest_growing"][:3]) or "none"
+        self.bus.emit("memory_snapshot", f"allocator snapshot ({reason}); largest growing: {top}", "warning",
+                      gpu=self.gpu_index, **info)
+
+    # -- what the session records and the runtime asks -----------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        n, s = self._wanted or (None, None)
+        params = self._params
+        return {"preset": "user", "mode": "train", "schedule": "user", "precision": self.precision, "batch": n,
+                "seq_len": s, "device": str(self.device), "params": params, "overrides": {},
+                "faults": {"memory_limit_bytes": self.memory_limit_bytes}, "integrity_every": 0, "seed": None,
+                "gpu_index": self.gpu_index, "library": "gpuwatch.integrations.GuardedLoop", "label": self.label}
+
+    def export_state(self) -> dict[str, Any]:
+        return {"step": self.steps, "precision": self.precision, "ooms": self.ooms, "retries": self.retries}
+
+    def stop(self, join: bool = True) -> None:
+        """The session is stopping (Session.stop calls every workload's): nothing runs on a thread here,
+        the state says the loop is over."""
+        if self.state not in ("stopped", "failed"):
+            self.state = "finished" if self.stopped is None else "stopped"
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Spawned children (the sampler process) re-run the parent's `__main__` unless told not to: a user's
+    training script without an `if __name__ == "__main__":` guard would train again in the child. The
+    sampler needs nothing from `__main__` (its target lives in gpuwatch), so while it is spawned the
+    main module shows neither `__spec__` nor `__file__`, which is what multiprocessing reads to decide."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _device_of(model) -> torch.device:
+    if model is not None:
+        for p in model.parameters():
+            return p.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bf16_ok(dev: torch.device) -> bool:
+    return dev.type != "cuda" or bool(torch.cuda.is_bf16_supported())
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _first_tensor(batch: Batch) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    vals = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in vals:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _batch_size(batch: Batch) -> int:
+    t = _first_tensor(batch)
+    if t is None or t.dim() == 0:
+        raise TypeError("a batch must hold a tensor whose first dimension is the batch")
+    return int(t.shape[0])
+
+
+def _seq_len(batch: Batch) -> int:
+    """The second dimension of the first tensor that has one (token ids), else 1."""
+    def walk(b):
+        if isinstance(b, torch.Tensor):
+            return int(b.shape[1]) if b.dim() >= 2 else None
+        vals = b.values() if isinstance(b, Mapping) else b if isinstance(b, (list, tuple)) else ()
+        for v in vals:
+            r = walk(v)
+            if r is not None:
+                return r
+        return None
+    return walk(batch) or 1
+
+
+def _split(batch: Batch, k: int) -> list[Batch]:
+    """`batch` as `k` micro-batches along the first dimension (sizes differ by at most one)."""
+    if k <= 1:
+        return [batch]
+    n = _batch_size(batch)
+
+    def cut(b, i):
+        if isinstance(b, torch.Tensor):
+            return b.tensor_split(k)[i] if b.dim() and b.shape[0] == n else b
+        if isinstance(b, Mapping):
+            d = {key: cut(v, i) for key, v in b.items()}
+            return d if type(b) is dict else type(b)(d)
+        if isinstance(b, tuple):
+            return tuple(cut(v, i) for v in b)
+        if isinstance(b, list) and len(b) == n:
+            return [b[j] for j in _ranges(n, k)[i]]
+        return b
+    return [cut(batch, i) for i in range(k)]
+
+
+def _ranges(n: int, k: int) -> list[range]:
+    """The index ranges tensor_split(k) uses: the first n % k parts one longer."""
+    q, r = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = q + (1 if i < r else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def per_device_batch(effective: int, cap: int) -> int:
+    """The largest divisor of `effective` that is at most `cap` (at least 1): a framework's per-device
+    batch that, with `effective // it` accumulation steps, keeps the effective batch exactly."""
+    cap = max(1, min(int(cap), int(effective)))
+    for b in range(cap, 0, -1):
+        if effective % b == 0:
+            return b
+    return 1
