@@ -69,7 +69,7 @@ stage_info() {
   python3 -m gpuwatch info > $R/info.txt 2>&1
 }
 stage_tests() {
-  EXT=txt stage gputests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA
+  EXT=txt stage gputests "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rA
   grep -E "PASSED|FAILED|^E |passed|failed" $R/gputests.txt | tail -n 20
 }
 stage_kernels() {
@@ -113,15 +113,15 @@ stage_scorer() {
   cat $R/scorer_overhead.json; tail -8 $R/scorer_overhead.err
 }
 stage_library() {
-  EXT=txt stage guard_library 250 python3 benchmarks/guard_library.py --out $R/guard_library.json \
-    --sessions /tmp/guard-library-sessions --budget-s 200
+  EXT=txt stage guard_library $(( ${LIB_BUDGET:-200} + 50 )) python3 benchmarks/guard_library.py --out $R/guard_library.json \
+    --sessions /tmp/guard-library-sessions --budget-s "${LIB_BUDGET:-200}"
   tail -n 1 $R/guard_library.txt
   tar czf "$OUT/guard-library-sessions.tgz" -C /tmp guard-library-sessions --exclude='hf-*' 2>/dev/null
 }
 stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's effect on the workload (ABBA)
   stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48
   cat $R/risk_scorer.json; echo
-  stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides 5,1
+  stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides "${RISK_STRIDES:-5,1}"
   cat $R/risk_score_hour.json; echo
   stage risk_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window 6
   cat $R/risk_overhead.json; tail -8 $R/risk_overhead.err
@@ -167,8 +167,9 @@ stage_faults() {
     --fp16-overflow --duration 30s -o $S/fp16
 }
 stage_tui() {
-  stage tui_cost 80 python3 benchmarks/bench_tui.py cost --seconds 30
-  stage tui_tokens 200 python3 benchmarks/bench_tui.py tokens --seconds 35 --pairs 2
+  stage tui_cost $(( ${TUI_S:-30} * 2 + 30 )) python3 benchmarks/bench_tui.py cost --seconds "${TUI_S:-30}"
+  stage tui_tokens "${TUI_TOKENS_LIMIT:-400}" python3 benchmarks/bench_tui.py tokens --seconds "${TUI_TOKEN_S:-35}" \
+    --pairs "${TUI_PAIRS:-3}" --preset v2-lite --batch 8
   head -c 2000 $R/tui_cost.json $R/tui_tokens.json; echo
 }
 stage_guard() {
