@@ -92,7 +92,7 @@ def calibrate(model, device, vocab: int, dry: bool) -> dict:
     if device.type != "cuda":
         return {"fixed": 0, "per_token": 1, "opt": opt}
     peaks = []
-    for b, s in ((4, 256), (4, 512)):
+    for b, s in ((2, 128), (4, 256), (4, 512)):  # the first creates AdamW's state: not a probe
         ids = torch.randint(0, vocab, (b, s), device=device)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -105,7 +105,7 @@ def calibrate(model, device, vocab: int, dry: bool) -> dict:
         torch.cuda.synchronize()
         peaks.append((b * s, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated()))
         del ids, loss
-    (t1, p1, _), (t2, p2, fixed) = peaks
+    (t1, p1, _), (t2, p2, fixed) = peaks[1:]
     per_token = max(1, (p2 - p1) // (t2 - t1))
     return {"fixed": fixed, "per_token": per_token, "opt": opt}
 
@@ -113,7 +113,8 @@ def calibrate(model, device, vocab: int, dry: bool) -> dict:
 def set_cap(device, cap: int | None) -> None:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), index)
 
 
 def free(device) -> None:
