@@ -5,7 +5,8 @@
 
 A small transformers model with random weights (LlamaForCausalLM from a config; no download) trains
 on random tokens. The cap (`torch.cuda.set_per_process_memory_fraction`) is calibrated first from two
-probe steps: the fixed memory (weights, gradients, optimizer state) and the activation bytes per token,
+probe steps after a warm-up: the step's peak as a line in its tokens (intercept: weights, gradients,
+optimizer state; slope: bytes per token), the cap set so that a step of 32k tokens peaks at 90 % of it,
 so each scenario sits where it means to whatever the card. Scenarios, each run unguarded then guarded
 on the same sequence of batches:
 
@@ -87,15 +88,15 @@ class SimOOM:
 
 # -- calibration -----------------------------------------------------------------------------------------------
 def calibrate(model, device, vocab: int, dry: bool) -> dict:
-    """Fixed bytes (weights, grads, AdamW state after one step) and activation bytes per token."""
+    """The step's absolute peak as a line in its tokens, `peak = fixed + per_token x tokens`, from two
+    probe steps after a warm-up step (which allocates AdamW's state, so the probes do not count it)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if device.type != "cuda":
         return {"fixed": 0, "per_token": 1, "opt": opt}
     peaks = []
-    for b, s in ((2, 128), (4, 256), (4, 512)):  # the first creates AdamW's state: not a probe
+    for b, s in ((4, 256), (4, 256), (4, 1024)):
         ids = torch.randint(0, vocab, (b, s), device=device)
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with amp(device):
             loss = lm_loss(model)(ids)
@@ -103,11 +104,11 @@ def calibrate(model, device, vocab: int, dry: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        peaks.append((b * s, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated()))
+        peaks.append((b * s, torch.cuda.max_memory_allocated()))
         del ids, loss
-    (t1, p1, _), (t2, p2, fixed) = peaks[1:]
+    (t1, p1), (t2, p2) = peaks[1], peaks[2]
     per_token = max(1, (p2 - p1) // (t2 - t1))
-    return {"fixed": fixed, "per_token": per_token, "opt": opt}
+    return {"fixed": max(0, p1 - per_token * t1), "per_token": per_token, "opt": opt}
 
 
 def set_cap(device, cap: int | None) -> None:
@@ -466,8 +467,8 @@ def main() -> int:
     cal = calibrate(model, device, cfg.vocab_size, dry)
     opt = cal.pop("opt")
     if device.type == "cuda":
-        fit_tokens = 32 * 1024  # a step of this many tokens sits at ~90 % of the cap
-        cap = int(cal["fixed"] + fit_tokens * cal["per_token"] / 0.9)
+        fit_tokens = 32 * 1024  # a step of this many tokens peaks at ~90 % of the cap
+        cap = int((cal["fixed"] + fit_tokens * cal["per_token"]) / 0.9)
         sim = sim_frag = SimOOM(None)
         sim_leak = SimLeak(None)
     else:
@@ -482,7 +483,7 @@ def main() -> int:
               "torch": torch.__version__, "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
                                                    "vocab": cfg.vocab_size,
                                                    "params": sum(p.numel() for p in model.parameters())},
-              "calibration": {"fixed_bytes": cal["fixed"], "activation_bytes_per_token": cal["per_token"],
+              "calibration": {"peak_intercept_bytes": cal["fixed"], "peak_bytes_per_token": cal["per_token"],
                               "cap_bytes": cap, "fit_tokens": fit_tokens}, "scenarios": {}}
     runs = {"ramp-loop": scenario_ramp_loop, "ramp-hf": scenario_ramp_hf, "healthy": scenario_healthy,
             "leak": scenario_leak, "fragment": scenario_fragment}

@@ -44,9 +44,9 @@ class GuardConfig:
     frag_every_s: float = 10.0
     # a leak: torch allocated grows by more than this fraction of the limit per step at a plan that does
     # not grow. Named once (an allocator snapshot); the run is stopped cleanly (checkpoint hook first)
-    # when the next step's estimated peak is within `leak_stop_steps` steps of `leak_stop_at`.
+    # when the next step's estimated peak is within `leak_stop_steps` steps (at this rate) of `leak_stop_at`.
     leak_growth: float = 0.002
-    leak_stop_steps: float = 3.0
+    leak_stop_steps: float = 5.0  # the risk the guard reads is up to one scoring round (~2 steps) old
     leak_stop_at: float = 0.98
     rescore_from: float = 0.8  # a grown plan is scored before its step when its scaled peak estimate reaches this
     leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
