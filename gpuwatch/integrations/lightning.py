@@ -26,7 +26,7 @@ import lightning as L
 import torch
 
 from gpuwatch.control.policy import GuardConfig
-from gpuwatch.integrations.loop import GuardedLoop, _batch_size, _seq_len, per_device_batch
+from gpuwatch.integrations.loop import GuardedLoop, batch_size_of, per_device_batch, seq_len_of
 
 
 class ResizableBatchSampler(torch.utils.data.Sampler):
@@ -95,7 +95,7 @@ class GpuwatchLightningCallback(L.Callback):
         if self._t0 is None:
             self._t0 = time.perf_counter()
         try:
-            self._seq, self._batch_n = _seq_len(batch), _batch_size(batch)
+            self._seq, self._batch_n = seq_len_of(batch), batch_size_of(batch)
         except TypeError:
             pass
 

@@ -174,8 +174,8 @@ class GuardedLoop:
         if self.should_stop:
             return None
         t_in = time.perf_counter()
-        n = _batch_size(batch)
-        s = seq_len if seq_len is not None else _seq_len(batch)
+        n = batch_size_of(batch)
+        s = seq_len if seq_len is not None else seq_len_of(batch)
         if self.decide(n, s) is None:
             return None
         overhead = time.perf_counter() - t_in
@@ -237,7 +237,7 @@ class GuardedLoop:
         total = None
         amp = self.precision in ("bf16", "fp16")
         for part in parts:
-            w = _batch_size(part) / n
+            w = batch_size_of(part) / n
             if amp:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16):
                     loss = loss_fn(part)
@@ -477,14 +477,14 @@ def _first_tensor(batch: Batch) -> torch.Tensor | None:
     return None
 
 
-def _batch_size(batch: Batch) -> int:
+def batch_size_of(batch: Batch) -> int:
     t = _first_tensor(batch)
     if t is None or t.dim() == 0:
         raise TypeError("a batch must hold a tensor whose first dimension is the batch")
     return int(t.shape[0])
 
 
-def _seq_len(batch: Batch) -> int:
+def seq_len_of(batch: Batch) -> int:
     """The second dimension of the first tensor that has one (token ids), else 1."""
     def walk(b):
         if isinstance(b, torch.Tensor):
@@ -502,7 +502,7 @@ def _split(batch: Batch, k: int) -> list[Batch]:
     """`batch` as `k` micro-batches along the first dimension (sizes differ by at most one)."""
     if k <= 1:
         return [batch]
-    n = _batch_size(batch)
+    n = batch_size_of(batch)
 
     def cut(b, i):
         if isinstance(b, torch.Tensor):
