@@ -261,18 +261,6 @@ def build_fake_nvml(work: Path) -> Path | None:
     return lib if r.returncode == 0 else None
 
 
-def build_fake_nvml(work: Path) -> Path | None:
-    """Compile FAKE_NVML_C into work/libnvidia-ml.so.1; None without a C compiler."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    src = work / "fake_nvml.c"
-    src.write_text("#include <stdio.h>\n" + FAKE_NVML_C)
-    lib = work / "libnvidia-ml.so.1"
-    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True)
-    return lib if r.returncode == 0 else None
-
-
 def fake_nvml_env(env: dict, work: Path, n: int) -> str:
     """Point `env` at the stand-in NVML (n GPUs): the C library where a compiler exists, else FakeDriver
     installed in a profiled sampler child. Returns which."""
