@@ -51,7 +51,10 @@ CORE = ESTIMATOR + CONTEXT
 # estimator's figures and the context together (measured against it in the card's ablation).
 KINDS = {"hgb-context": CONTEXT, "hgb-core": CORE}
 T_ESTIMATOR = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-T_CLASSIFIER = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, float("inf"))  # inf: the classifier switched off
+# 1.0: the classifier never raises the alarm alone (its probability stays under 1), but its half-scaled
+# probability still shows in the risk - where the estimator has nothing to go on (no step has run, a
+# workload without allocator figures, `watch` of other processes) and for a lowered --risk-threshold.
+T_CLASSIFIER = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
 
 
 def make_estimator(seed: int = SEED, kind: str | None = None):
@@ -168,9 +171,9 @@ def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: li
     ok = [r for r in rows if r[2].near_fa_per_hour is not None and r[2].near_fa_per_hour <= MAX_FA_PER_HOUR]
     if ok:
         te, tc, m = max(ok, key=lambda r: (r[2].caught, -r[2].false_alarms, r[0], r[1]))
-        why = (f"the estimator alarms at p >= {te:g}, the classifier at p >= {tc:g}" if tc != float("inf") else
+        why = (f"the estimator alarms at p >= {te:g}, the classifier at p >= {tc:g}" if tc < 1.0 else
                f"the estimator alarms at p >= {te:g}; the classifier never alarms on its own (no threshold of its kept "
-               "the near-limit false alarms within budget while catching more)")
+               "the near-limit false alarms within budget while catching more) but shows in the risk at half its probability")
         return te, tc, m, (why + f": the most OOMs caught with at most {MAX_FA_PER_HOUR:g} false alarms per healthy hour "
                            f"at >= {E.NEAR_FRAC:.0%} of the limit, on out-of-fold scores")
     te, tc, m = min(rows, key=lambda r: (r[2].near_false_alarms, -r[2].caught))
