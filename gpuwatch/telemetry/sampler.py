@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 from gpuwatch.telemetry.bus import Bus, Tick
 from gpuwatch.threads import start_thread
 from gpuwatch.telemetry.nvml import GpuInfo, GpuLost
+from gpuwatch.telemetry.procs import ProcInfo
 
 
 class GpuBackend(Protocol):
@@ -58,6 +59,11 @@ class Sampler:
         self.loop, self.loop_note = "python", "python loop"  # which loop runs ("c" / "python") and why
         self._c = None  # the C loop (ticker.CLoop) once chosen
         self._wake: Callable[[], None] | None = None  # the C loop's: wakes its decoding thread at stop
+        # the processes on each GPU: utilization, user and command added once a second to the entries NVML
+        # lists (live NVML only: a replayed recording's rows carry what was recorded)
+        self.procinfo = ProcInfo() if gpu is not None and getattr(gpu, "kind", None) == "nvml" else None
+        self._last_procs: dict[int, list | None] = {}  # per GPU: the last tick's gpu_procs
+        self._proc_info: dict[int, dict[int, dict[str, Any]]] = {}  # per GPU: pid -> the fields added
 
     # -- one tick ---------------------------------------------------------------------------------
     def tick(self) -> Tick:
@@ -84,6 +90,7 @@ class Sampler:
         if host_slow:
             common.update(host_slow)
         rows = []
+        info_of = self._proc_info if self.procinfo is not None else None
         for i in self.active_gpus:
             try:
                 row = read_gpu(i)
@@ -93,6 +100,14 @@ class Sampler:
             gpu_slow = slow.get(i)
             if gpu_slow:
                 row.update(gpu_slow)
+            if info_of is not None:
+                procs = self._last_procs[i] = row.get("gpu_procs")
+                info = info_of.get(i) if procs else None
+                if info:
+                    for p in procs:
+                        x = info.get(p["pid"])
+                        if x is not None:
+                            p.update(x)
             row["gpu"] = i
             rows.append(row)
         if not rows:
@@ -114,11 +129,17 @@ class Sampler:
     def slow_tick(self) -> None:
         if self.host:
             self._slow["host"] = self.host.read_slow()
+        pi = self.procinfo
+        util = getattr(self.gpu, "read_proc_util", None) if pi is not None else None
         for i in list(self.active_gpus):
             try:
                 self._slow.setdefault(i, {}).update(self.gpu.read_slow(i))
+                if pi is not None:
+                    self._proc_info[i] = pi.build(self._last_procs.get(i), util(i) if util else None)
             except GpuLost:
                 pass  # the fast tick reports it
+        if pi is not None:
+            pi.forget_except({p["pid"] for ps in list(self._last_procs.values()) for p in ps or ()})
 
     def _sleep(self, seconds: float) -> bool:
         """Wait for the next deadline; True when asked to stop. Short waits are a plain sleep (one
