@@ -1,7 +1,8 @@
 """The 10 Hz sampler: a deadline-scheduled thread (never on the UI loop) that reads every GPU and the
 host, and appends one `Tick` to the bus. Its own cost and interval are columns of every row.
 
-The slow reads (PCIe, energy, per-core CPU, memory, swap, load: once a second) run on the tick thread
+The slow reads (PCIe, energy, per-core CPU, memory, swap, load, and each GPU process's utilization, user
+and command, added to its `gpu_procs` entry: once a second) run on the tick thread
 after every tenth tick when the backend says they do not block (`slow_blocks` False: NVML with PCIe byte
 counters, or no GPU): one thread, ten wake-ups a second. Where they can block (the legacy PCIe calls,
 ~21 ms; a backend that does not say) they keep a second, slower thread. The fast tick copies their latest
@@ -134,8 +135,9 @@ class Sampler:
         for i in list(self.active_gpus):
             try:
                 self._slow.setdefault(i, {}).update(self.gpu.read_slow(i))
-                if pi is not None:
-                    self._proc_info[i] = pi.build(self._last_procs.get(i), util(i) if util else None)
+                if pi is not None:  # NVML's per-process utilization only where a process is listed
+                    procs = self._last_procs.get(i)
+                    self._proc_info[i] = pi.build(procs, util(i) if util and procs else None)
             except GpuLost:
                 pass  # the fast tick reports it
         if pi is not None:
