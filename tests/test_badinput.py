@@ -323,3 +323,43 @@ def test_watch_source_of_an_unreadable_session_is_the_replay_error(py, env, tmp_
                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("gpuwatch: error:") and "samples.parquet" in r.stderr
+
+
+def test_a_folder_of_text_files_is_said_to_hold_no_session(tmp_path):
+    """Issue 17 (12): a folder of text files said "meta.json: missing; reading the Parquet files alone"
+    (the first warning), as if a session were being read; it must say plainly that it holds none."""
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "todo.txt").write_text("buy milk\n")
+    (d / "samples.parquet").write_text("not parquet, just text\n")  # a text file under a table's name
+    (d / "results.parquet").write_text("more text\n")
+    with pytest.raises(RecordingError) as e:
+        open_recording(d)
+    msg = str(e.value)
+    assert msg.startswith(f"{d}: not a gpuwatch session"), msg
+    assert "reading the Parquet files alone" not in msg and "\n" not in msg
+    assert "samples.parquet: not a Parquet file" in msg  # and why the files in it are none
+
+
+def test_all_tables_truncated_names_every_table(session):
+    """Issue 17 (12): with samples, steps and events all truncated the error named events.parquet alone."""
+    damaged = FATAL["all_tables_truncated"](session)
+    with pytest.raises(RecordingError) as e:
+        open_recording(session)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{session}: ")
+    for name in damaged:
+        assert f"{name}: truncated Parquet file" in msg, msg
+    assert "no table could be read (3 files)" in msg
+    with pytest.raises(RecordingError) as e:  # what `replay` opens
+        ReplaySource(session)
+    assert all(f"{name}: truncated Parquet file" in str(e.value) for name in damaged), str(e.value)
+
+
+def test_replay_of_a_folder_of_text_files_says_it_holds_no_session(tmp_path):
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "samples.parquet").write_text("text\n")
+    with pytest.raises(RecordingError) as e:
+        ReplaySource(d)
+    assert str(e.value).startswith(f"{d}: not a gpuwatch session (no meta.json; samples.parquet: not a Parquet file")

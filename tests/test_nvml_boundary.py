@@ -218,3 +218,101 @@ def test_pcie_counters_read_every_n_slow_ticks(driver, monkeypatch, every):
             assert "gpu_pcie_tx_bytes_per_s" not in slow
     want = {None: [True, False, True, False, True], "1": [True] * 5, "3": [True, False, False, True, False]}[every]
     assert reads == want
+
+
+# -- per-process utilization (issue 17: the process panel's SM% and MEM%) ------------------------------
+def test_process_utilization_is_the_mean_of_the_samples_since_the_last_read(driver):
+    b = nvml.NvmlBackend()
+    assert b.read_proc_util(0) == {42: (55, 20)} and b.read_proc_util(1) == {42: (35, 10)}
+    assert b.read_proc_util(0) == {42: (55, 20)}  # the next second: only the new samples
+    assert driver.calls["proc_util"] == 3
+
+
+def test_process_utilization_not_found_is_no_sample_and_asked_again(driver):
+    """NVML_ERROR_NOT_FOUND (no process ran a kernel since the last read) is a value - no sample - not an
+    unsupported field: the next read asks again (the other fields' rule would stop asking for good)."""
+    b = nvml.NvmlBackend()
+    driver.proc_util = {}
+    assert b.read_proc_util(0) == {} and b.read_proc_util(0) == {}
+    assert driver.calls["proc_util"] == 2
+    driver.proc_util = {0: [(7, 80, 30)]}
+    assert b.read_proc_util(0) == {7: (80, 30)}
+
+
+@pytest.mark.parametrize("err", ["NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound"])
+def test_process_utilization_not_supported_is_null_and_not_asked_again(driver, err):
+    b = nvml.NvmlBackend()
+    driver.proc_util = getattr(pynvml, err)
+    assert b.read_proc_util(0) is None and b.read_proc_util(0) is None
+    assert driver.calls["proc_util"] == 1
+    driver.proc_util = {1: [(42, 35, 10)]}
+    assert b.read_proc_util(1) == {42: (35, 10)}  # remembered per GPU
+
+
+def test_process_utilization_transient_error_is_null_once_and_lost_gpu_raises(driver):
+    b = nvml.NvmlBackend()
+    driver.proc_util = pynvml.NVMLError_Timeout
+    assert b.read_proc_util(0) is None
+    driver.proc_util = {0: [(42, 55, 20)]}
+    assert b.read_proc_util(0) == {42: (55, 20)}
+    driver.lost.add(0)
+    with pytest.raises(nvml.GpuLost):
+        b.read_proc_util(0)
+
+
+def _sampler(lookups: list[int]) -> tuple[Sampler, Bus]:
+    from gpuwatch.telemetry.procs import ProcInfo
+
+    bus = Bus()
+    s = Sampler(bus, nvml.NvmlBackend(), None)
+    assert s.procinfo is not None  # live NVML: the sampler adds utilization, user and command
+    s.procinfo = ProcInfo(lambda pid: (lookups.append(pid), ("alice", f"python train.py --pid {pid}"))[1])
+    return s, bus
+
+
+def test_sampler_adds_utilization_user_and_command_to_each_process_once_a_second(driver):
+    lookups: list[int] = []
+    s, _ = _sampler(lookups)
+    s.slow_tick()  # at start: no process seen yet
+    assert s.tick().rows[0]["gpu_procs"] == [{"pid": 42, "used_bytes": 2**30}]  # the first second: NVML's alone
+    s.slow_tick()
+    for _ in range(3):
+        rows = s.tick().rows
+        assert rows[0]["gpu_procs"] == [{"pid": 42, "used_bytes": 2**30, "sm_util_pct": 55, "mem_util_pct": 20,
+                                         "user": "alice", "command": "python train.py --pid 42"}]
+        assert rows[1]["gpu_procs"][0]["sm_util_pct"] == 35 and rows[1]["gpu_procs"][0]["mem_util_pct"] == 10
+    s.slow_tick()
+    s.tick()
+    assert lookups == [42]  # user and command: looked up once per PID, not every second
+    assert driver.calls["proc_util"] == 2 * 2  # once a second per GPU listing a process, never per tick
+
+
+def test_sampler_process_without_samples_is_0_and_unsupported_utilization_is_null(driver):
+    s, _ = _sampler([])
+    s.tick()
+    driver.proc_util = {}  # NOT_FOUND: the processes ran no kernel
+    s.slow_tick()
+    p = s.tick().rows[0]["gpu_procs"][0]
+    assert (p["sm_util_pct"], p["mem_util_pct"], p["user"]) == (0, 0, "alice")
+    driver.proc_util = pynvml.NVMLError_NotSupported
+    s.slow_tick()
+    p = s.tick().rows[0]["gpu_procs"][0]
+    assert (p["sm_util_pct"], p["mem_util_pct"], p["user"]) == (None, None, "alice")
+
+
+def test_user_and_command_of_a_real_process(driver, monkeypatch):
+    """The default lookup (psutil) names this test's own process; a PID nobody has is null, not an error."""
+    import os
+
+    from gpuwatch.telemetry.procs import ProcInfo
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses",
+                        lambda h: [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=1),
+                                   types.SimpleNamespace(pid=2**22 + 7, usedGpuMemory=2)])
+    s = Sampler(Bus(), nvml.NvmlBackend(), None)
+    assert isinstance(s.procinfo, ProcInfo)
+    s.tick()
+    s.slow_tick()
+    mine, nobody = s.tick().rows[0]["gpu_procs"]
+    assert mine["user"] and ("python" in mine["command"].lower() or "pytest" in mine["command"])
+    assert nobody["user"] is None and nobody["command"] is None

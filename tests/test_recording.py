@@ -316,3 +316,60 @@ def test_follow_appends_without_resorting_and_reads_the_same_as_a_whole_replay(t
         assert src.latest() == whole.latest()
         for col in ("gpu_mem_used_bytes", "gpu_power_w", "host_cpu_per_core_pct"):
             assert src.series(col, 0, 300) == whole.series(col, 0, 300)
+
+
+def _recorded_with_processes(tmp_path, monkeypatch, compact: bool):
+    """A session sampled from the fake NVML (two GPUs, PID 42 on both) with the process fields added."""
+    from gpuwatch.telemetry.nvml import NvmlBackend
+    from gpuwatch.telemetry.procs import ProcInfo
+
+    from support.fake_nvml import FakeDriver
+
+    FakeDriver(monkeypatch)
+    bus = Bus()
+    s = Sampler(bus, NvmlBackend(), None)
+    s.procinfo = ProcInfo(lambda pid: ("alice", "python train.py --batch 8"))
+    r = Recorder(bus, tmp_path, {"test": True}, name="procs")
+    r.dir.mkdir(parents=True)
+    writer.write_json_atomic(r.meta, r.dir / "meta.json")
+    s.slow_tick()
+    for _ in range(3):
+        for _ in range(10):
+            s.tick()
+        s.slow_tick()
+        r.flush()
+    r._stop.set()
+    if compact:
+        r.stop()
+    return r.dir
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["streams", "compacted"])
+def test_process_utilization_user_and_command_round_trip_into_replay(tmp_path, monkeypatch, compact):
+    """Issue 17: each process's SM/memory utilization, user and command are recorded in samples.gpu_procs
+    and replayed (from the open stream files of a running or killed session, and from the compacted table)."""
+    from gpuwatch.recording.source import ReplaySource
+
+    d = _recorded_with_processes(tmp_path, monkeypatch, compact)
+    rec = open_recording(d)
+    assert not rec.warnings and dict(rec.samples.schema) == schema.SAMPLES
+    procs = rec.samples.filter(pl.col("gpu") == 0)["gpu_procs"].to_list()
+    assert procs[0] == [{"pid": 42, "used_bytes": 2**30, "sm_util_pct": None, "mem_util_pct": None,
+                         "user": None, "command": None}]  # the first second: NVML's compute-apps alone
+    assert procs[-1] == [{"pid": 42, "used_bytes": 2**30, "sm_util_pct": 55, "mem_util_pct": 20,
+                          "user": "alice", "command": "python train.py --batch 8"}]
+    assert rec.samples.filter(pl.col("gpu") == 1)["gpu_procs"].to_list()[-1][0]["sm_util_pct"] == 35
+    src = ReplaySource(d)
+    src.seek_to(src.end_us)
+    latest = src.latest()
+    assert latest[0]["gpu_procs"][0]["user"] == "alice" and latest[1]["gpu_procs"][0]["mem_util_pct"] == 10
+
+
+def test_sessions_recorded_before_the_process_fields_read_them_as_null():
+    """v1 and v2 sessions hold gpu_procs as (pid, used_bytes): they read unchanged, the new fields null."""
+    for name in ("sample-h200-oom-inject", "sample-h200-guard-leak"):  # v1, v2
+        rec = open_recording(RAMP.parent / name)
+        assert not rec.warnings and dict(rec.samples.schema) == schema.SAMPLES
+        listed = [p for ps in rec.samples["gpu_procs"].to_list() if ps for p in ps]
+        assert listed and all(p["pid"] is not None for p in listed)
+        assert all(p["sm_util_pct"] is None and p["user"] is None and p["command"] is None for p in listed)

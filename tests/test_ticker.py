@@ -69,7 +69,10 @@ def test_c_loop_rows_are_the_python_loops(py, fenv, tmp_path):
             continue
         assert a[col].head(n).to_list() == b[col].head(n).to_list(), col
     procs = a["gpu_procs"][0].to_list()
-    assert len(procs) == 20 and procs[0] == {"pid": 1000, "used_bytes": None}  # the array grew: all 20, first row
+    assert len(procs) == 20 and procs[0] == {"pid": 1000, "used_bytes": None, "sm_util_pct": None,  # the array grew:
+                                             "mem_util_pct": None, "user": None, "command": None}  # all 20, first row
+    # (utilization, user and command come with the first slow read; this stub NVML has no per-process utilization)
+    assert a["gpu_procs"][-1].to_list()[0]["sm_util_pct"] is None
     assert a["host_cpu_pct"].drop_nulls().len() >= a.height - 1  # the host CPU from the C thread's pread
     # the slow reads are merged as in the Python loop: PCIe rates exist only from the second counter reading
     # (2 s in), so rows before it are null and rows after it are not - in both loops alike

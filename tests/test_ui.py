@@ -452,3 +452,45 @@ async def test_t_shows_every_process_of_the_live_gpus_and_o_sorts_them(monkeypat
         assert "sorted by pid" in text(app, "events")
         await pilot.press("t")
         assert "PID" not in text(app, "events")
+
+
+async def test_process_panel_shows_utilization_user_and_command_live_and_in_replay(tmp_path, monkeypatch):
+    """Issue 17 (2): SM% and MEM% (NVML's per-process utilization), user and command are shown live and,
+    recorded in samples.gpu_procs, in the replay of the session (they used to be '-' live and absent in
+    replay)."""
+    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.telemetry.nvml import NvmlBackend
+    from gpuwatch.telemetry.procs import ProcInfo
+    from gpuwatch.telemetry.sampler import Sampler
+
+    from support.fake_nvml import FakeDriver
+    from test_recording import _recorded_with_processes
+
+    def rows_of(panel: str) -> list[list[str]]:
+        return [ln.split() for ln in panel.splitlines() if ln.split()[:2] in (["0", "42"], ["1", "42"])]
+
+    FakeDriver(monkeypatch)
+    bus = Bus()
+    s = Sampler(bus, NvmlBackend(), None)
+    s.procinfo = ProcInfo(lambda pid: ("alice", "python train.py --batch 8"))
+    s.slow_tick()
+    s.tick()
+    s.slow_tick()
+    s.tick()
+    gpus = [GpuMeta(0, "NVIDIA H200", 141 * 2**30, 700.0, 89), GpuMeta(1, "NVIDIA H200", 141 * 2**30, 700.0, 89)]
+    app = make_app(LiveSource(bus, gpus))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("t")
+        live = rows_of(text(app, "events"))
+    assert live == [["0", "42", "alice", "1", "GiB", "55", "20", "python", "train.py", "--batch", "8"],
+                    ["1", "42", "alice", "1", "GiB", "35", "10", "python", "train.py", "--batch", "8"]], live
+
+    src = ReplaySource(_recorded_with_processes(tmp_path, monkeypatch, compact=True))
+    app = make_app(src)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("end", "t")
+        assert rows_of(text(app, "events")) == live  # the replay shows what the live screen showed
+        await pilot.press("home")
+        first = rows_of(text(app, "events"))  # the first second: recorded before the first slow read
+        assert [r[:3] for r in first] == [["0", "42", "-"], ["1", "42", "-"]] and first[0][5:7] == ["-", "-"]

@@ -247,6 +247,7 @@ class SessionReader:
         self._streams: dict[str, StreamState] = {}  # how far each stream file has been read
         self._last_us: int | None = None  # the newest sample or event read so far
         self._loaded_once = False
+        self.no_meta: str | None = None  # the warning a folder without meta.json gets (None: it has one)
         try:
             st = os.stat(self.path)
         except OSError as e:
@@ -292,7 +293,8 @@ class SessionReader:
         if not present:
             if not any(self._parquet_names()):
                 raise RecordingError(f"{self.path}: not a gpuwatch session (no meta.json, no Parquet files)")
-            self.warnings.append(f"{mp}: missing; reading the Parquet files alone")
+            self.no_meta = f"{mp}: missing; reading the Parquet files alone"
+            self.warnings.append(self.no_meta)
             self.meta = {"schema_version": schema.SCHEMA_VERSION, "complete": False,
                          "incomplete_reason": "no meta.json"}
             return self.meta
@@ -434,6 +436,23 @@ def table_max(folder: Path | str, table: str, column: str) -> Any:
     return best
 
 
+def nothing_read(reader: SessionReader, what: str = "no table") -> str:
+    """One line saying why a session gave nothing to show (`what`: "no table", "no samples"): a folder
+    without meta.json whose files hold no gpuwatch table is no session; else every file that could not be
+    read, by name (several damaged tables: all of them, not the first)."""
+    where = f"{reader.path}{os.sep}"
+    found = [w for w in reader.warnings if w != reader.no_meta]
+    problems = [w.removeprefix(where) for w in found]  # each names its file, in the session named once
+    if reader.no_meta is not None:
+        return (f"{reader.path}: not a gpuwatch session (no meta.json"
+                + (f"; {'; '.join(problems)})" if problems else "; no samples, steps or events in its Parquet files)"))
+    if len(problems) > 1:
+        return f"{reader.path}: {what} could be read ({len(problems)} files): {'; '.join(problems)}"
+    if found:
+        return found[0]
+    return f"{reader.path}: no samples recorded"
+
+
 def open_recording(path: Path | str) -> Recording:
     """Open a session folder or one Parquet file. Raises RecordingError (only) if nothing can be read."""
     reader = SessionReader(path)
@@ -441,8 +460,7 @@ def open_recording(path: Path | str) -> Recording:
 
     def build() -> Recording:
         if frames["samples"].is_empty() and frames["events"].is_empty() and frames["steps"].is_empty():
-            why = reader.warnings[0] if reader.warnings else f"{reader.path}: no samples recorded"
-            raise RecordingError(why)
+            raise RecordingError(nothing_read(reader))
         return Recording(
             path=reader.path, meta=reader.meta, warnings=reader.warnings,
             samples=frames["samples"].sort("ts", "gpu"), steps=frames["steps"].sort("ts"),

@@ -12,7 +12,11 @@ SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1 sessions read with the v2 columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
-PROC = pl.List(pl.Struct({"pid": pl.UInt32, "used_bytes": pl.UInt64}))
+# A process on a GPU. pid and used_bytes come with every tick (NVML's compute-apps); the rest is added once a
+# second by the sampler (NVML's per-process utilization, psutil's user and command line) and is null in
+# sessions recorded before it (they read unchanged: a struct casts by field name).
+PROC = pl.List(pl.Struct({"pid": pl.UInt32, "used_bytes": pl.UInt64, "sm_util_pct": pl.UInt8,
+                          "mem_util_pct": pl.UInt8, "user": pl.String, "command": pl.String}))
 
 # One row per (tick, GPU); a machine with no GPU writes one row per tick with gpu = null.
 SAMPLES: dict[str, pl.DataType] = {
@@ -138,8 +142,21 @@ def check_schema(schema: pl.Schema | dict, table: str) -> list[str]:
         if name not in schema:
             problems.append(f"missing column {name!r}")
     for name, dtype in schema.items():
-        if name in want and want[name] != dtype and not (dtype.is_numeric() and want[name].is_numeric()):
+        if name in want and not _compatible(dtype, want[name]):
             if name == "ts" and isinstance(dtype, pl.Datetime):
                 continue
             problems.append(f"column {name!r} is {dtype}, expected {want[name]}")
     return problems
+
+
+def _compatible(have: pl.DataType, want: pl.DataType) -> bool:
+    """Whether `conform` can read a column of type `have` as `want`: the same type, numbers as numbers,
+    lists of compatible items, and structs whose fields are ours (fewer fields: an older session's)."""
+    if have == want or (have.is_numeric() and want.is_numeric()):
+        return True
+    if isinstance(have, pl.List) and isinstance(want, pl.List):
+        return _compatible(have.inner, want.inner)
+    if isinstance(have, pl.Struct) and isinstance(want, pl.Struct):
+        fields = {f.name: f.dtype for f in want.fields}
+        return all(f.name in fields and _compatible(f.dtype, fields[f.name]) for f in have.fields)
+    return False

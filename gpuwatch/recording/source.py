@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.recording import schema
-from gpuwatch.recording.reader import SessionReader
+from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -217,7 +217,8 @@ class ReplaySource:
         if not self._by_gpu and not follow:
             from gpuwatch.errors import RecordingError
 
-            raise RecordingError(self.reader.warnings[0] if self.reader.warnings else f"{self.reader.path}: no samples")
+            raise RecordingError(nothing_read(self.reader, "no samples") if self.reader.warnings
+                                 else f"{self.reader.path}: no samples")
         self.playing = follow
         self.writer_done = follow and bool(self.reader.meta.get("complete"))  # followed after it ended
         self.writer_gone = False  # follow: no process holds the session's lock (killed) and nothing new comes

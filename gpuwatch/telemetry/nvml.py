@@ -136,6 +136,8 @@ def _pcie_every() -> int:
     return int(v) if v.isdigit() and int(v) > 0 else PCIE_EVERY
 
 
+PROC_UTIL = "proc_util"  # the per-process utilization read (read_proc_util), as a name in the unsupported set
+_NOT_FOUND_CODE = getattr(pynvml, "NVML_ERROR_NOT_FOUND", 6)
 XID_WAIT_MS = 1000  # the XID thread wakes this often to see a stop (a wake-up a second; an XID comes at once)
 PCIE_COUNTERS = (getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None),
                  getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None))
@@ -413,6 +415,7 @@ class NvmlBackend:
         self.slow_blocks = not all(self.counters)
         self._slow_n = [0] * count
         self.pcie_every = _pcie_every()
+        self._util_seen = [0] * count  # per GPU: the newest per-process utilization sample read (NVML's us)
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
         self._mem_fn = [_mem_v2 if _MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
                         for h in self._handles]
@@ -589,6 +592,47 @@ class NvmlBackend:
             out["gpu_pcie_tx_bytes_per_s"] = max(0, c[0] - last[1][0]) / dt
             out["gpu_pcie_rx_bytes_per_s"] = max(0, c[1] - last[1][1]) / dt
         return out
+
+    def read_proc_util(self, i: int) -> dict[int, tuple[int, int]] | None:
+        """Per-process SM and memory utilization (%) on GPU i since the previous call: {pid: (sm, mem)}, the
+        mean of NVML's samples of each PID (nvmlDeviceGetProcessUtilization). Read once a second (the slow
+        tick), never per 100 ms tick. {} where NVML has no sample (NVML_ERROR_NOT_FOUND: no process ran a
+        kernel since then); None where the call is not supported (remembered: not asked again), for a
+        transient error, and for the first call of an unsupported GPU. GpuLost as the other reads."""
+        if i in self.lost:
+            raise GpuLost(f"GPU {i} was lost")
+        skip = self._unsupported[i]
+        if PROC_UTIL in skip:
+            return None
+        seen = self._util_seen
+        try:
+            samples = pynvml.nvmlDeviceGetProcessUtilization(self._handles[i], seen[i])
+        except _LOST:
+            self.lost.add(i)
+            raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
+        except pynvml.NVMLError as e:
+            code = getattr(e, "value", None)
+            # NOT_FOUND: no sample since `seen`; 0 (success with no sample: pynvml raises NVMLError(0))
+            if code in (_NOT_FOUND_CODE, getattr(pynvml, "NVML_SUCCESS", 0)):
+                return {}
+            if code in _NOT_AVAILABLE_CODES:
+                skip.add(PROC_UTIL)
+            return None
+        except (AttributeError, TypeError):  # a pynvml without the call
+            skip.add(PROC_UTIL)
+            return None
+        newest = max((s.timeStamp for s in samples), default=0)
+        # the first call (seen 0) answers NVML's whole buffer: only its last second counts
+        since = max(seen[i], newest - 1_000_000)
+        seen[i] = max(seen[i], newest)
+        acc: dict[int, list[int]] = {}
+        for s in samples:
+            if s.timeStamp > since:
+                a = acc.setdefault(s.pid, [0, 0, 0])
+                a[0] += s.smUtil
+                a[1] += s.memUtil
+                a[2] += 1
+        return {pid: (min(100, round(a[0] / a[2])), min(100, round(a[1] / a[2]))) for pid, a in acc.items()}
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""

@@ -1,7 +1,8 @@
 """The 10 Hz sampler: a deadline-scheduled thread (never on the UI loop) that reads every GPU and the
 host, and appends one `Tick` to the bus. Its own cost and interval are columns of every row.
 
-The slow reads (PCIe, energy, per-core CPU, memory, swap, load: once a second) run on the tick thread
+The slow reads (PCIe, energy, per-core CPU, memory, swap, load, and each GPU process's utilization, user
+and command, added to its `gpu_procs` entry: once a second) run on the tick thread
 after every tenth tick when the backend says they do not block (`slow_blocks` False: NVML with PCIe byte
 counters, or no GPU): one thread, ten wake-ups a second. Where they can block (the legacy PCIe calls,
 ~21 ms; a backend that does not say) they keep a second, slower thread. The fast tick copies their latest
@@ -17,6 +18,7 @@ from typing import Any, Callable, Protocol
 from gpuwatch.telemetry.bus import Bus, Tick
 from gpuwatch.threads import start_thread
 from gpuwatch.telemetry.nvml import GpuInfo, GpuLost
+from gpuwatch.telemetry.procs import ProcInfo
 
 
 class GpuBackend(Protocol):
@@ -58,6 +60,11 @@ class Sampler:
         self.loop, self.loop_note = "python", "python loop"  # which loop runs ("c" / "python") and why
         self._c = None  # the C loop (ticker.CLoop) once chosen
         self._wake: Callable[[], None] | None = None  # the C loop's: wakes its decoding thread at stop
+        # the processes on each GPU: utilization, user and command added once a second to the entries NVML
+        # lists (live NVML only: a replayed recording's rows carry what was recorded)
+        self.procinfo = ProcInfo() if gpu is not None and getattr(gpu, "kind", None) == "nvml" else None
+        self._last_procs: dict[int, list | None] = {}  # per GPU: the last tick's gpu_procs
+        self._proc_info: dict[int, dict[int, dict[str, Any]]] = {}  # per GPU: pid -> the fields added
 
     # -- one tick ---------------------------------------------------------------------------------
     def tick(self) -> Tick:
@@ -84,6 +91,7 @@ class Sampler:
         if host_slow:
             common.update(host_slow)
         rows = []
+        info_of = self._proc_info if self.procinfo is not None else None
         for i in self.active_gpus:
             try:
                 row = read_gpu(i)
@@ -93,6 +101,14 @@ class Sampler:
             gpu_slow = slow.get(i)
             if gpu_slow:
                 row.update(gpu_slow)
+            if info_of is not None:
+                procs = self._last_procs[i] = row.get("gpu_procs")
+                info = info_of.get(i) if procs else None
+                if info:
+                    for p in procs:
+                        x = info.get(p["pid"])
+                        if x is not None:
+                            p.update(x)
             row["gpu"] = i
             rows.append(row)
         if not rows:
@@ -114,11 +130,18 @@ class Sampler:
     def slow_tick(self) -> None:
         if self.host:
             self._slow["host"] = self.host.read_slow()
+        pi = self.procinfo
+        util = getattr(self.gpu, "read_proc_util", None) if pi is not None else None
         for i in list(self.active_gpus):
             try:
                 self._slow.setdefault(i, {}).update(self.gpu.read_slow(i))
+                if pi is not None:  # NVML's per-process utilization only where a process is listed
+                    procs = self._last_procs.get(i)
+                    self._proc_info[i] = pi.build(procs, util(i) if util and procs else None)
             except GpuLost:
                 pass  # the fast tick reports it
+        if pi is not None:
+            pi.forget_except({p["pid"] for ps in list(self._last_procs.values()) for p in ps or ()})
 
     def _sleep(self, seconds: float) -> bool:
         """Wait for the next deadline; True when asked to stop. Short waits are a plain sleep (one

@@ -161,8 +161,9 @@ class Dashboard(Screen):
             self._set("events", Text("\n").join(R.event_lines(self.source.events(h), h, width)))
 
     def _proc_names(self, latest: dict) -> dict[int, tuple[str, str]]:
-        """User and command of each PID NVML reports, looked up once (live: this machine's processes;
-        a replay shows what was recorded, and NVML records neither)."""
+        """User and command of each PID NVML reports that its sample does not carry yet (the sampler adds
+        them once a second), looked up once (live: this machine's processes; a replay shows what was
+        recorded)."""
         if self.source.kind != "live" or getattr(self.source, "feed", None) is not None:
             return {}
         import psutil
@@ -170,7 +171,7 @@ class Dashboard(Screen):
         for row in latest.values():
             for p in (row or {}).get("gpu_procs") or []:
                 pid = p.get("pid")
-                if pid is None or pid in self._names:
+                if pid is None or pid in self._names or p.get("user") is not None or p.get("command") is not None:
                     continue
                 try:
                     proc = psutil.Process(pid)

@@ -289,12 +289,16 @@ PROC_SORTS = ("memory", "pid", "user", "command", "gpu")
 
 def proc_rows(latest: dict[Any, dict[str, Any]], names: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
     """Every process on every GPU at the cursor: gpu, pid, GPU memory (NVML's compute-apps), SM and
-    memory utilization where NVML gave them, user and command where known (`names`: pid -> both)."""
+    memory utilization where NVML gave them, user and command where known: as recorded with the sample
+    (the sampler adds them once a second), else from `names` (pid -> both; a live screen's own lookup)."""
     out = []
     for g, row in latest.items():
         for p in (row or {}).get("gpu_procs") or []:
             pid = p.get("pid")
-            user, cmd = names.get(pid, ("-", "-"))
+            user, cmd = p.get("user"), p.get("command")
+            if user is None and cmd is None:
+                user, cmd = names.get(pid, ("-", "-"))
+            user, cmd = user or "-", cmd or "-"
             out.append({"gpu": g, "pid": pid, "used_bytes": p.get("used_bytes"), "sm_pct": p.get("sm_util_pct"),
                         "mem_pct": p.get("mem_util_pct"), "user": user, "command": cmd})
     return out

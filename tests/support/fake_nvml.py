@@ -35,7 +35,7 @@ class FakeDriver:
     undoes it after the test; `install_fake_nvml` keeps it for the life of a profiled process)."""
 
     def __init__(self, monkeypatch, gpus: int = 2, name: bytes = b"NVIDIA H200"):
-        self.calls = {"power": 0, "fields": 0, "mem_v1": 0, "mem_v2": 0}
+        self.calls = {"power": 0, "fields": 0, "mem_v1": 0, "mem_v2": 0, "proc_util": 0}
         self.lost = set()
         self.power_error = None
         self.mem_v2 = True  # the driver has nvmlDeviceGetMemoryInfo_v2
@@ -43,6 +43,11 @@ class FakeDriver:
         # or an NVML return code (int) for that field
         self.fields = None
         self.every_field = False  # True: a field not in `fields` answers 1000 + its id (a profile's driver)
+        # nvmlDeviceGetProcessUtilization: per GPU handle, the (pid, smUtil, memUtil) samples each call makes
+        # (two per PID, 0.5 s apart; none: NVML_ERROR_NOT_FOUND, as the driver answers), or an
+        # NVMLError_* class that every call raises
+        self.proc_util: dict[int, list[tuple[int, int, int]]] | type = {0: [(42, 55, 20)], 1: [(42, 35, 10)]}
+        self.util_us = 1_764_600_000_000_000  # NVML's sample clock (us), one second further at each call
         mp = monkeypatch.setattr
         mp(pynvml, "nvmlInit", lambda: None)
         mp(pynvml, "nvmlShutdown", lambda: None)
@@ -67,6 +72,7 @@ class FakeDriver:
         mp(pynvml, "nvmlDeviceGetPcieThroughput", self._guard(lambda h, c: 100))
         mp(pynvml, "nvmlDeviceGetTotalEnergyConsumption", self._guard(lambda h: 5000))
         mp(pynvml, "nvmlDeviceGetFieldValues", self._field_values)
+        mp(pynvml, "nvmlDeviceGetProcessUtilization", self._process_utilization)
         mp(pynvml, "nvmlEventSetCreate", self._raise(pynvml.NVMLError_NotSupported))
 
     def _guard(self, fn):
@@ -113,6 +119,25 @@ class FakeDriver:
                 v.valueType, v.value.dVal = pynvml.NVML_VALUE_TYPE_DOUBLE, x
             else:
                 v.valueType, v.value.ullVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, x
+        return out
+
+    def _process_utilization(self, h, since):
+        """Real c_nvmlProcessUtilizationSample_t structures newer than `since`, as pynvml returns them."""
+        self.calls["proc_util"] += 1
+        if h in self.lost:
+            raise pynvml.NVMLError_GpuIsLost()
+        if isinstance(self.proc_util, type):
+            raise self.proc_util()
+        self.util_us += 1_000_000
+        out = []
+        for pid, sm, mem in self.proc_util.get(h, []):
+            for dt, k in ((500_000, sm - 5), (0, sm + 5)):  # two samples whose mean is (sm, mem)
+                x = pynvml.c_nvmlProcessUtilizationSample_t()
+                x.pid, x.timeStamp, x.smUtil, x.memUtil = pid, self.util_us - dt, max(0, k), mem
+                if x.timeStamp > since:
+                    out.append(x)
+        if not out:
+            raise pynvml.NVMLError_NotFound()
         return out
 
     @staticmethod
