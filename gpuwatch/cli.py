@@ -1,4 +1,5 @@
-"""Command line: parses arguments into typed configs and calls the composition root, nothing else.
+"""Command line: the one parser of every command; it turns flags into typed configs and dispatches to the
+command's layer (the composition root, `ci.finish`, `recording.compact`, `report.run`...), nothing else.
 
   gpuwatch                      live dashboard + DeepSeek workload on the embedded default, recording on
   gpuwatch watch                live dashboard, no workload
