@@ -26,6 +26,7 @@ from xml.etree import ElementTree as ET
 
 from gpuwatch import __version__
 from gpuwatch.errors import UsageError
+from gpuwatch.units import hms  # noqa: F401 - ci.hms, used by the CLI too
 
 # --fail-on KEY: (the comparison that fails the run, the Thresholds field it sets, the health row it
 # gates, the range a value may take, whether a trailing % divides by 100)
@@ -80,26 +81,6 @@ def merge_fail_on(parts: list[dict[str, float]] | None) -> dict[str, float]:
                 raise UsageError(f"--fail-on: {k} given twice")
             out[k] = v
     return out
-
-
-def check_output_file(path: Path | None, flag: str) -> None:
-    """Before a long run: the file's folder must exist and be writable (else exit 2 now, not in 72 h)."""
-    if path is None:
-        return
-    parent = Path(path).parent
-    if Path(path).is_dir():
-        raise UsageError(f"{flag} {path}: is a folder")
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: no folder {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: cannot write in {parent}")
-
-
-def hms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(max(0, seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 # -- progress --------------------------------------------------------------------------------------------
@@ -246,6 +227,39 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
 
     checks: list[dict[str, Any]] = []
     reasons: list[str] = []
+    workloads = _workload_checks(session, why, info, summaries, checks, reasons)
+    r = session.recorder
+    recording = _recording_check(session, checks, reasons)
+    rows = health_rows(rec, info.fail_on) if rec is not None else []
+    _health_checks(rows, checks, reasons)
+    if rec is None:
+        checks.append({"name": "health checks", "status": "skipped", "message": rec_note or "no recording"})
+    code = 1 if reasons else 0
+    if why in SIGNAL_EXIT:
+        code = SIGNAL_EXIT[why]
+        reasons.insert(0, f"stopped by {why}")
+    g = session.guard
+    return {
+        "gpuwatch": __version__, "argv": sys.argv, "session": str(r.dir) if r is not None else None,
+        "stopped_by": why, "elapsed_s": round(info.offset_s + info.ran_s, 3), "this_run_s": round(info.ran_s, 3),
+        "duration_s": info.duration_s, "resumed": bool(info.resumed),
+        "workloads": workloads, "recording": recording,
+        "guard": {"mode": g.cfg.mode, "rule": g.cfg.rule, "actions": g.actions, "misses": g.misses,
+                  "unable": g.unable, "stopped": g.stopped or None} if g else None,
+        "model": getattr(session, "model_note", None),
+        "thresholds": dict(info.fail_on),
+        "health": {"checked": rec is not None, "note": rec_note, "rows": rows},
+        "checks": checks,
+        "exit": {"code": code, "why": reasons or ["all checks passed" if code == 0 else ""]},
+    }
+
+
+def _workload_checks(session, why: str, info: RunInfo, summaries: list[dict], checks: list[dict[str, Any]],
+                     reasons: list[str]) -> list[dict[str, Any]]:
+    """Per workload: its summary for the JSON, and its checks (no unrecovered failure, steps completed,
+    integrity) added to `checks`, with why each failure fails the run added to `reasons`."""
+    from gpuwatch.runtime import SIGNAL_EXIT
+
     workloads = []
     for w, s in zip(session.workloads, summaries):
         st = w.export_state()
@@ -274,20 +288,29 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
         else:
             checks.append({"name": f"integrity checks ({label})", "status": "pass",
                            "message": f"{ran} integrity check(s), outputs identical"})
+    return workloads
+
+
+def _recording_check(session, checks: list[dict[str, Any]], reasons: list[str]) -> dict[str, Any] | None:
+    """The recording's part of the summary (None without one) and its check."""
     r = session.recorder
-    recording = None
-    if r is not None:
-        incomplete = getattr(r, "incomplete_reason", None)
-        recording = {"dir": str(r.dir), "rows": r.rows, "bytes": r.bytes, "dropped": r.dropped,
-                     "late_ticks": getattr(session.sampler, "late_ticks", None), "error": r.error,
-                     "incomplete_reason": incomplete, "complete": bool(r.meta.get("complete")),
-                     "resumed": r.meta.get("resumed") or []}
-        bad = r.error or incomplete
-        checks.append({"name": "recording", "status": "fail" if bad else "pass",
-                       "message": f"{r.error or 'INCOMPLETE ' + str(incomplete)}" if bad else f"{r.rows} sample rows in {r.dir}"})
-        if bad:
-            reasons.append(f"recording: {r.error or incomplete}")
-    rows = health_rows(rec, info.fail_on) if rec is not None else []
+    if r is None:
+        return None
+    incomplete = getattr(r, "incomplete_reason", None)
+    recording = {"dir": str(r.dir), "rows": r.rows, "bytes": r.bytes, "dropped": r.dropped,
+                 "late_ticks": getattr(session.sampler, "late_ticks", None), "error": r.error,
+                 "incomplete_reason": incomplete, "complete": bool(r.meta.get("complete")),
+                 "resumed": r.meta.get("resumed") or []}
+    bad = r.error or incomplete
+    checks.append({"name": "recording", "status": "fail" if bad else "pass",
+                   "message": f"{r.error or 'INCOMPLETE ' + str(incomplete)}" if bad else f"{r.rows} sample rows in {r.dir}"})
+    if bad:
+        reasons.append(f"recording: {r.error or incomplete}")
+    return recording
+
+
+def _health_checks(rows: list[dict[str, Any]], checks: list[dict[str, Any]], reasons: list[str]) -> None:
+    """One check per health-matrix row: enforced by --fail-on or only reported."""
     for row in rows:
         name = f"health: {row['name']}"
         if row["status"] == "n/a" and row["enforced"]:  # asked to check it, and nothing to check: not a pass
@@ -304,26 +327,6 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
             if row["status"] == "fail":
                 note += f" - fails the report's default threshold, not enforced (--fail-on {row['key']}...)"
             checks.append({"name": name, "status": "pass", "message": note})
-    if rec is None:
-        checks.append({"name": "health checks", "status": "skipped", "message": rec_note or "no recording"})
-    code = 1 if reasons else 0
-    if why in SIGNAL_EXIT:
-        code = SIGNAL_EXIT[why]
-        reasons.insert(0, f"stopped by {why}")
-    g = session.guard
-    return {
-        "gpuwatch": __version__, "argv": sys.argv, "session": str(r.dir) if r is not None else None,
-        "stopped_by": why, "elapsed_s": round(info.offset_s + info.ran_s, 3), "this_run_s": round(info.ran_s, 3),
-        "duration_s": info.duration_s, "resumed": bool(info.resumed),
-        "workloads": workloads, "recording": recording,
-        "guard": {"mode": g.cfg.mode, "rule": g.cfg.rule, "actions": g.actions, "misses": g.misses,
-                  "unable": g.unable, "stopped": g.stopped or None} if g else None,
-        "model": getattr(session, "model_note", None),
-        "thresholds": dict(info.fail_on),
-        "health": {"checked": rec is not None, "note": rec_note, "rows": rows},
-        "checks": checks,
-        "exit": {"code": code, "why": reasons or ["all checks passed" if code == 0 else ""]},
-    }
 
 
 def health_lines(summary: dict[str, Any]) -> list[str]:
@@ -379,3 +382,87 @@ def junit_xml(summary: dict[str, Any]) -> str:
 
 def write_junit(summary: dict[str, Any], path: Path) -> None:
     _write_atomic(junit_xml(summary), path)
+
+
+# -- the end of a headless run -------------------------------------------------------------------------
+def finish(session, why: str, run: RunInfo | None = None) -> int:
+    """The summary lines of a headless run (`record`, `stress`) on stdout, and its exit code (a signal: 128
+    + its number). With `run` (stress's CI flags or a resumed session) the recording is read back for
+    whole-session summaries and the health matrix, `--summary-json`/`--junit` are written, and a health
+    row that fails a `--fail-on` threshold makes the exit code 1."""
+    from gpuwatch.runtime import SIGNAL_EXIT
+
+    rec = rec_note = None
+    if run is not None and run.wanted:
+        rec, rec_note = open_session_recording(session)
+        steps_from = step_source(session, rec)
+    else:
+        steps_from = session.bus
+    summaries, code = _workload_lines(session, why, steps_from, SIGNAL_EXIT)
+    if run is not None and run.previous_unrecovered:
+        print(f"  UNRECOVERED before the resume: {run.previous_unrecovered[0]}")
+        code |= 1
+    code |= _guard_and_recording_lines(session)
+    if run is not None and run.wanted:
+        summary = verdict(session, why, run, summaries, rec, rec_note)
+        for line in health_lines(summary):
+            print(line)
+        if run.summary_json:
+            write_summary_json(summary, run.summary_json)
+        if run.junit:
+            write_junit(summary, run.junit)
+        code |= summary["exit"]["code"] if why not in SIGNAL_EXIT else 0
+        if code and why not in SIGNAL_EXIT:
+            print("exit 1: " + "; ".join(summary["exit"]["why"]), file=sys.stderr)
+    if why in SIGNAL_EXIT:
+        print(f"stopped by {why}", file=sys.stderr)
+        return SIGNAL_EXIT[why]
+    return code
+
+
+def _workload_lines(session, why: str, steps_from, signal_exit: dict) -> tuple[list[dict], int]:
+    """Each workload's summary printed; (the summaries, 1 if one failed: an unrecovered failure, or no
+    step completed at all because every attempt ran out of memory)."""
+    from gpuwatch.workload.summary import format_summary, summarize
+
+    code = 0
+    summaries = []
+    for w in session.workloads:
+        s = summarize(w, steps_from)
+        summaries.append(s)
+        print(format_summary(s))
+        code |= 1 if s["unrecovered"] else 0
+        if not s["unrecovered"] and s["ooms"] and w.export_state()["step"] == 0 and why not in signal_exit:
+            # nothing ran (every attempt out of memory, say): a run that did no work did not pass
+            print(f"  FAILED: no step completed ({s['ooms']} OOM(s))")
+            code |= 1
+    return summaries, code
+
+
+def _guard_and_recording_lines(session) -> int:
+    """The guard's line and the recording's line; 1 if the recording failed or is incomplete."""
+    if session.guard is not None:
+        g = session.guard
+        print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
+    r = session.recorder
+    if r is None:
+        return 0
+    why_incomplete = getattr(r, "incomplete_reason", None)
+    print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
+          f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else "")
+          + (f"; INCOMPLETE {why_incomplete}" if why_incomplete and not r.error else ""))
+    return 1 if (r.error or why_incomplete) else 0
+
+
+def detach(session) -> None:
+    """SIGHUP (the terminal closed, an SSH link dropped): a headless stress run goes on. What it would
+    have printed goes to `stress.log` in its session folder (nowhere without one); an event says so."""
+    log = session.recorder.dir / "stress.log" if session.recorder is not None else Path(os.devnull)
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
+    except OSError:
+        pass
+    session.bus.emit("detached", f"terminal closed (SIGHUP): the run goes on; output to {log}", "warning")

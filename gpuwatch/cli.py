@@ -1,4 +1,5 @@
-"""Command line: parses arguments into typed configs and calls the composition root, nothing else.
+"""Command line: the one parser of every command; it turns flags into typed configs and dispatches to the
+command's layer (the composition root, `ci.finish`, `recording.compact`, `report.run`...), nothing else.
 
   gpuwatch                      live dashboard + DeepSeek workload on the embedded default, recording on
   gpuwatch watch                live dashboard, no workload
@@ -242,12 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("-o", "--output", type=Path, metavar="PATH", help="write the timeline as Parquet")
     sc.add_argument("--stride", type=_pos_int, default=1)
     _model_args(sc)
-    try:
-        from gpuwatch.report import register
-    except ImportError:  # the report package is optional at import time
-        pass
-    else:
-        register(sub)
+    from gpuwatch.report import FORMATS  # cheap: polars, jinja2 and matplotlib load only when a report is made
+
+    rp = sub.add_parser(
+        "report", help="write a self-contained HTML (or Markdown) report of a recorded session",
+        description="Verdict, health matrix, anomalies, charts, batch sweep, energy and recommendations "
+                    "of a recorded session, as one HTML file that opens offline (or Markdown for CI).")
+    rp.add_argument("path", type=Path, help="a session folder (or one Parquet file)")
+    rp.add_argument("-o", "--output", type=Path, default=None, metavar="PATH",
+                    help="where to write (default: <session>-report.html in the current folder)")
+    rp.add_argument("--format", choices=FORMATS, default=None,
+                    help="html or md (default: from the output's suffix, else html)")
     return p
 
 
@@ -262,7 +268,7 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     if args.prometheus is not None:
         _check_prometheus(*args.prometheus)
     if out is not None:
-        from gpuwatch.recording.writer import check_output_dir
+        from gpuwatch.atomic import check_output_dir
 
         check_output_dir(out)
     return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
@@ -322,64 +328,6 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _finish(session, why: str, run=None) -> int:
-    """The summary line of a headless run, and its exit code (a signal: 128 + its number). With `run`
-    (a `gpuwatch.ci.RunInfo`: stress's CI flags or a resumed session) the recording is read back for
-    whole-session summaries and the health matrix, `--summary-json`/`--junit` are written, and a health
-    row that fails a `--fail-on` threshold makes the exit code 1."""
-    from gpuwatch.runtime import SIGNAL_EXIT
-
-    rec = rec_note = None
-    if run is not None and run.wanted:
-        from gpuwatch import ci
-
-        rec, rec_note = ci.open_session_recording(session)
-        steps_from = ci.step_source(session, rec)
-    else:
-        steps_from = session.bus
-    code = 0
-    summaries = []
-    for w in session.workloads:
-        from gpuwatch.workload.summary import format_summary, summarize
-
-        s = summarize(w, steps_from)
-        summaries.append(s)
-        print(format_summary(s))
-        code |= 1 if s["unrecovered"] else 0
-        if not s["unrecovered"] and s["ooms"] and w.export_state()["step"] == 0 and why not in SIGNAL_EXIT:
-            # nothing ran (every attempt out of memory, say): a run that did no work did not pass
-            print(f"  FAILED: no step completed ({s['ooms']} OOM(s))")
-            code |= 1
-    if run is not None and run.previous_unrecovered:
-        print(f"  UNRECOVERED before the resume: {run.previous_unrecovered[0]}")
-        code |= 1
-    if session.guard is not None:
-        g = session.guard
-        print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
-    r = session.recorder
-    if r is not None:
-        why_incomplete = getattr(r, "incomplete_reason", None)
-        print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
-              f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else "")
-              + (f"; INCOMPLETE {why_incomplete}" if why_incomplete and not r.error else ""))
-        code |= 1 if (r.error or why_incomplete) else 0
-    if run is not None and run.wanted:
-        summary = ci.verdict(session, why, run, summaries, rec, rec_note)
-        for line in ci.health_lines(summary):
-            print(line)
-        if run.summary_json:
-            ci.write_summary_json(summary, run.summary_json)
-        if run.junit:
-            ci.write_junit(summary, run.junit)
-        code |= summary["exit"]["code"] if why not in SIGNAL_EXIT else 0
-        if code and why not in SIGNAL_EXIT:
-            print("exit 1: " + "; ".join(summary["exit"]["why"]), file=sys.stderr)
-    if why in SIGNAL_EXIT:
-        print(f"stopped by {why}", file=sys.stderr)
-        return SIGNAL_EXIT[why]
-    return code
-
-
 def cmd_record(args) -> int:
     from gpuwatch.runtime import Session
 
@@ -393,7 +341,9 @@ def cmd_record(args) -> int:
         if s.recorder:
             _status(f"recording to {s.recorder.dir}")
         why = s.wait(args.duration)
-    return _finish(s, why)
+    from gpuwatch.ci import finish
+
+    return finish(s, why)
 
 
 # flags a resumed run takes from the recorded command line; given again, they must agree with it
@@ -430,55 +380,27 @@ def _resumed_args(args, point):
     return orig
 
 
-def _refuse_finished(point, args) -> None:
-    """A session whose run is over (its --duration ran, its --steps were done, or it closed cleanly with
-    every workload finished) has nothing left to continue: resuming it again and again used to reopen it,
-    run 0 steps and append idle samples and another `resumed` entry each time."""
-    from gpuwatch.ci import hms as ci_hms
-
-    if args.duration is not None and point.elapsed_s >= args.duration - 0.5:
-        raise UsageError(f"--resume {point.dir}: finished: its --duration {ci_hms(args.duration)} already ran "
-                         f"({ci_hms(point.elapsed_s)}); give a longer --duration to run on")
-    steps = [w["state"]["step"] for w in point.workloads]
-    if args.steps is not None and steps and min(steps) >= args.steps:
-        raise UsageError(f"--resume {point.dir}: finished: its --steps {args.steps} already ran; "
-                         "give a larger --steps to run on")
-    if point.previous_close == "closed cleanly" and args.duration is None and args.steps is None and \
-            _all_finished(point):
-        raise UsageError(f"--resume {point.dir}: finished: every workload ran its schedule to the end")
-
-
-def _all_finished(point) -> bool:
-    """Every workload's last workload_stop event says it finished (its schedule ran out)."""
-    from gpuwatch.recording.reader import open_recording
-
-    try:
-        ev = open_recording(point.dir).events
-    except Exception:  # noqa: BLE001 - load_resume read it already; unreadable here means: not known
-        return False
-    stops = ev.filter(ev["kind"] == "workload_stop")["message"].to_list()
-    return bool(stops) and len(stops) >= len(point.workloads) and \
-        all("finished" in m for m in stops[-len(point.workloads):])
-
-
 def cmd_stress(args) -> int:
     from dataclasses import replace
 
     from gpuwatch import ci
+    from gpuwatch.resume import refuse_finished
     from gpuwatch.runtime import Session, load_resume
 
     fail_on = ci.merge_fail_on(args.fail_on)
     if fail_on and not args.record:
         raise UsageError("--fail-on needs the recording to check (drop --no-record)")
-    ci.check_output_file(args.summary_json, "--summary-json")
-    ci.check_output_file(args.junit, "--junit")
+    from gpuwatch.atomic import check_output_file
+
+    check_output_file(args.summary_json, "--summary-json")
+    check_output_file(args.junit, "--junit")
     point = None
     if args.resume is not None:
         if not args.record:
             raise UsageError("--resume continues the session's recording (drop --no-record)")
         point = load_resume(args.resume)
         args = _resumed_args(args, point)
-        _refuse_finished(point, args)
+        refuse_finished(point, args.duration, args.steps)
         cfg = replace(session_config(args, workload=True), record_dir=point.dir.parent, name=point.dir.name,
                       resume=point)
     else:
@@ -497,25 +419,9 @@ def cmd_stress(args) -> int:
         left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
         progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
         t0 = time.monotonic()
-        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: _detach(s))
+        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))
         run.ran_s = time.monotonic() - t0
-    return _finish(s, why, run)
-
-
-def _detach(session) -> None:
-    """SIGHUP (the terminal closed, an SSH link dropped): a headless stress run goes on. What it would
-    have printed goes to `stress.log` in its session folder (nowhere without one); an event says so."""
-    import os
-
-    log = session.recorder.dir / "stress.log" if session.recorder is not None else Path(os.devnull)
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        for std in (1, 2):
-            os.dup2(fd, std)
-        os.close(fd)
-    except OSError:
-        pass
-    session.bus.emit("detached", f"terminal closed (SIGHUP): the run goes on; output to {log}", "warning")
+    return ci.finish(s, why, run)
 
 
 def cmd_train(args) -> int:
@@ -548,71 +454,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_compact(args) -> int:
-    """A session whose recorder was killed (kill -9, power, OOM killer) holds its last rows in Arrow stream
-    files that replay reads but DuckDB does not; this compacts it the way a clean stop would."""
-    from datetime import datetime, timezone
+    from gpuwatch.recording.compact import compact_session
 
-    from gpuwatch.recording.reader import table_files
-    from gpuwatch.recording.writer import Recorder, session_locked
-    from gpuwatch.telemetry.bus import Bus
-
-    folder = args.session
-    if not folder.exists():
-        raise UsageError(f"{folder}: no such folder")
-    if not folder.is_dir() or not (folder / "meta.json").is_file():
-        raise UsageError(f"{folder}: not a session folder (no meta.json)")
-    if session_locked(folder):
-        raise UsageError(f"{folder}: still being recorded by a running gpuwatch; stop it first")
-    from gpuwatch.recording import schema
-
-    files = [p for t in schema.TABLES for p in table_files(folder, t)]
-    parts = [p for p in files if p.name not in {f"{t}.parquet" for t in schema.TABLES}]
-    if not parts:
-        from gpuwatch.errors import RecordingError
-        from gpuwatch.recording.reader import read_table_file
-
-        for p in files:  # compact in name: each file must also read whole (a truncated one said "already compact")
-            try:
-                read_table_file(p)
-            except RecordingError as e:
-                raise GpuwatchError(f"{folder}: already compacted, but {e}; nothing was changed") from None
-        _status(f"{folder}: already compact; nothing to do")
-        return 0
-    try:
-        old = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise GpuwatchError(f"{folder / 'meta.json'}: cannot be read ({e}); nothing was changed") from None
-    rec = Recorder(Bus(), folder.parent, {}, name=folder.name,
-                   resume={"at": datetime.now(timezone.utc).isoformat(), "by": "gpuwatch compact"})
-    rec.start()
-    rec.stop()
-    if rec.error:
-        raise GpuwatchError(f"{folder}: {rec.error}")
-    if isinstance(old, dict) and not old.get("complete"):
-        # compaction closes the files, it does not make a killed session whole: keep what meta.json said
-        _keep_incomplete(folder, old)
-    _status(f"{folder}: compacted {len(parts)} file(s) into one Parquet file per table "
-            f"({rec.rows} sample rows, {rec.bytes / 2**20:.1f} MiB)")
+    _status(compact_session(args.session))
     return 0
-
-
-def _keep_incomplete(folder: Path, old: dict) -> None:
-    """After `gpuwatch compact` of a session that was not closed cleanly: meta.json keeps complete: false,
-    the reason and the rows lost, and its end is the last sample recorded (not the time of compaction)."""
-    from gpuwatch.recording.reader import table_max
-    from gpuwatch.recording.writer import write_json_atomic
-
-    meta = json.loads((folder / "meta.json").read_text())
-    lost = dict(old.get("lost_rows") or {})
-    for t, n in (meta.get("lost_rows") or {}).items():
-        lost[t] = lost.get(t, 0) + n
-    why = old.get("incomplete_reason") or "the recorder was killed (no clean stop); the last second may be missing"
-    meta.update(complete=False, incomplete_reason=f"{why}; compacted later by gpuwatch compact",
-                lost_rows={t: n for t, n in lost.items() if n})
-    last = table_max(folder, "samples", "ts")
-    if last is not None:  # none (no samples table): keep the end compaction wrote
-        meta["end"] = last.isoformat()
-    write_json_atomic(meta, folder / "meta.json")
 
 
 def cmd_score(args) -> int:
@@ -623,7 +468,9 @@ def cmd_score(args) -> int:
     if args.no_model:
         raise UsageError("score needs a model (drop --no-model)")
     if args.output is not None:
-        _check_output_file(args.output)
+        from gpuwatch.atomic import check_output_file
+
+        check_output_file(args.output, "-o")
     model = load_model(args.model, trust=args.trust_model, threshold=args.risk_threshold)
     src = ReplaySource(args.session)
     if src.reader.meta.get("single_file"):
@@ -661,6 +508,12 @@ def cmd_score(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from gpuwatch.report import run
+
+    return run(args)
+
+
 def cmd_tui(args) -> int:
     from gpuwatch.ui.launch import run_replay, run_tui
 
@@ -672,17 +525,6 @@ def cmd_tui(args) -> int:
     # sampler hands them over half a second at a time (fewer wake-ups); live keeps every tick at once
     cfg = session_config(args, workload=workload, deliver_s=0.0 if workload else 0.5)
     return run_tui(cfg, duration_s=args.duration, status=_status)
-
-
-def _check_output_file(path: Path) -> None:
-    """A file we are told to write: its folder must exist and it must not be a folder (checked first,
-    not after minutes of work)."""
-    if str(path) in ("", "."):
-        raise UsageError("-o: give a file name")
-    if path.is_dir():
-        raise UsageError(f"{path}: is a folder; give a file name")
-    if not path.parent.is_dir():
-        raise UsageError(f"{path.parent}: no such folder")
 
 
 def _status(msg: str) -> None:
@@ -721,9 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
             argv = ["live", *argv]
         args = build_parser().parse_args(_fix_negative_values(argv))
-        handler = getattr(args, "handler", None) or {
-            "info": cmd_info, "record": cmd_record, "stress": cmd_stress, "train": cmd_train,
-            "score": cmd_score, "compact": cmd_compact}.get(args.command, cmd_tui)
+        handler = {"info": cmd_info, "record": cmd_record, "stress": cmd_stress, "train": cmd_train,
+                   "score": cmd_score, "compact": cmd_compact, "report": cmd_report}.get(args.command, cmd_tui)
         return handler(args)
     except GpuwatchError as e:
         print(f"gpuwatch: error: {e}", file=sys.stderr)

@@ -28,6 +28,7 @@ from gpuwatch.errors import RecordingError, UsageError
 from gpuwatch.recording import schema
 from gpuwatch.recording.layout import session_locked, table_files
 from gpuwatch.recording.reader import SessionReader, read_table_file, table_max
+from gpuwatch.units import hms
 
 
 @dataclass
@@ -226,6 +227,35 @@ def resumed_event(point: ResumePoint, workloads: list) -> tuple[str, dict[str, A
            f"({point.previous_close})")
     return msg, {"after_s": round(point.elapsed_s, 3), "steps": steps, "previous_close": point.previous_close,
                  "resumes": len(point.meta.get("resumed") or []) + 1}
+
+
+def refuse_finished(point: ResumePoint, duration_s: float | None, steps: int | None) -> None:
+    """UsageError for a session whose run is over (its --duration ran, its --steps were done, or it closed
+    cleanly with every workload finished): nothing is left to continue, and resuming it again and again
+    used to reopen it, run 0 steps and append idle samples and another `resumed` entry each time."""
+    if duration_s is not None and point.elapsed_s >= duration_s - 0.5:
+        raise UsageError(f"--resume {point.dir}: finished: its --duration {hms(duration_s)} already ran "
+                         f"({hms(point.elapsed_s)}); give a longer --duration to run on")
+    done = [w["state"]["step"] for w in point.workloads]
+    if steps is not None and done and min(done) >= steps:
+        raise UsageError(f"--resume {point.dir}: finished: its --steps {steps} already ran; "
+                         "give a larger --steps to run on")
+    if point.previous_close == "closed cleanly" and duration_s is None and steps is None and \
+            _all_finished(point):
+        raise UsageError(f"--resume {point.dir}: finished: every workload ran its schedule to the end")
+
+
+def _all_finished(point: ResumePoint) -> bool:
+    """Every workload's last workload_stop event says it finished (its schedule ran out)."""
+    from gpuwatch.recording.reader import open_recording
+
+    try:
+        ev = open_recording(point.dir).events
+    except Exception:  # noqa: BLE001 - load_resume read it already; unreadable here means: not known
+        return False
+    stops = ev.filter(ev["kind"] == "workload_stop")["message"].to_list()
+    return bool(stops) and len(stops) >= len(point.workloads) and \
+        all("finished" in m for m in stops[-len(point.workloads):])
 
 
 class ResumeMismatch(ValueError):

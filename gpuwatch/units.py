@@ -55,6 +55,14 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def hms(seconds: float | None) -> str:
+    """Seconds as H:MM:SS (whole seconds, never negative); `-` for None."""
+    if seconds is None:
+        return "-"
+    s = int(max(0, seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def fmt_bytes(n: float | None) -> str:
     """Bytes in binary units, 3 significant figures (1.5 GiB, 977 KiB), never scientific notation:
     a value that would round to 1000 or more of a unit is shown in the next one (1023.5 KiB is 1 MiB)."""

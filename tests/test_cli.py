@@ -191,7 +191,7 @@ def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
     steps and exited 0. (The real run is not repeated here: it grows to 11 GB of RSS.)"""
     from types import SimpleNamespace
 
-    from gpuwatch.cli import _finish
+    from gpuwatch.ci import finish as _finish
     from gpuwatch.telemetry.bus import Bus
 
     def workload(ooms: int, step: int):

@@ -102,3 +102,41 @@ def test_the_checks_see_what_they_look_for():
     found = {(m, t) for m, t, _n, _l in _imports(mods)}
     assert ("gpuwatch.runtime", "gpuwatch.telemetry.bus") in found  # a module-level import
     assert any(m == "gpuwatch.runtime" and t.startswith("gpuwatch.workload") for m, t in found)  # lazy ones
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+# Functions allowed past MAX_FUNCTION_LINES: tables and kernels, where one flat body is the point.
+LONG_FUNCTIONS_ALLOWED = {
+    # the table of every Prometheus metric family served, in exposition order (one entry per family)
+    "gpuwatch.export.prometheus.BusCollector._families",
+}
+
+
+def test_no_module_over_600_lines():
+    mods = _modules()
+    big = {m: n for m, p in mods.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split by responsibility): {big}"
+
+
+def _functions(mods: dict[str, Path]):
+    """(qualified name, lines) of every function and method, nested ones too."""
+    for name, path in mods.items():
+        def walk(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    q = f"{prefix}.{child.name}"
+                    if not isinstance(child, ast.ClassDef):
+                        yield q, child.end_lineno - child.lineno + 1
+                    yield from walk(child, q)
+                else:
+                    yield from walk(child, prefix)
+        yield from walk(ast.parse(path.read_text(), str(path)), name)
+
+
+def test_no_function_over_80_lines():
+    found = dict(_functions(_modules()))
+    long = {q: n for q, n in found.items() if n > MAX_FUNCTION_LINES and q not in LONG_FUNCTIONS_ALLOWED}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them, or allow a table/kernel here): {long}"
+    stale = {q for q in LONG_FUNCTIONS_ALLOWED if found.get(q, 0) <= MAX_FUNCTION_LINES}
+    assert not stale, f"allowed long functions that are gone or short now (drop them from the list): {stale}"

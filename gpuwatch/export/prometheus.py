@@ -257,6 +257,9 @@ class BusCollector(Collector):
             return iter(list(self._families()))
 
     def _families(self) -> Iterator[Any]:
+        """The table of every metric family served, in exposition order: dcgm-exporter's names first,
+        then gpuwatch's own (GPU, host, workload, risk, guard, recorder). One flat list on purpose - a
+        family added or renamed is one entry here - so it is long as a table is, not as logic is."""
         lab = list(GPU_LABELS)
         tick = self._last_tick
         rows = [r for r in (tick.rows if tick else []) if r.get("gpu") is not None]

@@ -112,30 +112,8 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         f"{_f(rep.by_session.near_hours * 60 if rep.by_session else None, '{:.1f}')} minutes of healthy running at >= {E.NEAR_FRAC:.0%} of the limit, so one",
         f"false alarm there is {_f(1 / rep.by_session.near_hours if rep.by_session and rep.by_session.near_hours else None, '{:.1f}')} per hour.",
         "",
-        "## Features (the one feature function, `gpuwatch/predict/features.py`)",
-        "",
-        "| feature | unit | what |",
-        "|---|---|---|",
-        FEATURE_TABLE,
-        "",
-        "## Model",
-        "",
-        "`gpuwatch/predict/composite.py`: risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), alarm at 0.5,",
-        f"with t_e = {_f(rep.operating_point[0], '{:g}')} and t_c = {_f(rep.operating_point[1], '{:g}')} "
-        "(picked on the session-held-out scores; inf: the classifier never alarms alone).",
-        "p_estimator is the feature `peak_cross_p` (no learning). p_classifier: scikit-learn",
-        "HistGradientBoostingClassifier (100 trees of at most 7 leaves, at least 200 windows a leaf) over the",
-        "context features (`CONTEXT` in `predict/train.py`), monotone in the memory-pressure features (more",
-        "pressure never lowers the risk), every session weighted the same, classes not re-weighted (its output",
-        "stays near a frequency); missing values handled natively. An alarm, once raised, holds until the risk",
-        "falls below half the threshold (the live scorer and this evaluation both). Reasons shown live are",
-        "occlusion effects: each feature in turn set to its healthy median, and how far the risk falls.",
-        "",
-        "Loading checks the manifest beside the file (features and their order, schema version,",
-        "scikit-learn version, sha256 of the file): joblib runs code when it loads, so a file whose hash",
-        "does not match is refused unless `--trust-model` is given.",
-        "",
     ]
+    lines += _model_sections(rep)
     rep.card_path.write_text("\n".join(lines))
 
 
@@ -187,3 +165,32 @@ def shortfalls(rep, max_fa_per_hour: float) -> str:
     if lost:
         out.append(f"not better than {', '.join(lost)} at their near-limit false-alarm rates")
     return ("Falls short: " + "; ".join(out) + ".") if out else "All met on this data."
+
+
+def _model_sections(rep) -> list[str]:
+    """The card's features table and its description of the model and of loading it."""
+    return [
+        "## Features (the one feature function, `gpuwatch/predict/features.py`)",
+        "",
+        "| feature | unit | what |",
+        "|---|---|---|",
+        FEATURE_TABLE,
+        "",
+        "## Model",
+        "",
+        "`gpuwatch/predict/composite.py`: risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), alarm at 0.5,",
+        f"with t_e = {_f(rep.operating_point[0], '{:g}')} and t_c = {_f(rep.operating_point[1], '{:g}')} "
+        "(picked on the session-held-out scores; inf: the classifier never alarms alone).",
+        "p_estimator is the feature `peak_cross_p` (no learning). p_classifier: scikit-learn",
+        "HistGradientBoostingClassifier (100 trees of at most 7 leaves, at least 200 windows a leaf) over the",
+        "context features (`CONTEXT` in `predict/train.py`), monotone in the memory-pressure features (more",
+        "pressure never lowers the risk), every session weighted the same, classes not re-weighted (its output",
+        "stays near a frequency); missing values handled natively. An alarm, once raised, holds until the risk",
+        "falls below half the threshold (the live scorer and this evaluation both). Reasons shown live are",
+        "occlusion effects: each feature in turn set to its healthy median, and how far the risk falls.",
+        "",
+        "Loading checks the manifest beside the file (features and their order, schema version,",
+        "scikit-learn version, sha256 of the file): joblib runs code when it loads, so a file whose hash",
+        "does not match is refused unless `--trust-model` is given.",
+        "",
+    ]

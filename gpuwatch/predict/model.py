@@ -131,25 +131,17 @@ def check_output(path: Path, force: bool = False) -> None:
     """Before training: can the model and its manifest be written at `path`, and may they replace
     what is there? UsageError (one line) where not - so a long fit never ends in a failed write, and
     a shipped model is never overwritten by surprise."""
+    from gpuwatch.atomic import check_output_file
     from gpuwatch.errors import UsageError
 
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"-o {path}: is a folder; give a file name, e.g. {path / 'risk.joblib'}")
-    if path.suffix != ".joblib":
-        raise UsageError(f"-o {path}: a model file ends in .joblib (its manifest and card go beside it)")
-    if (path.exists() or manifest_path(path).exists()) and not force:
-        shipped = " (the shipped model)" if path.resolve() == DEFAULT_MODEL.resolve() else ""
-        raise UsageError(f"-o {path}: exists{shipped}; pass --force to replace it, or give another path")
-    parent = path.parent if str(path.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
-    except OSError as e:
-        raise UsageError(f"-o {path}: cannot write in {parent} ({e.strerror or e})") from None
+    if not path.is_dir():  # a folder: check_output_file says so
+        if path.suffix != ".joblib":
+            raise UsageError(f"-o {path}: a model file ends in .joblib (its manifest and card go beside it)")
+        if (path.exists() or manifest_path(path).exists()) and not force:
+            shipped = " (the shipped model)" if path.resolve() == DEFAULT_MODEL.resolve() else ""
+            raise UsageError(f"-o {path}: exists{shipped}; pass --force to replace it, or give another path")
+    check_output_file(path, "-o", example="risk.joblib", create_parent=True)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

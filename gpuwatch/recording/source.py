@@ -17,6 +17,8 @@ import polars as pl
 
 from gpuwatch.recording import schema
 from gpuwatch.recording.reader import SessionReader, nothing_read
+from gpuwatch.recording.recorded import (event_detail, fill_plans, recorded_caps,  # noqa: F401 - re-exported
+                                         recorded_interval, sorted_by_time)
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -250,7 +252,7 @@ class ReplaySource:
             return False
         s = frames["samples"]
         if not s.is_empty():
-            s = _sorted(s)
+            s = sorted_by_time(s)
             ts = s["ts"].dt.epoch("us").to_numpy()
             after = not self.ticks_ts.size or ts[0] > self.ticks_ts[-1]
             gpu = s["gpu"]
@@ -268,7 +270,7 @@ class ReplaySource:
                         body, tail = pl.concat([body, tail]).rechunk(), None
                     self._ts[g] = np.concatenate([self._ts[g], part_ts])
                 else:  # rows from before what is held (rare): merge and sort everything once
-                    body, tail = _sorted(pl.concat([body, *([tail] if tail is not None else []), part])).rechunk(), None
+                    body, tail = sorted_by_time(pl.concat([body, *([tail] if tail is not None else []), part])).rechunk(), None
                     self._ts[g] = body["ts"].dt.epoch("us").to_numpy()
                 self._body[g], self._tail[g] = body, tail
                 self._by_gpu[g] = body if tail is None else pl.concat([body, tail], rechunk=False)
@@ -276,14 +278,14 @@ class ReplaySource:
             self.ticks_ts = np.concatenate([self.ticks_ts, ticks]) if after else np.unique(
                 np.concatenate([self.ticks_ts, ticks]))
         if not frames["events"].is_empty():
-            self.events_df = _sorted(pl.concat([self.events_df, frames["events"]]))
+            self.events_df = sorted_by_time(pl.concat([self.events_df, frames["events"]]))
             self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
         if not frames["steps"].is_empty() or not frames["events"].is_empty():
-            steps = _sorted(pl.concat([self.steps_df, frames["steps"]]))
+            steps = sorted_by_time(pl.concat([self.steps_df, frames["steps"]]))
             self.steps_df = fill_plans(steps, self.events_df)
             self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
         if not frames.get("risk", schema.empty("risk")).is_empty():
-            self.risk_df = _sorted(pl.concat([self.risk_df, frames["risk"]]))
+            self.risk_df = sorted_by_time(pl.concat([self.risk_df, frames["risk"]]))
             self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
         return True
 
@@ -294,7 +296,7 @@ class ReplaySource:
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
         """Risk rows computed after the fact (an older session scored on the fly, maybe on another
         thread: the rows and their times are swapped in together, and reads clip to both)."""
-        df = _sorted(df)
+        df = sorted_by_time(df)
         ts = df["ts"].dt.epoch("us").to_numpy()
         self.risk_df, self._risk_ts = df, ts
         self.risk_note = note
@@ -494,7 +496,7 @@ class RecordedFeed:
         self.has_risk = not rec.risk.is_empty()
 
         def rows(df: pl.DataFrame) -> tuple[np.ndarray, list[dict[str, Any]]]:
-            df = _sorted(df) if df.height else df
+            df = sorted_by_time(df) if df.height else df
             return df["ts"].dt.epoch("us").to_numpy(), df.to_dicts()
         self._tables = {"steps": rows(rec.steps), "events": rows(rec.events), "risk": rows(rec.risk)}
         self._next = {t: 0 for t in self._tables}
@@ -550,63 +552,3 @@ class RecordedFeed:
 
 def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:
     return next((m for m in gpus if m.index == gpu), None)
-
-
-def recorded_interval(meta: dict[str, Any]) -> float:
-    """The sampling interval a session was recorded with (meta's config), 0.1 s if it does not say."""
-    v = (meta.get("config") or {}).get("interval_s") if isinstance(meta.get("config"), dict) else None
-    return float(v) if isinstance(v, (int, float)) and v > 0 else 0.1
-
-
-def recorded_caps(meta: dict[str, Any]) -> dict[int | None, int]:
-    """Each GPU's workload memory cap (--gpu-memory-limit) as the session's meta.json records it."""
-    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-    out: dict[int | None, int] = {}
-    for w in cfg.get("workloads") or []:
-        if not isinstance(w, dict):
-            continue
-        cap = (w.get("faults") or {}).get("memory_limit_bytes") if isinstance(w.get("faults"), dict) else None
-        dev = str(w.get("device") or "")
-        gpu = w.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
-        if cap:
-            out[gpu] = int(cap)
-    return out
-
-
-def fill_plans(steps: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
-    """Sessions recorded before the plan columns existed (schema v1): each step's plan for its next
-    step is what ran next on that GPU - the next step row, or the OOM event's batch/seq_len/precision
-    when an OOM came first. Rows that already carry a plan are left as they are."""
-    if steps.is_empty() or steps["next_batch"].null_count() == 0:
-        return steps
-    ooms = events.filter(pl.col("kind") == "oom")
-    nxt = []
-    if not ooms.is_empty():
-        d = [event_detail(r) for r in ooms.select("detail").to_dicts()]
-        nxt.append(pl.DataFrame({"ts": ooms["ts"], "gpu": ooms["gpu"],
-                                 "batch": [x.get("batch") for x in d], "seq_len": [x.get("seq_len") for x in d],
-                                 "precision": [x.get("precision") for x in d]},
-                                schema={"ts": schema.TS, "gpu": pl.UInt8, "batch": pl.UInt32, "seq_len": pl.UInt32,
-                                        "precision": pl.String}))
-    attempts = pl.concat([steps.select("ts", "gpu", "batch", "seq_len", "precision"), *nxt], how="vertical_relaxed")
-    attempts = attempts.sort("ts").with_columns(
-        pl.col("batch").shift(-1).over("gpu").alias("_nb"), pl.col("seq_len").shift(-1).over("gpu").alias("_ns"),
-        pl.col("precision").shift(-1).over("gpu").alias("_np"))
-    joined = steps.join(attempts.select("ts", "gpu", "_nb", "_ns", "_np"), on=["ts", "gpu"], how="left",
-                        nulls_equal=True, maintain_order="left")
-    return joined.with_columns(
-        pl.coalesce("next_batch", "_nb").cast(pl.UInt32).alias("next_batch"),
-        pl.coalesce("next_seq_len", "_ns").cast(pl.UInt32).alias("next_seq_len"),
-        pl.coalesce("next_precision", "_np").alias("next_precision")).drop("_nb", "_ns", "_np")
-
-
-def _sorted(df: pl.DataFrame) -> pl.DataFrame:
-    """Sort by time unless it already is (a compacted or appended recording usually is: O(n) check)."""
-    return df if df["ts"].is_sorted() else df.sort("ts", maintain_order=True)
-
-
-def event_detail(row: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return json.loads(row.get("detail") or "{}")
-    except ValueError:
-        return {}

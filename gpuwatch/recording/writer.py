@@ -29,8 +29,8 @@ from typing import Any
 
 import polars as pl
 
-from gpuwatch.atomic import unlink_quietly, write_file
-from gpuwatch.errors import RecordingError, UsageError
+from gpuwatch.atomic import check_output_dir, unlink_quietly, write_file  # check_output_dir: re-exported
+from gpuwatch.errors import RecordingError
 from gpuwatch.recording import schema
 from gpuwatch.recording.ipc import StreamFile, read_stream_file
 from gpuwatch.recording.layout import (CHUNK_RE, LOCK_NAME, SEGMENT_RE, STREAM_RE, check_frame, data_names,
@@ -84,42 +84,6 @@ def read_part(path: Path) -> pl.DataFrame:
         m = STREAM_RE.match(path.name)
         return check_frame(path, df, m.group(1) if m else None)[1]
     return pl.read_parquet(path)
-
-
-def check_output_dir(root: Path | str) -> None:
-    """Raise UsageError (one line) unless `root` is a folder gpuwatch can create and write in: it is
-    created if missing, and a temp file is created and removed there (the only reliable test: read-only
-    mounts, immutable folders, /proc, quotas and a full disk all show up here)."""
-    root = Path(root)
-    try:
-        if root.exists() and not root.is_dir():
-            raise UsageError(f"cannot record to {root}: it exists and is not a folder")
-        root.mkdir(parents=True, exist_ok=True)
-    except UsageError:
-        raise
-    except OSError as e:
-        raise UsageError(f"cannot create the output folder {root}: {_os_reason(e)}") from None
-    probe = root / f".gpuwatch-write-test-{os.getpid()}-{threading.get_ident()}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"gpuwatch")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        unlink_quietly(probe)
-        raise UsageError(f"cannot write in the output folder {root}: {_os_reason(e)}") from None
-    try:
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"cannot remove files in the output folder {root}: {_os_reason(e)}") from None
-
-
-def _os_reason(e: OSError) -> str:
-    name = _errno.errorcode.get(e.errno or -1)
-    text = e.strerror or str(e) or type(e).__name__
-    return f"{text} ({name})" if name else text
 
 
 def classify_error(exc: BaseException, folder: Path) -> tuple[str, str]:

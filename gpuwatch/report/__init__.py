@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from gpuwatch.errors import GpuwatchError, RecordingError, UsageError
 
-if TYPE_CHECKING:  # polars, jinja2 and matplotlib load only when a report is made: `register` stays cheap
+if TYPE_CHECKING:  # polars, jinja2 and matplotlib load only when a report is made: the CLI's parser imports this cheaply
     from gpuwatch.recording.reader import Recording
     from gpuwatch.report.health import Row, Thresholds
 
-__all__ = ["FORMATS", "Row", "Thresholds", "build_context", "health_matrix", "register", "render", "run",
+__all__ = ["FORMATS", "Row", "Thresholds", "build_context", "health_matrix", "render", "run",
            "write_report"]
 
 FORMATS = ("html", "md")
@@ -106,13 +106,11 @@ def render(rec: Recording, fmt: str = "html", th: Thresholds | None = None) -> s
     return _env(fmt).get_template(f"report.{fmt}.j2").render(**ctx)
 
 
-def _check_target(out: Path) -> Path:
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise GpuwatchError(f"{out}: cannot write the report: folder {parent} does not exist")
-    if out.is_dir():
-        raise GpuwatchError(f"{out}: is a folder; give a file name, e.g. {out / 'report.html'}")
-    return parent
+def _check_target(out: Path) -> None:
+    """Before the work: `out` can be written (one line, exit 1, where not)."""
+    from gpuwatch.atomic import check_output_file
+
+    check_output_file(out, None, example="report.html", error=GpuwatchError)
 
 
 def _atomic_write(out: Path, text: str) -> None:
@@ -145,20 +143,8 @@ def write_report(session: Path, out: Path, fmt: str = "html", thresholds: Thresh
     return out
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "report", help="write a self-contained HTML (or Markdown) report of a recorded session",
-        description="Verdict, health matrix, anomalies, charts, batch sweep, energy and recommendations "
-                    "of a recorded session, as one HTML file that opens offline (or Markdown for CI).")
-    p.add_argument("path", type=Path, help="a session folder (or one Parquet file)")
-    p.add_argument("-o", "--output", type=Path, default=None, metavar="PATH",
-                   help="where to write (default: <session>-report.html in the current folder)")
-    p.add_argument("--format", choices=FORMATS, default=None,
-                   help="html or md (default: from the output's suffix, else html)")
-    p.set_defaults(handler=run)
-
-
 def run(args) -> int:
+    """`gpuwatch report` (its flags are parsed by `gpuwatch.cli`): write the report and say where."""
     fmt = format_for(args.output, getattr(args, "format", None))
     out = args.output or Path(f"{Path(args.path).resolve().name}-report.{fmt}")
     write_report(Path(args.path), out, fmt)

@@ -371,13 +371,12 @@ def energy(rec: Recording) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- recommendations
 
-def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sweep | None) -> list[str]:
+def _batch_recommendations(rec: Recording, th: Thresholds) -> list[str]:
+    """The largest batch that fitted with headroom, per (GPU, mode, seq_len, precision) that OOMed or ran."""
     out: list[str] = []
     st = rec.steps
     limits = effective_limits(rec)
-    ev = rec.events
-    ooms = ev.filter(pl.col("kind") == "oom")
-    # the largest batch that fitted with headroom, per (mode, seq_len, precision) that OOMed or ran
+    ooms = rec.events.filter(pl.col("kind") == "oom")
     if st.height:
         groups = st.group_by("gpu", "mode", "seq_len", "precision").agg(pl.len())
         for gpu, mode, seq, prec, _ in groups.iter_rows():
@@ -413,6 +412,15 @@ def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sw
             elif fit and fit["batch"] == largest and per.height > 1:
                 out.append(f"{what}: every batch up to {largest} fitted with {th.headroom_frac * 100:.0f} % headroom "
                            f"(peak {fmt_bytes(fit['peak'])} of {fmt_bytes(limit)}); larger batches may too.")
+    return out
+
+
+def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sweep | None) -> list[str]:
+    """What to change, in sentences: per batch shape, throughput, precision, integrity, the health rows,
+    telemetry gaps; one line saying nothing needs changing when nothing does."""
+    st = rec.steps
+    ev = rec.events
+    out = _batch_recommendations(rec, th)
     if sweep and sweep.rows and not set(st["mode"].drop_nulls().to_list()) <= {"train"}:
         meas = [r for r in sweep.rows if r.get("tps")]
         if len(meas) >= 2:

@@ -9,7 +9,6 @@ Costs measured on an H200 (see docs/BENCHMARKS.md): most reads take 2-8 us; PCIe
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pynvml
+
+from gpuwatch.telemetry.nvml_direct import MEM_V2, NOT_AVAILABLE_CODES, DirectGpu, Lost, Unbatched, field_value
 
 _NOT_AVAILABLE = tuple(
     getattr(pynvml, n) for n in (
@@ -26,15 +27,6 @@ _NOT_AVAILABLE = tuple(
     ) if hasattr(pynvml, n)
 )
 _LOST = (pynvml.NVMLError_GpuIsLost,)
-_NOT_AVAILABLE_CODES = frozenset(
-    getattr(pynvml, n) for n in (
-        "NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND",
-        "NVML_ERROR_NOT_FOUND", "NVML_ERROR_NO_DATA", "NVML_ERROR_INVALID_ARGUMENT",
-        "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", "NVML_ERROR_DEPRECATED", "NVML_ERROR_NOT_READY",
-    ) if hasattr(pynvml, n)
-)
-
-
 class NvmlUnavailable(Exception):
     """No NVML library or no NVIDIA driver: gpuwatch runs CPU-only."""
 
@@ -65,12 +57,9 @@ def _mem(h):
     return m.used, m.total, None
 
 
-_MEM_V2 = getattr(pynvml, "nvmlMemory_v2", None)
-
-
 def _mem_v2(h):
     """v2 (driver >= 510): used / total / reserved as nvidia-smi's memory.used / .total / .reserved."""
-    m = pynvml.nvmlDeviceGetMemoryInfo(h, version=_MEM_V2)
+    m = pynvml.nvmlDeviceGetMemoryInfo(h, version=MEM_V2)
     return m.used, m.total, m.reserved
 
 
@@ -162,21 +151,6 @@ FIELD_BATCH: tuple[tuple[str, int, float | None], ...] = tuple(
 _BATCHED = {col for col, _, _ in FIELD_BATCH}
 
 
-def _field_value(v) -> int | float:
-    t = v.valueType
-    if t == pynvml.NVML_VALUE_TYPE_DOUBLE:
-        return v.value.dVal
-    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
-        return v.value.uiVal
-    if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return v.value.ulVal
-    if t == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return v.value.sllVal
-    if t == getattr(pynvml, "NVML_VALUE_TYPE_SIGNED_INT", -1):
-        return v.value.siVal
-    return v.value.ullVal
-
-
 def read_pcie_counters(h) -> tuple[int, int] | None:
     """The cumulative PCIe TX and RX byte counters in one call, or None if unsupported."""
     if None in PCIE_COUNTERS:
@@ -187,19 +161,6 @@ def read_pcie_counters(h) -> tuple[int, int] | None:
     return int(vals[0].value.ullVal), int(vals[1].value.ullVal)
 
 
-# -- the fast reads, direct ----------------------------------------------------------------------------
-# pynvml's wrappers build a ctypes output object, a converted argument and (on error) an exception per
-# call, and its nvmlDeviceGetFieldValues raises and catches a TypeError per field; for a 10 Hz sampler
-# that is most of a GPU read's Python. `_DirectGpu` calls the same C functions (pynvml's own function
-# pointers) with output buffers and argument tuples built once, and handles return codes instead of
-# exceptions. The answers and their rules are those of the wrapper path (`NvmlBackend._read`): a field
-# "not supported" (or no permission, ...) is null and not asked again, "GPU is lost" is `GpuLost`, any
-# other error is null for this tick. Used only where pynvml's functions are pynvml's own (tests replace
-# them; then the wrapper path runs).
-_K_VALUE, _K_MILLI, _K_UTIL, _K_MEM1, _K_MEM2 = range(5)
-_LOST_CODE = getattr(pynvml, "NVML_ERROR_GPU_IS_LOST", 15)
-_INSUFFICIENT = getattr(pynvml, "NVML_ERROR_INSUFFICIENT_SIZE", 7)
-_ULL_NA = 0xFFFFFFFFFFFFFFFF  # usedGpuMemory "not available"
 _WRAPPERS = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetTemperature",
              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTotalEccErrors",
              "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetFieldValues")
@@ -208,181 +169,6 @@ _WRAPPERS = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDe
 def _pynvml_is_itself() -> bool:
     """False where something (a test's fake driver) replaced pynvml's functions: then use them."""
     return all(getattr(getattr(pynvml, n, None), "__module__", None) == pynvml.__name__ for n in _WRAPPERS)
-
-
-class _DirectGpu:
-    """One GPU's fast fields through libnvidia-ml directly. Raises `pynvml.NVMLError` from __init__ when
-    the library is not loaded (then the backend keeps the wrapper path)."""
-
-    def __init__(self, h, mem_v2: bool, batch: list | None, skip: set[str]) -> None:
-        fp = pynvml._nvmlGetFunctionPointer
-        byref = ctypes.byref
-        self.h = h
-        specs: list[tuple[str, Any, tuple, Any, int]] = []
-
-        def add(col: str, fname: str, buf, kind: int, *args) -> None:
-            if col not in skip:
-                specs.append((col, fp(fname), (h, *args, byref(buf)), buf, kind))
-
-        add("util", "nvmlDeviceGetUtilizationRates", pynvml.c_nvmlUtilization_t(), _K_UTIL)
-        if mem_v2:
-            m = pynvml.c_nvmlMemory_v2_t()
-            m.version = _MEM_V2
-            add("mem", "nvmlDeviceGetMemoryInfo_v2", m, _K_MEM2)
-        else:
-            add("mem", "nvmlDeviceGetMemoryInfo", pynvml.c_nvmlMemory_t(), _K_MEM1)
-        add("gpu_temp_c", "nvmlDeviceGetTemperature", ctypes.c_uint(), _K_VALUE, pynvml.NVML_TEMPERATURE_GPU)
-        if batch is None:  # else the field-values call reads them
-            add("gpu_power_w", "nvmlDeviceGetPowerUsage", ctypes.c_uint(), _K_MILLI)
-        add("gpu_sm_clock_mhz", "nvmlDeviceGetClockInfo", ctypes.c_uint(), _K_VALUE, pynvml.NVML_CLOCK_SM)
-        add("gpu_mem_clock_mhz", "nvmlDeviceGetClockInfo", ctypes.c_uint(), _K_VALUE, pynvml.NVML_CLOCK_MEM)
-        try:
-            fp(rname := "nvmlDeviceGetCurrentClocksEventReasons")
-        except pynvml.NVMLError:  # a driver older than the name: the same call under its old name
-            rname = "nvmlDeviceGetCurrentClocksThrottleReasons"
-        add("gpu_clocks_event_reasons", rname, ctypes.c_ulonglong(), _K_VALUE)
-        if batch is None:
-            for col, kind in (("gpu_ecc_corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                              ("gpu_ecc_uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
-                add(col, "nvmlDeviceGetTotalEccErrors", ctypes.c_ulonglong(), _K_VALUE, kind, pynvml.NVML_VOLATILE_ECC)
-        self.specs = specs
-        self.skip = skip
-        # compute processes: one call into an array kept between ticks (grown when NVML says it is short)
-        self.procs_fn = fp("nvmlDeviceGetComputeRunningProcesses_v3") if "gpu_procs" not in skip else None
-        self._pcount = ctypes.c_uint(0)
-        self._pcap = 0
-        self._grow_procs(16)
-        # the batched field values: one array, ids set once (`batch`: the backend's list, replaced when a
-        # field drops out; [] = none left to ask)
-        self.batch = batch
-        self.fields_fn = fp("nvmlDeviceGetFieldValues") if batch else None
-        if batch:
-            self._set_fields(batch)
-
-    def _grow_procs(self, n: int) -> None:
-        self._pcap = n
-        self._parr = (pynvml.c_nvmlProcessInfo_v3_t * n)()
-        self._pargs = (self.h, ctypes.byref(self._pcount), self._parr)
-
-    def _set_fields(self, batch: list) -> None:
-        self.batch = batch
-        arr = (pynvml.c_nvmlFieldValue_t * len(batch))()
-        for v, (_, fid, _) in zip(arr, batch):
-            v.fieldId = fid
-        self._farr = arr
-        self._fargs = (self.h, ctypes.c_int32(len(batch)), ctypes.byref(arr))
-
-    def call(self) -> tuple:
-        """Every fast NVML call, in spec order: (return codes, procs return, fields return); the outputs
-        stay in the buffers. `decode` turns them into columns (the C ticker makes the same calls)."""
-        rets = [spec[1](*spec[2]) for spec in self.specs]
-        pret = fret = None
-        if self.procs_fn is not None:
-            self._pcount.value = self._pcap
-            pret = self.procs_fn(*self._pargs)
-        if self.fields_fn is not None:
-            fret = self.fields_fn(*self._fargs)
-        return rets, pret, fret
-
-    def read(self) -> dict[str, Any]:
-        """The fast columns. Raises _Lost (GPU is lost) and _Unbatched (the field-values call went away)."""
-        rets, pret, fret = self.call()
-        return self.decode(self.specs, rets, pret, self._pcount.value, self._parr, fret,
-                           self.batch, getattr(self, "_farr", None))
-
-    def decode(self, specs: list, rets, pret: int | None, pcount: int, parr, fret: int | None,
-               batch: list | None, farr) -> dict[str, Any]:
-        """The columns from one tick's return codes and output buffers (`specs`, `parr`, `farr`: this
-        reader's or views of a C ticker record taken with them). A field answering not-supported is dropped
-        from this reader for good."""
-        out: dict[str, Any] = {}
-        drop = None
-        skip = self.skip if specs is not self.specs else ()  # a record taken before a field dropped out
-        for spec, ret in zip(specs, rets):
-            if spec[0] in skip:
-                continue
-            if ret:
-                if ret == _LOST_CODE:
-                    raise _Lost
-                if ret in _NOT_AVAILABLE_CODES:
-                    drop = (drop or set()) | {spec[0]}
-                continue  # transient: null this tick
-            kind, buf = spec[4], spec[3]
-            if kind == _K_VALUE:
-                out[spec[0]] = buf.value
-            elif kind == _K_UTIL:
-                out["gpu_util_pct"] = buf.gpu
-                out["gpu_mem_util_pct"] = buf.memory
-            elif kind == _K_MEM2:
-                out["gpu_mem_used_bytes"] = buf.used
-                out["gpu_mem_total_bytes"] = buf.total
-                out["gpu_mem_reserved_bytes"] = buf.reserved
-            elif kind == _K_MILLI:
-                out[spec[0]] = buf.value / 1000.0
-            else:
-                out["gpu_mem_used_bytes"] = buf.used
-                out["gpu_mem_total_bytes"] = buf.total
-        if drop:
-            self.specs = [s for s in self.specs if s[0] not in drop]
-            self.skip.update(drop)
-        if pret is not None and self.procs_fn is not None:
-            self._decode_procs(out, pret, pcount, parr)
-        if fret is not None and self.fields_fn is not None:
-            self._decode_fields(out, fret, batch, farr)
-        return out
-
-    def _decode_procs(self, out: dict[str, Any], ret: int, count: int, arr) -> None:
-        if ret == _INSUFFICIENT:  # the array is short: grow it and ask again now
-            if len(arr) >= self._pcap:
-                self._grow_procs(count * 2 + 5)
-            c = self._pcount
-            c.value = self._pcap
-            ret, arr = self.procs_fn(*self._pargs), self._parr
-            count = c.value
-        if ret:
-            if ret == _LOST_CODE:
-                raise _Lost
-            if ret in _NOT_AVAILABLE_CODES:
-                self.procs_fn = None
-                self.skip.add("gpu_procs")
-            return
-        out["gpu_procs"] = [{"pid": p.pid, "used_bytes": None if p.usedGpuMemory == _ULL_NA else p.usedGpuMemory}
-                            for p in arr[:count]]
-
-    def _decode_fields(self, out: dict[str, Any], ret: int, batch: list, arr) -> None:
-        if ret:
-            if ret == _LOST_CODE:
-                raise _Lost
-            if ret in _NOT_AVAILABLE_CODES:
-                raise _Unbatched
-            return
-        drop = None
-        asked = {f[0] for f in self.batch} if batch is not self.batch else None  # a record taken before a drop
-        for (col, _, scale), v in zip(batch, arr):
-            if asked is not None and col not in asked:
-                continue
-            r = v.nvmlReturn
-            if r == 0:
-                x = _field_value(v)
-                out[col] = x * scale if scale else x
-            elif r == _LOST_CODE:
-                raise _Lost
-            elif r in _NOT_AVAILABLE_CODES:
-                drop = (drop or set()) | {col}
-        if drop:
-            batch = [f for f in self.batch if f[0] not in drop]
-            if batch:
-                self._set_fields(batch)
-            else:
-                self.batch, self.fields_fn = batch, None
-
-
-class _Lost(Exception):
-    pass
-
-
-class _Unbatched(Exception):
-    pass
 
 
 class NvmlBackend:
@@ -417,21 +203,21 @@ class NvmlBackend:
         self.pcie_every = _pcie_every()
         self._util_seen = [0] * count  # per GPU: the newest per-process utilization sample read (NVML's us)
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
-        self._mem_fn = [_mem_v2 if _MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
+        self._mem_fn = [_mem_v2 if MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
                         for h in self._handles]
         apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn}
         self.memory_api = apis.pop() if len(apis) == 1 else "mixed"
         # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
         self._batch: list[list[tuple[str, int, float | None]] | None] = [self._probe_batch(h) for h in self._handles]
         self._fast = [self._fast_readers(i) for i in range(count)]
-        self._direct: list[_DirectGpu | None] = [self._make_direct(i) for i in range(count)]
+        self._direct: list[DirectGpu | None] = [self._make_direct(i) for i in range(count)]
 
-    def _make_direct(self, i: int) -> "_DirectGpu | None":
+    def _make_direct(self, i: int) -> "DirectGpu | None":
         """The direct reader of GPU i, or None (library not loaded, pynvml's functions replaced)."""
         if not _pynvml_is_itself() or os.environ.get("GPUWATCH_NVML_WRAPPERS"):
             return None
         try:
-            return _DirectGpu(self._handles[i], self._mem_fn[i] is _mem_v2, self._batch[i], self._unsupported[i])
+            return DirectGpu(self._handles[i], self._mem_fn[i] is _mem_v2, self._batch[i], self._unsupported[i])
         except (pynvml.NVMLError, AttributeError, TypeError):
             return None
 
@@ -515,10 +301,10 @@ class NvmlBackend:
             raise GpuLost(f"GPU {i} was lost")
         try:
             raw = read()
-        except _Lost:
+        except Lost:
             self.lost.add(i)
             raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)") from None
-        except _Unbatched:  # the field-values call went away: the single calls from now on
+        except Unbatched:  # the field-values call went away: the single calls from now on
             self._batch[i] = None
             self._fast[i] = dict(FAST, mem=self._mem_fn[i])
             self._direct[i] = self._make_direct(i)
@@ -566,12 +352,12 @@ class NvmlBackend:
         for (col, _, scale), v in zip(batch, vals):
             ret = v.nvmlReturn
             if ret == 0:  # NVML_SUCCESS
-                x = _field_value(v)
+                x = field_value(v)
                 out[col] = x * scale if scale else x
             elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
                 self.lost.add(i)
                 raise GpuLost(f"GPU {i} fell off the bus (NVML: GPU is lost)")
-            elif ret in _NOT_AVAILABLE_CODES:
+            elif ret in NOT_AVAILABLE_CODES:
                 drop = (drop or set()) | {col}
         if drop:
             self._batch[i] = [f for f in batch if f[0] not in drop]

@@ -4,7 +4,7 @@ After each 100 ms sleep a Python tick runs on cold caches (~210-250 us of CPU wh
 ~25-60 us warm) and each wake-up costs ~80 us more (docs/BENCHMARKS.md, "Issue 10"). Here a C thread
 does the 10 Hz part - the deadline sleep, the host CPU pread, the NVML calls - into a ring of raw
 records, and Python wakes only when ticks are delivered (once a second for `gpuwatch record`) to decode
-the records back to back with the code its own loop uses (`_DirectGpu.decode`, `HostSampler.decode_fast`),
+the records back to back with the code its own loop uses (`nvml_direct.DirectGpu.decode`, `HostSampler.decode_fast`),
 so the rows are the ones `Sampler.tick()` builds. The slow reads (1 Hz) run after every tenth decoded
 tick, the XID thread is unchanged. When a GPU is lost, a field drops out for good, the process array
 grows or the host CPU source changes, the C thread is stopped and started again with the new call list.

@@ -98,37 +98,7 @@ class FastDeepseek:
         self.for_compile = for_compile
         self.model = model
         cfg = model.config
-        try:
-            inner = model.model
-            self.layers = list(inner.layers)
-            self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
-            self.lm_head = model.lm_head
-            a0 = self.layers[0].self_attn
-            self.H = a0.num_heads
-            self.dn, self.dr, self.dv = a0.qk_nope_head_dim, a0.qk_rope_head_dim, a0.v_head_dim
-            self.r = a0.kv_lora_rank
-            self.scaling = float(a0.scaling)
-            mod = sys.modules[type(a0).__module__]
-            # interleaved pairs (DeepSeek's checkpoints): rotated here as complex numbers, the pairs kept in
-            # place (transformers de-interleaves q and k alike; a dot product does not care which order
-            # both use, and only this class reads the cache); otherwise transformers' rotate_half function
-            self._interleave = bool(getattr(cfg, "rope_interleave", False))
-            self._rope = mod.apply_rotary_pos_emb
-            norms = [self.norm] + [m for lay in self.layers for m in (lay.input_layernorm, lay.post_attention_layernorm,
-                                                                      lay.self_attn.kv_a_layernorm)]
-            for m in norms:
-                m.weight, float(m.variance_epsilon)  # noqa: B018 - F.rms_norm below needs both
-            for layer in self.layers:
-                at = layer.self_attn
-                at.kv_a_proj_with_mqa, at.kv_a_layernorm, at.kv_b_proj, at.o_proj  # noqa: B018
-                mlp = layer.mlp
-                if hasattr(mlp, "experts"):
-                    mlp.shared_experts, mlp.experts.gate_up_proj, mlp.experts.down_proj  # noqa: B018
-                    g = mlp.gate
-                    g.weight, g.e_score_correction_bias, g.top_k, g.num_group, g.topk_group  # noqa: B018
-                    g.norm_topk_prob, g.routed_scaling_factor, g.num_experts  # noqa: B018
-        except AttributeError as e:
-            raise Unsupported(f"unexpected DeepSeek module layout ({e})") from None
+        a0 = self._bind_modules(model, cfg)
         if any(getattr(lay.self_attn, "q_lora_rank", None) != getattr(a0, "q_lora_rank", None) for lay in self.layers):
             raise Unsupported("layers differ in their query projection")
         self.batch, self.max_len = batch, max_len
@@ -172,6 +142,43 @@ class FastDeepseek:
             wkv = layer.self_attn.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.r)
             self._wuk.append(wkv[:, : self.dn])
             self._wuv.append(wkv[:, self.dn:])
+
+    def _bind_modules(self, model, cfg):
+        """The DeepSeek modules this class reads, bound once (every attribute it needs is touched here,
+        so a layout it does not know is `Unsupported` now, not a failure mid-step); returns layer 0's
+        attention."""
+        try:
+            inner = model.model
+            self.layers = list(inner.layers)
+            self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+            self.lm_head = model.lm_head
+            a0 = self.layers[0].self_attn
+            self.H = a0.num_heads
+            self.dn, self.dr, self.dv = a0.qk_nope_head_dim, a0.qk_rope_head_dim, a0.v_head_dim
+            self.r = a0.kv_lora_rank
+            self.scaling = float(a0.scaling)
+            mod = sys.modules[type(a0).__module__]
+            # interleaved pairs (DeepSeek's checkpoints): rotated here as complex numbers, the pairs kept in
+            # place (transformers de-interleaves q and k alike; a dot product does not care which order
+            # both use, and only this class reads the cache); otherwise transformers' rotate_half function
+            self._interleave = bool(getattr(cfg, "rope_interleave", False))
+            self._rope = mod.apply_rotary_pos_emb
+            norms = [self.norm] + [m for lay in self.layers for m in (lay.input_layernorm, lay.post_attention_layernorm,
+                                                                      lay.self_attn.kv_a_layernorm)]
+            for m in norms:
+                m.weight, float(m.variance_epsilon)  # noqa: B018 - F.rms_norm below needs both
+            for layer in self.layers:
+                at = layer.self_attn
+                at.kv_a_proj_with_mqa, at.kv_a_layernorm, at.kv_b_proj, at.o_proj  # noqa: B018
+                mlp = layer.mlp
+                if hasattr(mlp, "experts"):
+                    mlp.shared_experts, mlp.experts.gate_up_proj, mlp.experts.down_proj  # noqa: B018
+                    g = mlp.gate
+                    g.weight, g.e_score_correction_bias, g.top_k, g.num_group, g.topk_group  # noqa: B018
+                    g.norm_topk_prob, g.routed_scaling_factor, g.num_experts  # noqa: B018
+        except AttributeError as e:
+            raise Unsupported(f"unexpected DeepSeek module layout ({e})") from None
+        return a0
 
     # -- pieces --------------------------------------------------------------------------------------------
     @staticmethod

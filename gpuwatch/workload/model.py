@@ -256,23 +256,7 @@ class DecodeEngine:
             self._thrash = 0
         t0 = time.perf_counter()
         self.release()
-        # what to try, in order: as asked; the fast step without its fused kernels (a Triton that cannot
-        # compile them); without graphs (with the kernels, then without); transformers' forward (with graphs
-        # if asked); then eager. What failed is not tried again on a rebuild ("for good"): the flags keep
-        # the plan that worked.
-        from gpuwatch.workload import kernels
-
-        compiling = self.want_compile and not self._compile_failed  # torch.compile traces torch ops only
-        fused = bool(self.want_fast and self.want_fused is not False and not compiling
-                     and kernels.usable(self.device) is None)
-        plans = [(self.want_graphs, self.want_fast, fused)]
-        if fused:
-            plans.append((self.want_graphs, True, False))
-        if self.want_graphs and self.want_fast:
-            plans += [(False, True, True)] if fused else []
-            plans.append((False, True, False))
-        if self.want_fast:
-            plans.append((self.want_graphs, False, False))
+        plans, fused = self._build_plans()
         failures: list[str] = []
         for graphs, fast, fz in plans:
             self.want_graphs, self.want_fast, self._plan_fused = graphs, fast, fz
@@ -315,6 +299,27 @@ class DecodeEngine:
                       **{k: v for k, v in self.detail.items() if k in ("attention", "experts", "compiled",
                                                                       "torch_compile_s", "kernels")})
         return self.compile_s
+
+    def _build_plans(self) -> tuple[list[tuple[bool, bool, bool]], bool]:
+        """(graphs, fast, fused) to try in order, and whether the fused kernels are wanted at all."""
+        # what to try, in order: as asked; the fast step without its fused kernels (a Triton that cannot
+        # compile them); without graphs (with the kernels, then without); transformers' forward (with graphs
+        # if asked); then eager. What failed is not tried again on a rebuild ("for good"): the flags keep
+        # the plan that worked.
+        from gpuwatch.workload import kernels
+
+        compiling = self.want_compile and not self._compile_failed  # torch.compile traces torch ops only
+        fused = bool(self.want_fast and self.want_fused is not False and not compiling
+                     and kernels.usable(self.device) is None)
+        plans = [(self.want_graphs, self.want_fast, fused)]
+        if fused:
+            plans.append((self.want_graphs, True, False))
+        if self.want_graphs and self.want_fast:
+            plans += [(False, True, True)] if fused else []
+            plans.append((False, True, False))
+        if self.want_fast:
+            plans.append((self.want_graphs, False, False))
+        return plans, fused
 
     def _say_eager(self, message: str) -> None:
         if not self._said_eager:
