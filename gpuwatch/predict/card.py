@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from gpuwatch.atomic import write_file
 from gpuwatch.predict import evaluate as E
 from gpuwatch.predict.features import FEATURES
 
@@ -114,7 +115,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         "",
     ]
     lines += _model_sections(rep)
-    rep.card_path.write_text("\n".join(lines))
+    write_file(rep.card_path, "\n".join(lines))
 
 
 def counterfactual_section(v: dict) -> list[str]:

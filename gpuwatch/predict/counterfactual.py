@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from gpuwatch.atomic import write_file
 from gpuwatch.predict.peak import usable_limit
 from gpuwatch.recording.source import recorded_caps
 
@@ -117,7 +118,7 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
         _write_like(src / f"{name}.parquet", df, out / f"{name}.parquet")
     meta = _meta_under(meta, cap, src.name, oom_step is not None)
     meta["derived"]["scenario"] = scenario
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_file(out / "meta.json", json.dumps(meta, indent=1), fsync=False)  # a training scratch copy
     return Relabeled(out, src.name, cap, oom_step is not None, oom_step)
 
 
