@@ -383,3 +383,41 @@ def test_scrape_values_are_finite_except_a_nan_loss(fed):
         for n, _, v in fam["samples"]:
             assert not math.isinf(v), n
             assert not math.isnan(v) or n == "gpuwatch_loss", n
+
+
+def test_watch_source_exports_the_recorded_host_not_this_machine():
+    """Issue 17 (3): under `watch --source`, `--prometheus` exported this machine's host figures and
+    name; it exports the recorded host's, as the screen shows them."""
+    import json as _json
+
+    from gpuwatch.recording.replay_backend import ReplayGpuBackend
+    from gpuwatch.recording.source import GpuMeta, LiveSource, RecordedFeed
+    from gpuwatch.telemetry.sampler import Sampler
+    from gpuwatch.ui.launch import attach_feed
+    from uihelpers import T0, FixedHost
+
+    ramp = ROOT / "recordings" / "sample-h200-ramp-train"
+    recorded_host = _json.loads((ramp / "meta.json").read_text())["host"]
+    bus = Bus()
+    backend = ReplayGpuBackend(ramp)
+    fake = {"t": 0.0}
+    s = Sampler(bus, backend, FixedHost(), clock=lambda: fake["t"], wall_us=lambda: T0 + int(fake["t"] * 1e6))
+    g = backend.gpus[0]
+    src = LiveSource(bus, [GpuMeta(0, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c)], backend.label)
+    exp = PrometheusExporter(bus, backend.gpus, port=0, hostname="this-machine")
+
+    class S:
+        workload, recorder, guard, model_note, workloads = None, None, None, "no risk model", []
+    S.bus, S.source, S.exporter = bus, src, exp
+    feed = RecordedFeed(bus, ramp)
+    attach_feed(S, feed)
+    s.slow_tick()
+    for _ in range(30):
+        s.tick()
+        fake["t"] += 0.1
+    feed.pump()
+    assert feed.host_row.get("host_mem_total_bytes")
+    fams = {f.name: f for f in exp.collector.collect()}
+    mem = fams["gpuwatch_host_memory_total_bytes"].samples
+    assert mem and mem[0].labels["Hostname"] == recorded_host != "this-machine"
+    assert mem[0].value == float(feed.host_row["host_mem_total_bytes"])

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from itertools import islice
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -181,6 +181,7 @@ class BusCollector(Collector):
 
     def __init__(self, bus: Bus, gpus: list[GpuInfo], hostname: str, interval_s: float = 0.1) -> None:
         self.bus, self.hostname, self.interval_s = bus, hostname, interval_s
+        self.host_override: Callable[[], dict[str, Any]] | None = None  # set by attach_feed (replayed host)
         self.gpus = {g.index: g for g in gpus}
         self._lock = threading.Lock()
         self._cur = {"ticks": 0, "steps": 0, "risk": 0, "events": 0}
@@ -264,6 +265,8 @@ class BusCollector(Collector):
         tick = self._last_tick
         rows = [r for r in (tick.rows if tick else []) if r.get("gpu") is not None]
         host_row = tick.rows[0] if tick and tick.rows else {}
+        if self.host_override is not None:  # `watch --source`: the recorded host's figures, not this machine's
+            host_row = {**host_row, **self.host_override()}
         known = sorted(set(self.gpus) | {r["gpu"] for r in rows})
 
         # GPU telemetry under dcgm-exporter's names

@@ -144,6 +144,11 @@ def attach_feed(session, feed) -> None:
     src = session.source
     src.feed = feed
     src.gpus[:] = [replace(g, mem_limit_bytes=feed.caps.get(g.index) or g.mem_limit_bytes) for g in src.gpus]
+    exporter = getattr(session, "exporter", None)
+    if exporter is not None:  # --prometheus exports what the session recorded, labelled with its host
+        exporter.collector.host_override = lambda: feed.host_row
+        if feed.host:
+            exporter.collector.hostname = feed.host
     if feed.host:
         src.label = src.label.replace(" (not live)", f" from {feed.host} (not live)") \
             if "(not live)" in src.label else f"{src.label} from {feed.host}"
