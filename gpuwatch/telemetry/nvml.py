@@ -401,7 +401,7 @@ class NvmlBackend:
             # NOT_FOUND: no sample since `seen`; 0 (success with no sample: pynvml raises NVMLError(0))
             if code in (_NOT_FOUND_CODE, getattr(pynvml, "NVML_SUCCESS", 0)):
                 return {}
-            if code in _NOT_AVAILABLE_CODES:
+            if code in NOT_AVAILABLE_CODES:
                 skip.add(PROC_UTIL)
             return None
         except (AttributeError, TypeError):  # a pynvml without the call
