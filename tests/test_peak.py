@@ -19,6 +19,7 @@ from gpuwatch.predict import counterfactual as CF
 from gpuwatch.predict import features as F
 from gpuwatch.predict.model import ModelError, check_output, load_model
 from gpuwatch.predict.peak import forecast, usable_limit
+from gpuwatch.recording.frames import own_used
 from gpuwatch.recording.source import ReplaySource
 
 from conftest import ROOT
@@ -225,3 +226,62 @@ def test_the_tree_walker_gives_predict_probas_numbers():
     Xt = rng.normal(size=(200, len(F.NAMES)))
     Xt[rng.random(Xt.shape) < 0.2] = np.nan
     np.testing.assert_allclose(fast(Xt), est.predict_proba(Xt), rtol=1e-9, atol=1e-12)
+
+
+def test_a_shape_that_failed_before_is_forecast_to_fail_again():
+    """A fragmented allocator fails a shape its activations alone would fit (set 2's prefill ramp failed
+    at batch 145 with the estimate at 75 % of the limit); the OOM event is a censored observation."""
+    from gpuwatch.predict.peak import FAILED_P, Failed
+
+    batches, peaks, allocs = [93] * 6 + [116] * 6, [3.7 * GiB] * 6 + [4.4 * GiB] * 6, [1.0 * GiB] * 12
+    lim = usable_limit(7 * GiB)
+    fresh = _fc(batches, peaks, allocs, 145, lim)
+    assert fresh.p_horizon < 0.01 and not fresh.failed_before  # the steps alone: it fits
+    failed = [Failed(145 * 512, 512, 2.0, 1.0 * GiB)]
+    n = len(batches)
+    again = forecast(np.array(batches, float), np.full(n, 512.0), np.ones(n), ["bf16"] * n, np.array(allocs),
+                     np.array(peaks), np.full(n, 0.5), 145, 512, None, lim, failed=failed)
+    assert again.failed_before and again.p_horizon >= FAILED_P and again.mean >= lim
+    smaller = forecast(np.array(batches, float), np.full(n, 512.0), np.ones(n), ["bf16"] * n, np.array(allocs),
+                       np.array(peaks), np.full(n, 0.5), 116, 512, None, lim, failed=failed)
+    assert not smaller.failed_before and smaller.p_horizon < 0.01  # a smaller shape is not condemned
+    freed = forecast(np.array(batches, float), np.full(n, 512.0), np.ones(n), ["bf16"] * n,
+                     np.array([0.5 * GiB] * n), np.array(peaks), np.full(n, 0.5), 145, 512, None, lim, failed=failed)
+    assert not freed.failed_before  # memory freed since: the failure says nothing about now
+
+
+def test_failed_shapes_come_from_the_recorded_oom_events_and_raise_the_risk_at_the_repeat():
+    """nc2-small-prefill-rampmax-b192 (H200): the ramp failed at batch 145 x 512 24 times; from the
+    second time on, the step before it (planning 145) has the failed shape in its events window."""
+    src = ReplaySource(NEAR / "nc2-small-prefill-rampmax-b192")
+    shapes = F.failed_shapes(src.events_df)
+    assert len(shapes) == 24 and {(s.tokens, s.seq) for s in shapes} == {(145 * 512, 512)}
+    assert all(np.isfinite(s.alloc_before) for s in shapes)
+    steps = src.steps_df.filter(pl.col("next_batch") == 145)
+    ooms = src.events_df.filter(pl.col("kind") == "oom")["ts"]
+    before_second = steps.filter((pl.col("ts") > ooms[0]) & (pl.col("ts") < ooms[1]))["ts"][-1]
+    src.seek_to(before_second.timestamp() * 1e6)
+    f = F.features(src.window(src.gpus[0].index))
+    assert f["peak_cross_p"] >= 0.99 and f["next_peak_est_frac"] >= 1.0
+    before_first = steps.filter(pl.col("ts") < ooms[0])["ts"][-1]
+    src.seek_to(before_first.timestamp() * 1e6)
+    f = F.features(src.window(src.gpus[0].index))
+    assert f["peak_cross_p"] < 0.5  # the first time, nothing in the steps says so (fragmentation)
+    assert f["frag_need_frac"] > 0.6  # but the share of the cache it must reuse is high
+
+
+def test_own_memory_is_the_polars_list_filter_on_every_shipped_recording():
+    """frames.own_used (one query) = the per-sample filter it replaced, on real process lists."""
+    n = 0
+    for p in sorted(ROOT.glob("recordings/**/samples.parquet")):
+        s = pl.read_parquet(p)
+        meta = json.loads((p.parent / "meta.json").read_text())
+        if "gpu_procs" not in s.columns or not meta.get("pid"):
+            continue
+        ref = s["gpu_procs"].list.eval(pl.element().filter(pl.element().struct.field("pid") == meta["pid"])
+                                       .struct.field("used_bytes")).list.first().cast(pl.Float64).to_numpy()
+        own, listed = own_used(s["gpu_procs"], meta["pid"])
+        assert np.array_equal(own, ref, equal_nan=True), p
+        assert np.array_equal(listed, s["gpu_procs"].is_not_null().to_numpy()), p
+        n += 1
+    assert n >= 16

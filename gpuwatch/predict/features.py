@@ -10,13 +10,15 @@ model handles it), never a made-up value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import GROWTH_STEPS, forecast, usable_limit
+from gpuwatch.predict.peak import GROWTH_STEPS, PRECISION_BYTES, Failed, forecast, usable_limit
+from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
 
@@ -40,6 +42,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "alloc_growth_frac_per_step": ("fraction/step", "median growth of torch allocated per step over the last 10 steps / torch's limit (a leak)"),
     "next_peak_est_frac": ("fraction", "the planned next step's peak, estimated online from the steps that ran (predict/peak.py) / the usable limit for a step's peak"),
     "peak_margin_sigmas": ("sigmas", "(usable limit - estimated next peak) / the estimate's spread, clipped to -10..50"),
+    "frag_need_frac": ("fraction", "(estimated next peak - allocated - room left outside the allocator's segments) / its cached memory: the share of the cache the planned step must reuse (> 1: it cannot fit; fragmentation makes high shares fail)"),
     "peak_cross_p": ("probability", "P(a step within the horizon peaks over the usable limit): the planned step, and the growth trend carried on"),
     "plan_vs_max_fit": ("ratio", "planned next-step tokens (batch x seq_len) / the most tokens any step in the window ran"),
     "plan_growth": ("ratio", "planned next-step tokens / the last step's tokens"),
@@ -106,7 +109,7 @@ def limits(w: Window) -> Limits:
     total = float(tot[-1]) if tot.size else (float(w.meta.mem_total_bytes) if w.meta and w.meta.mem_total_bytes else None)
     st = w.steps
     reserved = float(st["torch_reserved_bytes"][-1]) if st.height and st["torch_reserved_bytes"][-1] is not None else None
-    own = _own(s, w.meta.pid if w.meta is not None else None, bool(reserved))
+    own = _own(s, w.meta.pid if w.meta is not None else None, bool(reserved), w.own)
     if own is not None and np.isfinite(own[-1]):
         used = own
         others = max(0.0, float(whole[-1]) - float(own[-1])) if np.isfinite(whole[-1]) else 0.0
@@ -128,7 +131,8 @@ def limits(w: Window) -> Limits:
     return Limits(used[ok], t[ok], limit, alloc, others, total)
 
 
-def _own(s: pl.DataFrame, pid: int | None, torch_active: bool) -> np.ndarray | None:
+def _own(s: pl.DataFrame, pid: int | None, torch_active: bool,
+         pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
     """The process's own NVML memory per sample, or None where it cannot be told. A listed process
     list without the PID is 0 (nothing allocated yet) - unless torch already holds memory, where
     NVML sees another PID namespace (a container) and the process cannot be found: None. Without a
@@ -142,12 +146,9 @@ def _own(s: pl.DataFrame, pid: int | None, torch_active: bool) -> np.ndarray | N
         own = procs.list.first().struct.field("used_bytes")
         out = _f64(own)
         return np.where(np.isnan(out) & procs.is_not_null().to_numpy(), 0.0, out)
-    own = procs.list.eval(
-        pl.element().filter(pl.element().struct.field("pid") == pid).struct.field("used_bytes")).list.first()
-    out = _f64(own)
+    out, listed = pre if pre is not None else own_used(procs, pid)
     if not np.isfinite(out).any() and torch_active:
         return None
-    listed = procs.is_not_null().to_numpy()
     out = np.where(np.isnan(out) & listed, 0.0, out)
     return out if np.isfinite(out).any() else None
 
@@ -186,9 +187,7 @@ def _f64(col: pl.Series) -> np.ndarray:
     return np.asarray(col.to_numpy(), dtype=np.float64)
 
 
-def _us(col: pl.Series) -> np.ndarray:
-    """A Datetime(us) column as int64 microseconds."""
-    return col.to_physical().to_numpy()
+_us = epoch_us  # a Datetime(us) column as int64 microseconds, without a polars query
 
 
 def _col(df: pl.DataFrame, name: str) -> np.ndarray:
@@ -231,12 +230,33 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     if nb and ns:
         micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
         fc = forecast(batch, seq, micro, st["precision"].to_list(), alloc, peak, times, float(nb), float(ns),
-                      npr, usable_limit(limit))
+                      npr, usable_limit(limit), failed=failed_shapes(w.events))
         if fc is not None:
             out["next_peak_est_frac"] = fc.mean / fc.limit
             out["peak_margin_sigmas"] = float(np.clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0))
             out["peak_cross_p"] = fc.p_horizon
+            if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
+                cache = max(res[-1] - alloc[-1], 0.01 * limit)
+                out["frag_need_frac"] = float(np.clip((fc.mean - alloc[-1] - (limit - res[-1])) / cache, -5.0, 5.0))
     return last
+
+
+def failed_shapes(events: pl.DataFrame) -> list[Failed]:
+    """The shapes that ran out of memory in the events window (their OOM events' detail)."""
+    if not events.height or "detail" not in events.columns:
+        return []
+    ev = events.filter(pl.col("kind") == "oom")
+    out = []
+    for d in ev["detail"].to_list():
+        try:
+            x = json.loads(d) if d else {}
+            b, q = float(x["batch"]), float(x["seq_len"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        ab = x.get("allocated_before")
+        out.append(Failed(b * q, q, PRECISION_BYTES.get(str(x.get("precision")), 2.0),
+                          float(ab) if isinstance(ab, (int, float)) else float("nan")))
+    return out
 
 
 def _plan_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, Any, Any]:

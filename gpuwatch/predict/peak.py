@@ -21,6 +21,12 @@ allocated after it. So, from the steps in the window:
   lies between shapes seen (a tenth of their difference) or beyond them (a quarter of the step from
   the largest).
 
+- a shape that ran out of memory earlier in the session (the OOM event's batch, sequence length,
+  precision and what was allocated before it) is a censored observation: its peak exceeded the limit.
+  A plan at least that large in every dimension, with at least as much allocated now, is forecast at
+  the limit or above with P >= FAILED_P - whatever the steps that ran would suggest (a fragmented
+  allocator fails a shape well below what its activations alone need; the shape's failure says so).
+
 The effective limit for a step's peak: what torch may allocate (the `--gpu-memory-limit` cap, else the
 card less other processes, the driver's reserve and this process's memory outside torch) less the
 allocator's unusable slack (FRAGMENT_MARGIN of it: blocks are rounded and split, so a cap is never
@@ -44,6 +50,18 @@ EXTRAPOLATION_REL = 0.25
 INTERPOLATION_REL = 0.10
 PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
 GROWTH_STEPS = 10
+FAILED_P = 0.99  # P(the plan fails) where a shape no larger failed before with no less allocated
+FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A shape that ran out of memory in this session (from its OOM event's detail)."""
+
+    tokens: float  # batch x sequence length of the failing (micro-)batch
+    seq: float
+    elem_bytes: float  # bytes per element of its precision
+    alloc_before: float  # bytes allocated when it began (NaN where not recorded)
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,7 @@ class Forecast:
     p_horizon: float  # P(a step within the horizon crosses it, the growth trend carried on)
     growth: float  # bytes per step that stay allocated (a leak)
     steps_seen: int
+    failed_before: bool = False  # the plan is no smaller than a shape that failed in this session
 
 
 def usable_limit(alloc_limit: float) -> float:
@@ -68,9 +87,10 @@ def _ncdf_upper(z: float) -> float:
 
 def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
              peak: np.ndarray, step_s: np.ndarray, plan_batch: float, plan_seq: float, plan_prec: str | None,
-             limit: float, horizon_s: float = 5.0) -> Forecast | None:
-    """The forecast for the planned step from the window's finished steps (time order, one GPU).
-    Arrays may hold NaN (a step with no torch figures, e.g. on a CPU): those steps are skipped."""
+             limit: float, horizon_s: float = 5.0, failed: list[Failed] | None = None) -> Forecast | None:
+    """The forecast for the planned step from the window's finished steps (time order, one GPU), and
+    the shapes that failed in the session (`failed`). Arrays may hold NaN (a step with no torch
+    figures, e.g. on a CPU): those steps are skipped."""
     if not (limit > 0) or not (plan_batch and plan_seq) or batch.size == 0:
         return None
     mb = np.where(np.isfinite(micro) & (micro >= 1), micro, 1.0)
@@ -98,7 +118,21 @@ def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, 
     k = max(1, int(math.ceil(horizon_s / float(np.median(st[-5:]))))) if st.size else 1
     mean_h = mean + max(0.0, growth) * (k - 1)
     p_h = max(p_next, _ncdf_upper((limit - mean_h) / sigma))
-    return Forecast(mean, sigma, float(limit), p_next, p_h, growth, int(ok.sum()))
+    hit = _failed_before(failed, Tp, Sp, target_bytes, float(al[-1]), limit)
+    if hit:
+        mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
+    return Forecast(mean, sigma, float(limit), p_next, p_h, growth, int(ok.sum()), hit)
+
+
+def _failed_before(failed: list[Failed] | None, Tp: float, Sp: float, elem: float, alloc_now: float,
+                   limit: float) -> bool:
+    """The plan is at least as large as a shape that failed (tokens, sequence, bytes per element) and
+    no less is allocated now than then: it will fail again."""
+    for f in failed or ():
+        no_less = not math.isfinite(f.alloc_before) or alloc_now >= f.alloc_before - FAILED_ALLOC_TOL * limit
+        if Tp >= f.tokens and Sp >= f.seq and elem >= f.elem_bytes and no_less:
+            return True
+    return False
 
 
 def _growth(al: np.ndarray) -> float:

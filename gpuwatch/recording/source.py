@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.recording import schema
+from gpuwatch.recording.frames import epoch_us, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (event_detail, fill_plans, recorded_caps,  # noqa: F401 - re-exported
                                          recorded_interval, sorted_by_time)
@@ -63,6 +64,9 @@ class Window:
     steps: pl.DataFrame
     events: pl.DataFrame
     meta: GpuMeta | None = None
+    # the workload process's own memory per sample row and whether the row listed processes
+    # (frames.own_used), where the source computed it once for the whole recording; else None
+    own: tuple[np.ndarray, np.ndarray] | None = None
 
 
 WINDOW_S = 30.0  # the default window: the feature function looks back this far
@@ -123,12 +127,12 @@ class LiveSource:
             self._append("events", to_frame([e.row() for e in events], "events"), by_gpu=False)
 
     def _append(self, table: str, df: pl.DataFrame, by_gpu: bool = True) -> None:
-        parts = df.partition_by("gpu", as_dict=True, maintain_order=True) if by_gpu else {(None,): df}
+        parts = split_by_gpu(df) if by_gpu else {(None,): df}
         for key, part in parts.items():
             g = key[0]
             old = self._per.setdefault(table, {}).get(g)
-            new = part if old is None else pl.concat([old[0], part], how="vertical_relaxed")
-            ts = new["ts"].dt.epoch("us").to_numpy()
+            new = part if old is None else stack(old[0], part)
+            ts = epoch_us(part["ts"]) if old is None else np.concatenate([old[1], epoch_us(part["ts"])])
             keep = int(np.searchsorted(ts, ts[-1] - int(self.KEEP_S[table] * 1e6), side="right"))
             if keep > new.height // 2:  # trim rarely (a copy), not on every call
                 new, ts = new.slice(keep), ts[keep:]
@@ -215,6 +219,7 @@ class ReplaySource:
         self._body: dict[Any, pl.DataFrame] = {}
         self._tail: dict[Any, pl.DataFrame | None] = {}
         self._ts: dict[Any, np.ndarray] = {}  # per GPU: its rows' times in us, for searchsorted
+        self._own: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # per GPU: frames.own_used, once
         self._load(self.reader.load_new())
         if not self._by_gpu and not follow:
             from gpuwatch.errors import RecordingError
@@ -274,6 +279,7 @@ class ReplaySource:
                     self._ts[g] = body["ts"].dt.epoch("us").to_numpy()
                 self._body[g], self._tail[g] = body, tail
                 self._by_gpu[g] = body if tail is None else pl.concat([body, tail], rechunk=False)
+            self._own.clear()
             ticks = ts[np.r_[True, ts[1:] != ts[:-1]]]  # all GPUs of a tick share its time
             self.ticks_ts = np.concatenate([self.ticks_ts, ticks]) if after else np.unique(
                 np.concatenate([self.ticks_ts, ticks]))
@@ -326,13 +332,24 @@ class ReplaySource:
         ei = int(np.searchsorted(self._events_ts, end_us, side="right"))
         ej = int(np.searchsorted(self._events_ts, end_us - events_s * 1e6, side="right"))
         ev = self.events_df.slice(ej, ei - ej)
-        ev = ev.filter(ev["gpu"].is_null() | (ev["gpu"] == gpu)) if gpu is not None else ev
-        return Window(gpu, end_us, self.interval_s, samples, steps, ev, _meta_of(self.gpus, gpu))
+        ev = ev.filter(ev["gpu"].is_null() | (ev["gpu"] == gpu)) if gpu is not None and _others(ev, gpu) else ev
+        meta = _meta_of(self.gpus, gpu)
+        own = self._own_of(gpu, body, meta)
+        return Window(gpu, end_us, self.interval_s, samples, steps, ev, meta,
+                      (own[0][lo:hi], own[1][lo:hi]) if own is not None else None)
+
+    def _own_of(self, gpu: int | None, body: pl.DataFrame, meta: GpuMeta | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The workload's own memory per sample of this GPU, computed once (not once per window)."""
+        if meta is None or meta.pid is None or "gpu_procs" not in body.columns:
+            return None
+        if gpu not in self._own:
+            self._own[gpu] = own_used(body["gpu_procs"], meta.pid)
+        return self._own[gpu]
 
     def _steps_by_gpu(self, gpu: int | None, upto: int, n: int) -> pl.DataFrame:
         """The last n steps of `gpu` among the first `upto` rows (all GPUs' steps are time-ordered)."""
         part = self.steps_df.slice(max(0, upto - n * max(1, len(self.gpus))), min(upto, n * max(1, len(self.gpus))))
-        if gpu is not None:
+        if gpu is not None and _others(part, gpu):
             part = part.filter(part["gpu"] == gpu)
         return part.tail(n)
 
@@ -548,6 +565,17 @@ class RecordedFeed:
                                          row.get("gpu"), detail if isinstance(detail, dict) else {}, ts_us))
         else:
             getattr(self.bus, table).append({**row, "ts": ts_us})
+
+
+def _others(df: pl.DataFrame, gpu: int) -> bool:
+    """Whether rows of other GPUs (or GPU-less rows) are among these: a filter is needed (a query)."""
+    g = df["gpu"]
+    if not df.height:
+        return False
+    if g.null_count():
+        return True
+    a = g.to_numpy()
+    return bool((a != gpu).any())
 
 
 def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:
