@@ -47,6 +47,8 @@ class Guard:
         self.misses = 0
         self.stopped: dict[int | None, str] = {}  # workloads the guard stopped, and why
         self._alloc: dict[int | None, tuple[int | None, int]] = {}  # last allocated seen, steps it rose in a row
+        # per workload: the figures of the last decision (before_step), for an OOM's diagnosis
+        self.last_decision: dict[int | None, dict[str, Any]] = {}
         if unable:
             for g in workloads:
                 self._unable(g, "session", f"guard {cfg.mode} but it cannot act: {unable}", _help_for(unable))
@@ -87,17 +89,27 @@ class Guard:
         with self._lock:
             latest = dict(self._latest.get(gpu) or {})
         plan = w.next_plan()
+        self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
         if plan is None or not latest:
+            d["why_none"] = "no plan" if plan is None else "no risk scored yet"
             return NONE
         view = w.guard_view()
         if view.manual:
+            d["why_none"] = "manual"
             return NONE
+        rescored = False
         if self.rescore is not None and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
+            rescored = True
         obs = self._observe(w, plan, view, latest)
         obs.alloc_rising_steps = self._rising(gpu, view)
         act = self.policies[gpu].decide(obs)
+        f = obs.features
+        d.update(risk=obs.risk, rescored=rescored, scored_plan=latest.get("plan"), action=act.kind, why=act.why,
+                 peak_cross_p=f.get("peak_cross_p"), next_peak_est_frac=f.get("next_peak_est_frac"),
+                 mem_used_frac=f.get("mem_used_frac"), torch_reserved_gap_frac=f.get("torch_reserved_gap_frac"),
+                 limit_bytes=self.limits.get(view.gpu), cooldown_left_s=self.policies[gpu].cooldown_left(obs.now_s))
         if act.kind == "unable":
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE

@@ -106,6 +106,10 @@ class Policy:
         self._released = -1e18
         self._expandable = False
 
+    def cooldown_left(self, now_s: float) -> float:
+        """Seconds until the cooldown after the last action ends (0: none)."""
+        return max(0.0, self.cfg.cooldown_s - (now_s - self._last_action))
+
     def decide(self, obs: Observation) -> Action:
         """The action before the next step. Kind "unable" (value: what would help) = the guard should act
         and cannot; the guard says so once."""
