@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from gpuwatch.control.guard import Guard  # noqa: E402
 from gpuwatch.control.policy import GuardConfig  # noqa: E402
+from gpuwatch.integrations.hf import next_seq_estimate  # noqa: E402
 from gpuwatch.integrations.loop import GuardedLoop  # noqa: E402
 from gpuwatch.predict.peak import forecast, usable_limit  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
@@ -58,8 +59,19 @@ class SimLoop(GuardedLoop):
         self.reserved = WEIGHTS
         self.peak = WEIGHTS
         self.frag = frag
+        self.excess = 0.0  # reserved that no step can use (holes between odd-sized blocks)
+        self.expandable = False
         self.rng = random.Random(seed)
+        self.peek: int | None = None  # Hugging Face: the guard is told the last step's length, not this one's
         self.fail_log: list[dict] = []
+
+    def next_plan(self):
+        p = super().next_plan()
+        if p is not None and self.peek is not None:
+            from dataclasses import replace
+
+            p = replace(p, seq_len=self.peek)
+        return p
 
     def accepts(self):
         return super().accepts() | {"release_cache", "name_leak"}
@@ -68,7 +80,8 @@ class SimLoop(GuardedLoop):
         with self._lock:
             rel = [a for a, _ in self._pending if a.kind == "release_cache"]
         if rel:
-            self.reserved = self.alloc  # empty_cache
+            self.reserved, self.excess = self.alloc, 0.0  # empty_cache
+            self.expandable = self.expandable or bool(rel[0].value)
         super()._apply_pending()
 
     def _mem(self) -> dict[str, Any]:
@@ -80,12 +93,14 @@ class SimLoop(GuardedLoop):
         s = batch.shape[1]
         base = self.alloc + (ADAM if self.alloc < WEIGHTS + ADAM else 0)
         peak = base + GRADS + PER_TOKEN * micro * s
-        holes = self.frag * CAP * self.rng.random() if self.frag else 0.0
+        holes = self.excess
         if peak + holes > CAP:
             self.fail_log.append({"peak": peak, "holes": holes})
-            self.reserved = max(self.reserved, CAP)
+            self.reserved, self.excess = self.alloc, 0.0  # the OOM path empties the cache
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: peak {peak / 2**30:.2f} GiB"
                                          f" + holes {holes / 2**30:.2f} GiB > cap {CAP / 2**30:.2f} GiB)")
+        if self.frag:  # each step's odd-sized buffers leave holes; expandable segments merge most of them
+            self.excess += self.frag * CAP * self.rng.random() * (0.2 if self.expandable else 1.0)
         self.alloc, self.peak = WEIGHTS + ADAM, peak
         self.reserved = max(self.reserved, peak + holes)
         return 1.0
@@ -114,12 +129,14 @@ def features_for(loop: SimLoop, plan: dict) -> tuple[float, list, dict]:
 
 
 def run(batches: list[tuple[int, int]], frag: float = 0.0, cfg: GuardConfig | None = None, step_s: float = 0.26,
-        verbose: bool = False) -> dict:
+        verbose: bool = False, peek_last: bool = False, guard_on: bool = True) -> dict:
+    """`peek_last`: the guard decides on the last step's sequence length (the Hugging Face callback
+    decides at the end of a step, before the Trainer fetched the next batch)."""
     clock = [0.0]
     loop = SimLoop(frag=frag)
     guard = Guard(loop.bus, cfg or GuardConfig(), {0: loop}, threshold=0.5,
                   rescore=lambda g, plan: features_for(loop, plan), clock=lambda: clock[0], limits={0: CAP})
-    loop.guard = guard
+    loop.guard = guard if guard_on else None
     decisions: list[dict] = []
     ooms: list[dict] = []
     seen = 0
@@ -127,10 +144,12 @@ def run(batches: list[tuple[int, int]], frag: float = 0.0, cfg: GuardConfig | No
         x = torch.zeros(b, s, dtype=torch.long)
         n_ev = len(loop.bus.events)
         before = {"allocated": loop.alloc, "reserved": loop.reserved}
+        if peek_last and i:  # as GpuwatchCallback._peek_seq estimates it
+            loop.peek = next_seq_estimate([bs[1] for bs in batches[max(0, i - 5):i]])
         loop.step(x, lambda mb: torch.zeros(()))
         evs = loop.bus.events.latest(len(loop.bus.events) - n_ev) if len(loop.bus.events) > n_ev else []
         acts = [e.detail.get("action") for e in evs if e.kind == "guard_action"]
-        d = dict(guard.last_decision.get(0, {})) if hasattr(guard, "last_decision") else {}
+        d = dict(guard.last_decision.get(0, {})) if guard_on else {}
         for e in evs:
             if e.kind == "oom":
                 ooms.append({"step": i, "batch": b, "seq_len": s, "tokens": b * s, "micro": e.detail.get("batch"),
@@ -173,7 +192,7 @@ def fragment(n: int = 60) -> list[tuple[int, int]]:
     return [(8, r.randint(smax // 4, smax)) for _ in range(n)]
 
 
-SCENARIOS = {"ramp-loop": (ramp_loop, 0.0), "ramp-hf": (ramp_hf, 0.0), "fragment": (fragment, 0.06)}
+SCENARIOS = {"ramp-loop": (ramp_loop, 0.0, False), "ramp-hf": (ramp_hf, 0.0, True), "fragment": (fragment, 0.02, False)}
 
 
 def main() -> int:
@@ -183,13 +202,15 @@ def main() -> int:
     ap.add_argument("-v", action="store_true")
     a = ap.parse_args()
     out = {}
-    for name, (make, frag) in SCENARIOS.items():
+    for name, (make, frag, peek) in SCENARIOS.items():
         if a.scenario not in ("all", name):
             continue
-        out[name] = run(make(), frag=frag, verbose=a.v)
-        print(name, json.dumps({k: out[name][k] for k in ("ooms", "steps", "micro_batches_max", "actions")}))
-        for o in out[name]["oom_rows"]:
-            print("  OOM", json.dumps(o, default=str))
+        for arm in ("unguarded", "guarded"):
+            r = out.setdefault(name, {})[arm] = run(make(), frag=frag, verbose=a.v, peek_last=peek,
+                                                    guard_on=arm == "guarded")
+            print(name, arm, json.dumps({k: r[k] for k in ("ooms", "steps", "micro_batches_max", "actions")}))
+            for o in r["oom_rows"] if arm == "guarded" else []:
+                print("  OOM", json.dumps(o, default=str))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     return 0

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
+from gpuwatch.predict.peak import usable_limit
 
 
 class Guard:
@@ -103,6 +104,7 @@ class Guard:
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
             rescored = True
         obs = self._observe(w, plan, view, latest)
+        obs.fresh = rescored or latest.get("plan") == plan.scored()
         obs.alloc_rising_steps = self._rising(gpu, view)
         act = self.policies[gpu].decide(obs)
         f = obs.features
@@ -148,9 +150,13 @@ class Guard:
     def _observe(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, latest: dict) -> Observation:
         limit = self.limits.get(view.gpu)
         act_frac = 0.0
+        frag = alloc = None
         if limit and view.last_peak_bytes is not None and view.last_allocated_bytes is not None:
             act_frac = max(0.0, view.last_peak_bytes - view.last_allocated_bytes) / limit
-        return Observation(
+            alloc = view.last_allocated_bytes / usable_limit(limit)
+            if view.last_reserved_bytes is not None:
+                frag = max(0.0, view.last_reserved_bytes - view.last_peak_bytes) / limit
+        return Observation(frag_frac=frag, alloc_frac=alloc,
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
             planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,
             floor=view.floor, precision=plan.precision, bf16_ok="bf16" in view.lower_precisions,

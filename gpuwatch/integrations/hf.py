@@ -51,6 +51,7 @@ class GpuwatchCallback(TrainerCallback):
         self._t0 = None
         self._tokens = 0
         self._said_seq = False
+        self._lens: list[int] = []  # the sequence lengths of the last steps (the next one's estimate)
 
     # -- Trainer events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kw):
@@ -126,8 +127,26 @@ class GpuwatchCallback(TrainerCallback):
                                value=[want, e // want], who="guard", why="the guard's micro-batch ceiling")
 
     def _peek_seq(self, args) -> int:
-        """The sequence length the next step is scored with: the last step's."""
-        return int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
+        """The sequence length the next step is scored with. The Trainer fetches the next batch after this
+        callback decided, so it is not known: the last step's, plus the largest rise between consecutive
+        steps of the last few (a length-sorted or growing dataset: deciding on the last length alone is
+        one step late, and that step was call 23's OOM in the HF ramp)."""
+        last = int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
+        self._lens = (self._lens + [last])[-(PEEK_STEPS + 1):] if self.loop.last_step else self._lens
+        return next_seq_estimate(self._lens) or last
+
+
+PEEK_STEPS = 4
+
+
+def next_seq_estimate(lens: list[int]) -> int | None:
+    """The next step's sequence length from the last steps' (oldest first): the last, plus the largest rise
+    between consecutive steps of the last `PEEK_STEPS` (no rise: the last). None without any."""
+    if not lens:
+        return None
+    tail = lens[-(PEEK_STEPS + 1):]
+    rise = max((b - a for a, b in zip(tail, tail[1:])), default=0)
+    return int(tail[-1] + max(0, rise))
 
 
 def train(trainer, max_restarts: int = 16, **train_kwargs):
