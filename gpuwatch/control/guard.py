@@ -111,7 +111,12 @@ class Guard:
         d.update(risk=obs.risk, rescored=rescored, scored_plan=latest.get("plan"), action=act.kind, why=act.why,
                  peak_cross_p=f.get("peak_cross_p"), next_peak_est_frac=f.get("next_peak_est_frac"),
                  mem_used_frac=f.get("mem_used_frac"), torch_reserved_gap_frac=f.get("torch_reserved_gap_frac"),
-                 limit_bytes=self.limits.get(view.gpu), cooldown_left_s=self.policies[gpu].cooldown_left(obs.now_s))
+                 limit_bytes=self.limits.get(view.gpu), cooldown_left_s=self.policies[gpu].cooldown_left(obs.now_s),
+                 fresh=obs.fresh, frag_frac=obs.frag_frac, value=act.value)
+        lim = self.limits.get(view.gpu)
+        est = d["next_peak_est_frac"]
+        if lim and est is not None and est == est and abs(est) < 1e6:
+            d.update(usable_limit_bytes=int(usable_limit(lim)), predicted_peak_bytes=int(est * usable_limit(lim)))
         if act.kind == "unable":
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE

@@ -124,7 +124,8 @@ class GpuwatchCallback(TrainerCallback):
             self.loop.bus.emit("control", f"Trainer: per-device batch {args.per_device_train_batch_size} -> {want}, "
                                f"gradient accumulation {args.gradient_accumulation_steps} -> {e // want} (effective "
                                f"batch {e} kept); checkpoint and resume", gpu=self.loop.gpu_index, control="restart",
-                               value=[want, e // want], who="guard", why="the guard's micro-batch ceiling")
+                               value=[want, e // want], who="guard", why="the guard's micro-batch ceiling",
+                               step=state.global_step)
 
     def _peek_seq(self, args) -> int:
         """The sequence length the next step is scored with. The Trainer fetches the next batch after this
@@ -173,8 +174,12 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
                 b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
                 cb.ooms += 1
                 if cb.loop is not None:
+                    g = cb.loop.guard
                     cb.loop.bus.emit("oom", f"CUDA OOM in the Trainer at per-device batch {b}", "error",
-                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed)
+                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed,
+                                     step=trainer.state.global_step, micro_batches=k,
+                                     seq_len_scored=cb.loop.next_plan().seq_len if cb.loop.next_plan() else None,
+                                     guard_decision=None if g is None else g.last_decision.get(cb.loop.gpu_index))
                     if cb.loop.guard is not None:
                         cb.loop.guard.after_oom(cb.loop, b * k, b)
                 if b <= 1 or cb.restarts >= max_restarts:
