@@ -126,13 +126,48 @@ def free(device) -> None:
 
 
 # -- arms -------------------------------------------------------------------------------------------------------
-def plain_loop(model, opt, batches, device, sim: SimOOM, extra=None) -> dict:
+def mem_now(device) -> dict:
+    if device.type != "cuda":
+        return {"allocated_before": None, "reserved_before": None}
+    return {"allocated_before": torch.cuda.memory_allocated(device), "reserved_before": torch.cuda.memory_reserved(device)}
+
+
+def shapes_seen(batches) -> list[int]:
+    """For each step, the most tokens of any step before it (0 for the first)."""
+    out, most = [], 0
+    for b in batches:
+        out.append(most)
+        most = max(most, int(b.numel()))
+    return out
+
+
+def oom_row(i: int, ids, seen: int, cap, **kw) -> dict:
+    """One OOM's diagnostic row: the step, its plan, whether its shape was larger than any before it."""
+    b, s = int(ids.shape[0]), int(ids.shape[1])
+    return {"step": i, "batch": b, "seq_len": s, "tokens": b * s, "largest_seen_tokens": seen,
+            "larger_than_seen": b * s > seen, "limit_bytes": cap, **kw}
+
+
+def guard_figures(d: dict | None) -> dict:
+    """The guard's last decision before the failing step (Guard.last_decision): its risk and parts."""
+    if not d:
+        return {"guard": None}
+    keys = ("plan", "scored_plan", "rescored", "fresh", "risk", "peak_cross_p", "next_peak_est_frac",
+            "predicted_peak_bytes", "usable_limit_bytes", "mem_used_frac", "torch_reserved_gap_frac", "frag_frac",
+            "action", "value", "why", "why_none", "cooldown_left_s")
+    return {"guard": {k: d.get(k) for k in keys}}
+
+
+def plain_loop(model, opt, batches, device, sim: SimOOM, extra=None, cap=None) -> dict:
     """The usual loop: bf16 autocast, AdamW; an OOM frees memory and skips the batch (a step lost)."""
     ooms = lost = tokens = done = 0
+    rows = []
+    seen = shapes_seen(batches)
     t0 = time.perf_counter()
     for i, ids in enumerate(batches):
         ids = ids.to(device)
         failed = False
+        before = mem_now(device)
         try:
             if extra:
                 extra(i)
@@ -149,6 +184,7 @@ def plain_loop(model, opt, batches, device, sim: SimOOM, extra=None) -> dict:
         if failed:  # outside the handler: its traceback pins the step's tensors
             ooms += 1
             lost += 1
+            rows.append(oom_row(i, ids, seen[i], cap, micro_batches=1, **before))
             free(device)
             continue
         done += 1
@@ -157,7 +193,8 @@ def plain_loop(model, opt, batches, device, sim: SimOOM, extra=None) -> dict:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"ooms": ooms, "steps_lost": lost, "steps": done, "tokens": tokens, "seconds": round(dt, 3),
-            "tokens_per_s": round(tokens / dt, 1), "effective_batch": sorted({int(b.shape[0]) for b in batches})}
+            "tokens_per_s": round(tokens / dt, 1), "effective_batch": sorted({int(b.shape[0]) for b in batches}),
+            "oom_rows": rows}
 
 
 def guarded_loop(model, opt, batches, device, sim: SimOOM, sessions: Path, name: str, cap: int | None,
@@ -174,13 +211,26 @@ def guarded_loop(model, opt, batches, device, sim: SimOOM, sessions: Path, name:
     g = GuardedLoop(model, opt, record_dir=sessions, name=name, guard=guard, memory_limit=cap, precision="bf16",
                     sampler="thread" if device.type != "cuda" else "process",
                     allow_bf16=False, checkpoint=lambda step: calls.append(step) or (checkpoint(step) if checkpoint else None))
+    seen = shapes_seen(batches)
+    oom_rows, acted = [], []
     with g:
         t0 = time.perf_counter()
         for i, ids in enumerate(g.wrap(batches)):
             if extra:
                 extra(i)
+            n_ev = len(g.bus.events)
             if g.step(ids.to(device), loss_fn) is not None:
                 tokens += ids.numel()
+            for e in g.bus.events.latest(len(g.bus.events) - n_ev) if len(g.bus.events) > n_ev else []:
+                if e.kind == "oom":
+                    dd = e.detail
+                    oom_rows.append(oom_row(i, ids, seen[i], cap, micro_batch=dd.get("batch"),
+                                            micro_batches=dd.get("micro_batches"), allocated_before=dd.get("allocated_before"),
+                                            reserved_before=dd.get("reserved_before"), error=dd.get("error"),
+                                            **guard_figures(dd.get("guard_decision"))))
+                elif e.kind in ("guard_action", "guard_unable", "guard_remedy", "oom_recovered"):
+                    acted.append({"step": i, "kind": e.kind, "action": e.detail.get("action"),
+                                  "value": e.detail.get("value"), "message": e.message[:240]})
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -194,7 +244,7 @@ def guarded_loop(model, opt, batches, device, sim: SimOOM, sessions: Path, name:
             "effective_batch": sorted({r["batch"] for r in rows}), "micro_batches_max": max((r["micro_batches"] for r in rows), default=0),
             "guard_actions": kinds.count("guard_action"), "guard_unable": kinds.count("guard_unable"),
             "remedies": g.remedies, "stopped": g.stopped, "checkpoint_calls": calls,
-            "actions": [e.message for e in evs if e.kind in ("guard_action", "guard_unable", "guard_remedy")][:40],
+            "actions": acted[:60], "oom_rows": oom_rows,
             "overhead_ms_p50": round(1e3 * over[len(over) // 2], 3) if over else None,
             "overhead_ms_p99": round(1e3 * over[int(len(over) * 0.99)], 3) if over else None,
             "session": str(g.session_dir)}
@@ -225,7 +275,7 @@ def scenario_ramp_loop(ctx) -> dict:
     out = {"batch": batch, "seq_len_range": [int(batches[0].shape[1]), int(batches[-1].shape[1])], "steps": n}
     set_cap(d, ctx["cap"])
     reset(model, state, opt)
-    out["unguarded"] = plain_loop(model, opt, batches, d, ctx["sim"])
+    out["unguarded"] = plain_loop(model, opt, batches, d, ctx["sim"], cap=ctx["cap"])
     free(d)
     reset(model, state, opt)
     out["guarded"] = guarded_loop(model, opt, batches, d, ctx["sim"], ctx["sessions"], "ramp-loop", ctx["cap"])
@@ -277,7 +327,7 @@ def scenario_fragment(ctx) -> dict:
         held.clear()
         free(d)
         if arm == "unguarded":
-            out[arm] = plain_loop(model, opt, batches, d, ctx["sim_frag"], extra=buffers)
+            out[arm] = plain_loop(model, opt, batches, d, ctx["sim_frag"], extra=buffers, cap=ctx["cap"])
         else:
             out[arm] = guarded_loop(model, opt, batches, d, ctx["sim_frag"], ctx["sessions"], "fragment", ctx["cap"],
                                     extra=buffers)
@@ -332,7 +382,9 @@ def plain_loop_until_oom(model, opt, batches, device, sim, leak) -> dict:
     steps = 0
     t0 = time.perf_counter()
     oom = False
+    rows = []
     for i, ids in enumerate(batches):
+        before = mem_now(device)
         try:
             leak(i)
             sim.check(ids)
@@ -345,9 +397,10 @@ def plain_loop_until_oom(model, opt, batches, device, sim, leak) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = None
         if oom:
+            rows.append(oom_row(i, ids, int(ids.numel()) if i else 0, None, micro_batches=1, **before))
             break
         steps += 1
-    return {"ooms": int(oom), "steps": steps, "seconds": round(time.perf_counter() - t0, 3)}
+    return {"ooms": int(oom), "steps": steps, "seconds": round(time.perf_counter() - t0, 3), "oom_rows": rows}
 
 
 def pad_collate(rows: list[dict]) -> dict:
@@ -380,15 +433,23 @@ def scenario_ramp_hf(ctx) -> dict:
             data.append({"input_ids": x, "labels": x})
     sim = ctx["sim"]
     oom_count = [0]
+    unguarded_rows: list = []
+    largest = [0]
 
     class SimTrainer(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
+            ids = inputs["input_ids"]
+            before = mem_now(d)
             try:
-                sim.check(inputs["input_ids"])
-                return super().training_step(model, inputs, num_items_in_batch)
+                sim.check(ids)
+                out = super().training_step(model, inputs, num_items_in_batch)
             except torch.OutOfMemoryError:
                 oom_count[0] += 1  # every OOM, real or simulated, whoever recovers from it
+                unguarded_rows.append(oom_row(self.state.global_step, ids, largest[0], ctx["cap"],
+                                              micro_batches=self.args.gradient_accumulation_steps, **before))
                 raise
+            largest[0] = max(largest[0], int(ids.numel()))
+            return out
 
     class Count(TrainerCallback):
         def __init__(self):
@@ -408,6 +469,8 @@ def scenario_ramp_hf(ctx) -> dict:
                                  auto_find_batch_size=arm == "unguarded", save_total_limit=1)
         count = Count()
         cbs = [count]
+        unguarded_rows.clear()
+        largest[0] = 0
         gw = None
         if arm == "guarded":
             gw = GpuwatchCallback(record_dir=ctx["sessions"], name="ramp-hf", memory_limit=ctx["cap"],
@@ -434,11 +497,19 @@ def scenario_ramp_hf(ctx) -> dict:
         res["steps_redone"] = max(0, count.steps - trainer.state.global_step)
         if gw is not None:
             bus = gw.loop.bus
-            kinds = [e.kind for e in bus.events.latest(len(bus.events))]
+            evs = bus.events.latest(len(bus.events))
+            kinds = [e.kind for e in evs]
+            res["oom_rows"] = [dict(row, **guard_figures(e.detail.get("guard_decision")))
+                               for row, e in zip(unguarded_rows, [e for e in evs if e.kind == "oom"])]
+            res["actions"] = [{"step": e.detail.get("step"), "kind": e.kind,
+                               "action": e.detail.get("action"), "value": e.detail.get("value"),
+                               "message": e.message[:240]} for e in evs
+                              if e.kind in ("guard_action", "guard_remedy", "oom_recovered", "control")][:60]
             res.update(ooms=oom_count[0], restarts=gw.restarts,
                        effective_batch_per_step=sorted(set(gw.effective)), guard_actions=kinds.count("guard_action"),
                        session=str(gw.loop.session_dir))
         else:
+            res["oom_rows"] = list(unguarded_rows)
             res.update(ooms=oom_count[0], note="auto_find_batch_size: each OOM cuts the per-device batch (x0.9) and "
                        "restarts training from its first step; the effective batch shrinks with it")
         out[arm] = res

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
+from gpuwatch.predict.peak import usable_limit
 
 
 class Guard:
@@ -47,6 +48,8 @@ class Guard:
         self.misses = 0
         self.stopped: dict[int | None, str] = {}  # workloads the guard stopped, and why
         self._alloc: dict[int | None, tuple[int | None, int]] = {}  # last allocated seen, steps it rose in a row
+        # per workload: the figures of the last decision (before_step), for an OOM's diagnosis
+        self.last_decision: dict[int | None, dict[str, Any]] = {}
         if unable:
             for g in workloads:
                 self._unable(g, "session", f"guard {cfg.mode} but it cannot act: {unable}", _help_for(unable))
@@ -87,17 +90,33 @@ class Guard:
         with self._lock:
             latest = dict(self._latest.get(gpu) or {})
         plan = w.next_plan()
+        self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
         if plan is None or not latest:
+            d["why_none"] = "no plan" if plan is None else "no risk scored yet"
             return NONE
         view = w.guard_view()
         if view.manual:
+            d["why_none"] = "manual"
             return NONE
+        rescored = False
         if self.rescore is not None and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
+            rescored = True
         obs = self._observe(w, plan, view, latest)
+        obs.fresh = rescored or latest.get("plan") == plan.scored()
         obs.alloc_rising_steps = self._rising(gpu, view)
         act = self.policies[gpu].decide(obs)
+        f = obs.features
+        d.update(risk=obs.risk, rescored=rescored, scored_plan=latest.get("plan"), action=act.kind, why=act.why,
+                 peak_cross_p=f.get("peak_cross_p"), next_peak_est_frac=f.get("next_peak_est_frac"),
+                 mem_used_frac=f.get("mem_used_frac"), torch_reserved_gap_frac=f.get("torch_reserved_gap_frac"),
+                 limit_bytes=self.limits.get(view.gpu), cooldown_left_s=self.policies[gpu].cooldown_left(obs.now_s),
+                 fresh=obs.fresh, frag_frac=obs.frag_frac, value=act.value)
+        lim = self.limits.get(view.gpu)
+        est = d["next_peak_est_frac"]
+        if lim and est is not None and est == est and abs(est) < 1e6:
+            d.update(usable_limit_bytes=int(usable_limit(lim)), predicted_peak_bytes=int(est * usable_limit(lim)))
         if act.kind == "unable":
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE
@@ -136,9 +155,13 @@ class Guard:
     def _observe(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, latest: dict) -> Observation:
         limit = self.limits.get(view.gpu)
         act_frac = 0.0
+        frag = alloc = None
         if limit and view.last_peak_bytes is not None and view.last_allocated_bytes is not None:
             act_frac = max(0.0, view.last_peak_bytes - view.last_allocated_bytes) / limit
-        return Observation(
+            alloc = view.last_allocated_bytes / usable_limit(limit)
+            if view.last_reserved_bytes is not None:
+                frag = max(0.0, view.last_reserved_bytes - view.last_peak_bytes) / limit
+        return Observation(frag_frac=frag, alloc_frac=alloc,
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
             planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,
             floor=view.floor, precision=plan.precision, bf16_ok="bf16" in view.lower_precisions,

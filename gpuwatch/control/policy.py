@@ -48,6 +48,7 @@ class GuardConfig:
     leak_growth: float = 0.002
     leak_stop_steps: float = 5.0  # the risk the guard reads is up to one scoring round (~2 steps) old
     leak_stop_at: float = 0.98
+    size_to: float = 0.9  # a lowered ceiling aims the estimated peak at this share of the usable limit
     rescore_from: float = 0.8  # a grown plan is scored before its step when its scaled peak estimate reaches this
     leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
     # jump, such as the optimizer's state after the first step, is not a leak)
@@ -70,6 +71,12 @@ class Observation:
     accepts: frozenset[str] | None = None  # the actions the workload can apply (None: all)
     alloc_rising_steps: int | None = None  # steps in a row after which torch allocated rose (None: unknown)
     act_frac: float = 0.0  # the last step's activation peak (peak - allocated) / effective limit
+    # reserved beyond the last step's peak / effective limit: what the caching allocator holds that no
+    # step used at once (fragmentation). None: unknown, the feature torch_reserved_gap_frac is read instead
+    # (reserved - allocated: that also counts the cache a step's activations leave, which the next step reuses)
+    frag_frac: float | None = None
+    alloc_frac: float | None = None  # the last step's allocated after it / the usable limit for a peak
+    fresh: bool = False  # the risk was scored for this very plan, now (not the plan of a round ago)
     features: dict[str, float] = field(default_factory=dict)
     reasons: list = field(default_factory=list)
 
@@ -106,6 +113,10 @@ class Policy:
         self._released = -1e18
         self._expandable = False
 
+    def cooldown_left(self, now_s: float) -> float:
+        """Seconds until the cooldown after the last action ends (0: none)."""
+        return max(0.0, self.cfg.cooldown_s - (now_s - self._last_action))
+
     def decide(self, obs: Observation) -> Action:
         """The action before the next step. Kind "unable" (value: what would help) = the guard should act
         and cannot; the guard says so once."""
@@ -114,12 +125,16 @@ class Policy:
         leak = self._leak(obs) if self.cfg.rule == "model" else None
         if leak is not None and leak.kind == "stop":  # a stop before the crash does not wait out a cooldown
             return leak
-        if obs.now_s - self._last_action < self.cfg.cooldown_s:
+        # the cooldown keeps the guard from acting twice on a risk scored before its last action; a risk
+        # scored for this very plan, now, at the alarm is not that (call 23: a cooldown let a step the
+        # guard had scored at p 0.97 run unsplit into the OOM)
+        urgent = obs.fresh and obs.risk is not None and obs.risk >= obs.threshold and self.cfg.rule == "model"
+        if obs.now_s - self._last_action < self.cfg.cooldown_s and not urgent:
             if leak is not None:
                 self._leak_named = False  # named after the cooldown
             return NONE
         act = self._fixed(obs) if self.cfg.rule == "fixed" else self._model(obs, leak)
-        if act.kind not in ("none", "unable"):
+        if act.kind not in ("none", "unable", "release_cache"):  # a release has its own period (frag_every_s)
             self._last_action = obs.now_s
         return act
 
@@ -146,7 +161,8 @@ class Policy:
         return None
 
     def _fragmented(self, obs: Observation, alarm: bool) -> Action | None:
-        gap, used = _f(obs, "torch_reserved_gap_frac"), _f(obs, "mem_used_frac")
+        gap = obs.frag_frac if obs.frag_frac is not None else _f(obs, "torch_reserved_gap_frac")
+        used = _f(obs, "mem_used_frac")
         if gap < self.cfg.frag_gap or not (alarm or used >= self.cfg.frag_used) or not _can(obs, "release_cache"):
             return None
         if obs.now_s - self._released < self.cfg.frag_every_s:
@@ -154,8 +170,9 @@ class Policy:
         self._released = obs.now_s
         expand = not self._expandable
         self._expandable = True
+        what = "reserved beyond the last step's peak" if obs.frag_frac is not None else "reserved but not allocated"
         return Action("release_cache", expand,
-                      f"{gap:.0%} of the limit reserved but not allocated (fragmentation) at {used:.0%} used: "
+                      f"{gap:.0%} of the limit {what} (fragmentation) at {used:.0%} used: "
                       f"cache released" + ("; allocator switched to expandable segments" if expand else ""))
 
     # -- the model rule ------------------------------------------------------------------------------
@@ -163,14 +180,18 @@ class Policy:
         if leak is not None:
             return leak
         r = obs.risk
-        frag = self._fragmented(obs, r is not None and r >= obs.threshold)
+        alarm = r is not None and r >= obs.threshold
+        if alarm:  # a smaller micro-batch lowers the peak for sure; the cache's release comes after it
+            self._low_since = None
+            act = self._reduce(obs)
+            if act.kind != "unable":
+                return act
+            return self._fragmented(obs, True) or act
+        frag = self._fragmented(obs, False)
         if frag is not None:
             return frag
         if r is None:
             return NONE
-        if r >= obs.threshold:
-            self._low_since = None
-            return self._reduce(obs)
         if r < obs.threshold * self.cfg.clear_ratio:
             self._low_since = obs.now_s if self._low_since is None else self._low_since
             if obs.ceiling is not None and obs.now_s - self._low_since >= self.cfg.restore_after_s:
@@ -194,8 +215,9 @@ class Policy:
         # the ceiling, and when that is what ran last (risk still high) the ceiling itself must come down
         if (obs.last_batch and cur > obs.last_batch and obs.last_batch >= obs.floor
                 and _can(obs, "refuse_step")):
-            return Action("refuse_step", obs.last_batch,
-                          f"{why}; the schedule's step to {obs.planned_batch} refused, held at {obs.last_batch}")
+            hold = max(obs.floor, min(obs.last_batch, self._fits(obs, cur)))
+            return Action("refuse_step", hold,
+                          f"{why}; the schedule's step to {obs.planned_batch} refused, held at {hold}")
         if cur <= obs.floor or not _can(obs, "lower_ceiling"):
             helps = ["a smaller sequence length", "gradient checkpointing", "a larger memory limit or GPU"]
             if obs.precision in ("fp32", "tf32") and not lower:
@@ -203,8 +225,18 @@ class Policy:
             where = "batch already at its floor" if cur <= obs.floor else "this workload cannot lower its batch"
             return Action("unable", "; ".join(helps), f"{why}; {where}" + ("" if obs.precision not in ("bf16", "fp16")
                                                                             else f", already {obs.precision}"))
-        new = max(obs.floor, min(cur - 1, int(cur * (1 - self.cfg.lower_by))))
+        new = max(obs.floor, min(cur - 1, int(cur * (1 - self.cfg.lower_by)), self._fits(obs, cur)))
         return Action("lower_ceiling", new, f"{why}; batch ceiling {cur} -> {new}")
+
+    def _fits(self, obs: Observation, cur: int) -> int:
+        """The micro-batch whose step the estimate puts under `size_to` of the usable limit, the step's
+        activations taken in proportion to the micro-batch (what stays allocated does not shrink): a
+        20 % cut is not enough for a step planned at 1.3x the limit. `cur` where unknown."""
+        est, a = _f(obs, "next_peak_est_frac", float("nan")), obs.alloc_frac
+        if a is None or est != est or est <= a:
+            return cur
+        room = self.cfg.size_to - a
+        return cur if room <= 0 else max(obs.floor, int(cur * room / (est - a)))
 
     def _precision_saves_more(self, obs: Observation) -> bool:
         """Autocast halves activations, not fp32 weights or optimizer state: the saving is about half

@@ -51,6 +51,7 @@ class GpuwatchCallback(TrainerCallback):
         self._t0 = None
         self._tokens = 0
         self._said_seq = False
+        self._lens: list[int] = []  # the sequence lengths of the last steps (the next one's estimate)
 
     # -- Trainer events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kw):
@@ -123,11 +124,30 @@ class GpuwatchCallback(TrainerCallback):
             self.loop.bus.emit("control", f"Trainer: per-device batch {args.per_device_train_batch_size} -> {want}, "
                                f"gradient accumulation {args.gradient_accumulation_steps} -> {e // want} (effective "
                                f"batch {e} kept); checkpoint and resume", gpu=self.loop.gpu_index, control="restart",
-                               value=[want, e // want], who="guard", why="the guard's micro-batch ceiling")
+                               value=[want, e // want], who="guard", why="the guard's micro-batch ceiling",
+                               step=state.global_step)
 
     def _peek_seq(self, args) -> int:
-        """The sequence length the next step is scored with: the last step's."""
-        return int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
+        """The sequence length the next step is scored with. The Trainer fetches the next batch after this
+        callback decided, so it is not known: the last step's, plus the largest rise between consecutive
+        steps of the last few (a length-sorted or growing dataset: deciding on the last length alone is
+        one step late, and that step was call 23's OOM in the HF ramp)."""
+        last = int(self.loop.last_step.get("seq_len") or self.seq_len or 1)
+        self._lens = (self._lens + [last])[-(PEEK_STEPS + 1):] if self.loop.last_step else self._lens
+        return next_seq_estimate(self._lens) or last
+
+
+PEEK_STEPS = 4
+
+
+def next_seq_estimate(lens: list[int]) -> int | None:
+    """The next step's sequence length from the last steps' (oldest first): the last, plus the largest rise
+    between consecutive steps of the last `PEEK_STEPS` (no rise: the last). None without any."""
+    if not lens:
+        return None
+    tail = lens[-(PEEK_STEPS + 1):]
+    rise = max((b - a for a, b in zip(tail, tail[1:])), default=0)
+    return int(tail[-1] + max(0, rise))
 
 
 def train(trainer, max_restarts: int = 16, **train_kwargs):
@@ -154,8 +174,12 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
                 b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
                 cb.ooms += 1
                 if cb.loop is not None:
+                    g = cb.loop.guard
                     cb.loop.bus.emit("oom", f"CUDA OOM in the Trainer at per-device batch {b}", "error",
-                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed)
+                                     gpu=cb.loop.gpu_index, batch=b, effective_batch=b * k, error=failed,
+                                     step=trainer.state.global_step, micro_batches=k,
+                                     seq_len_scored=cb.loop.next_plan().seq_len if cb.loop.next_plan() else None,
+                                     guard_decision=None if g is None else g.last_decision.get(cb.loop.gpu_index))
                     if cb.loop.guard is not None:
                         cb.loop.guard.after_oom(cb.loop, b * k, b)
                 if b <= 1 or cb.restarts >= max_restarts:

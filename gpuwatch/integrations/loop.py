@@ -293,7 +293,9 @@ class GuardedLoop:
             torch.cuda.empty_cache()
         self.bus.emit("oom", f"CUDA OOM at batch {micro} x {s} ({self.precision})", "error", gpu=self.gpu_index,
                       batch=micro, seq_len=s, precision=self.precision, error=failure, effective_batch=n,
-                      allocated_before=before)
+                      allocated_before=before, step=self.steps, micro_batches=-(-n // micro),
+                      reserved_before=self._last.get("torch_reserved_bytes"), limit_bytes=self.memory_limit_bytes,
+                      guard_decision=None if self.guard is None else self.guard.last_decision.get(self.gpu_index))
         if self.guard is not None:
             self.guard.after_oom(self, n, micro)
         after = self._mem().get("torch_allocated_bytes")
@@ -391,7 +393,7 @@ class GuardedLoop:
                        "refuse_step": "hold"}.get(k, k)
             shown = "none (lifted)" if v is None else v
             self.bus.emit("control", f"{control} -> {shown} ({who}: {act.why})", gpu=self.gpu_index,
-                          control=control, value=v, who=who, why=act.why)
+                          control=control, value=v, who=who, why=act.why, step=self.steps)
 
     def request_snapshot(self, directory: Path | None, reason: str) -> None:
         self._snapshot_req = (reason, directory)
