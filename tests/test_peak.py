@@ -285,3 +285,15 @@ def test_own_memory_is_the_polars_list_filter_on_every_shipped_recording():
         assert np.array_equal(listed, s["gpu_procs"].is_not_null().to_numpy()), p
         n += 1
     assert n >= 16
+
+
+def test_group_medians_are_numpys_median_per_shape():
+    from gpuwatch.predict.peak import _group_medians
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 8))
+        inv = rng.integers(0, n, size=int(rng.integers(n, 40)))
+        inv[:n] = np.arange(n)
+        x = rng.normal(size=inv.size)
+        assert np.allclose(_group_medians(inv, x, n), [np.median(x[inv == i]) for i in range(n)])

@@ -141,6 +141,15 @@ def _growth(al: np.ndarray) -> float:
     return float(np.median(np.diff(a))) if a.size >= 3 else 0.0
 
 
+def _group_medians(inv: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """np.median of x within each group 0..n-1 (inv: each element's group), in one sort."""
+    order = np.lexsort((x, inv))
+    xs = x[order]
+    counts = np.bincount(inv, minlength=n)
+    start = np.r_[0, np.cumsum(counts)[:-1]]
+    return 0.5 * (xs[start + (counts - 1) // 2] + xs[start + counts // 2])
+
+
 def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float, Sp: float
                         ) -> tuple[float, float, float]:
     """(activation estimate, residual scale, extrapolation spread) at the planned shape.
@@ -153,15 +162,15 @@ def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float
     proportional to tokens where there is one shape or the slope is not positive. Below them -> the
     smallest shape's (a smaller step does not need more)."""
     keys = T * 1e6 + S
-    uk, inv = np.unique(keys, return_inverse=True)
-    med = np.array([np.median(act[inv == i]) for i in range(uk.size)])
+    uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    med = _group_medians(inv, act, uk.size)
     dev = np.abs(act - med[inv])
     resid = 1.4826 * float(np.median(dev[np.bincount(inv)[inv] >= 3])) if (np.bincount(inv) >= 3).any() else 0.0
     key_p = Tp * 1e6 + Sp
     hit = np.where(uk == key_p)[0]
     if hit.size:
         return float(med[hit[0]]), resid, 0.0
-    ut = np.array([np.median(T[inv == i]) for i in range(uk.size)])
+    ut = T[first]  # a shape's tokens (one value per key)
     order = np.argsort(ut, kind="stable")
     ut, med = ut[order], med[order]
     if Tp <= ut[0]:
