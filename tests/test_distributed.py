@@ -145,3 +145,29 @@ def test_bad_input_is_one_line(env, tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpuwatch", "stress", *TINY, "-o", str(tmp_path)],
                        env={**env, "WORLD_SIZE": "2", "RANK": "x"}, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "RANK" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+SHIPPED = RAMP.parent / "cpu-gloo-2rank-train"
+
+
+def test_ranks_and_straggler_from_the_shipped_session():
+    from gpuwatch.recording.ranks import collectives, rank_stats, straggler
+
+    data = read_session(SHIPPED)
+    stats = rank_stats(data.steps.sort("ts").to_dicts(), last=10**9)
+    assert [s.rank for s in stats] == [0, 1] and all(s.steps == 8 and s.comm_bytes for s in stats)
+    slow = straggler(stats)
+    assert slow.step_s == max(s.step_s for s in stats) and slow.excess >= 0
+    assert [c["op"] for c in collectives(data.events.to_dicts())] == list(C.OPS)
+    assert rank_stats([{"rank": 0, "step_time_s": 1.0}]) == []  # one rank: nothing to compare
+
+
+def test_report_has_ranks_and_collectives(tmp_path):
+    from gpuwatch.report import write_report
+
+    for fmt in ("md", "html"):
+        out = write_report(SHIPPED, tmp_path / f"r.{fmt}", fmt)
+        text = out.read_text()
+        assert "Ranks and collectives" in text and "(slowest)" in text or "slowest" in text
+        for op in C.OPS:
+            assert op in text

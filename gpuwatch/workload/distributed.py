@@ -235,6 +235,8 @@ class DistributedWorkload(Workload):
         for part in parts:
             for ev in part["events"]:
                 ev.detail.setdefault("rank", part["rank"])
+                if not ev.message.startswith("rank "):
+                    ev.message = f"rank {part['rank']}: {ev.message}"
                 self.bus.events.append(ev)
             for row in part["steps"]:
                 self.peers[part["rank"]] = row
