@@ -188,7 +188,8 @@ class DistributedWorkload(Workload):
         ids = [self.device.index] if self.device.type == "cuda" else None
         with warnings.catch_warnings():  # broadcast_buffers: deprecated in torch 2.13, the only spelling in 2.11
             warnings.simplefilter("ignore", FutureWarning)
-            self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True)
+            self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True,
+                            gradient_as_bucket_view=True)  # no second copy of the gradients
         self.ddp.register_comm_hook(None, self.meter.hook)
         self._rewrap = False
 
