@@ -218,12 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", type=Path, metavar="SESSION",
                    help="continue an interrupted stress session in its folder (step, schedule, batch ceiling, "
                         "run time); the workload flags are the recorded ones and may not contradict them")
-    s.add_argument("--nproc", type=_pos_int, metavar="N", help="data-parallel (DDP) over N ranks: run this command "
-                   "under torchrun (NCCL on GPUs, gloo on a CPU); or start it with torchrun yourself")
-    s.add_argument("--collectives", type=_size, metavar="SIZE", help="multi-rank: first an nccl-tests-like check "
-                   "(all-reduce, all-gather, reduce-scatter, 8 B to SIZE, e.g. 1GiB), recorded as events")
-    s.add_argument("--peak-gbps", type=_nonneg, default=None, help="the interconnect's per-direction peak to "
-                   "compare busbw with (default: known for H100/H200 NVLink 4, 450)")
+    s.add_argument("--nproc", type=_pos_int, metavar="N", help="data-parallel (DDP) over N ranks, under torchrun")
+    s.add_argument("--collectives", type=_size, metavar="SIZE", help="ranks: first an nccl-tests-like check to SIZE")
+    s.add_argument("--peak-gbps", type=_nonneg, help="busbw peak per direction (default: 450 on H100/H200 NVLink 4)")
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
