@@ -40,6 +40,10 @@
 #   guard       the guard scenario suite against the alternatives (bench_guard.py; GUARD_ARGS, e.g.
 #               "--scenarios ramp-train,leak --arms gpuwatch --seconds 25"), every arm recorded [6-8]
 #   multi       one workload per GPU (`stress --gpus all`), recorded (skipped with one GPU)  [4]
+#   multigpu    issue 19, needs >= 2 GPUs: v2-lite DDP training, 1 GPU (plain stress) vs 2 ranks (torchrun via
+#               `stress --nproc 2`, NCCL) at the same batch per GPU, tokens/s scaling (target >= 1.9x),
+#               and the 2-rank job's collective check to 1 GiB: all-reduce busbw against NVLink 4's 450 GB/s
+#               per direction (target >= 80 %); $R/multigpu.json (benchmarks/multigpu_check.py)
 #   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
 #               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
@@ -192,6 +196,20 @@ stage_multi() {
   if [ "$NG" -lt 2 ]; then echo "multi: one GPU here, skipped"; return; fi
   EXT=txt stage multi 150 python3 -m gpuwatch stress --gpus all --preset small --mode train --schedule ramp --duration 60s \
     -o $S/multi
+}
+stage_multigpu() {
+  if [ "$NG" -lt 2 ]; then
+    echo "multigpu: needs at least 2 GPUs; this machine has $NG - nothing measured (use a 2-GPU machine)" | tee $R/multigpu.txt >&2
+    echo '{"skipped": "needs >= 2 GPUs", "gpus": '"$NG"'}' > $R/multigpu.json
+    return 1
+  fi
+  local M=$S/multigpu B=${MULTIGPU_BATCH:-8} N=${MULTIGPU_STEPS:-30}
+  local W="--preset v2-lite --mode train --batch $B --steps $N --no-model --guard off --progress 0"
+  EXT=txt stage multigpu-one 300 python3 -m gpuwatch stress $W --device cuda:0 -o $M/one
+  GPUWATCH_DIST_TIMEOUT_S=300 CUDA_VISIBLE_DEVICES=0,1 EXT=txt stage multigpu-two 420 \
+    python3 -m gpuwatch stress --nproc 2 $W --collectives 1GiB -o $M/two
+  python3 benchmarks/multigpu_check.py $M/one $M/two > $R/multigpu.json
+  echo "multigpu: rc=$? (0 = both targets met)"; head -c 1500 $R/multigpu.json
 }
 stage_nearcap() {
   python3 benchmarks/nearcap.py --set "${NEARCAP_SET:-1}" --seconds "${NEARCAP_S:-520}" --out /tmp/nearcap 2>&1 | tee $R/nearcap.txt

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -217,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", type=Path, metavar="SESSION",
                    help="continue an interrupted stress session in its folder (step, schedule, batch ceiling, "
                         "run time); the workload flags are the recorded ones and may not contradict them")
+    s.add_argument("--nproc", type=_pos_int, metavar="N", help="data-parallel (DDP) over N ranks, under torchrun")
+    s.add_argument("--collectives", type=_size, metavar="SIZE", help="ranks: first an nccl-tests-like check to SIZE")
+    s.add_argument("--peak-gbps", type=_nonneg, help="busbw peak per direction (default: 450 on H100/H200 NVLink 4)")
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
@@ -387,6 +391,16 @@ def cmd_stress(args) -> int:
     from gpuwatch.resume import refuse_finished
     from gpuwatch.runtime import Session, load_resume
 
+    factory, dist = None, None
+    if args.nproc or args.collectives or os.environ.get("WORLD_SIZE", "1") != "1":
+        from gpuwatch.workload import distributed as dist
+
+        if args.nproc:  # this command again, under torchrun
+            return dist.relaunch(sys.argv[1:], args.nproc)
+        ctx = dist.join(args.device, args.resume, args.collectives)
+        if not ctx.leader:  # the workload only: its steps and events go to rank 0's session
+            return dist.run_rank(ctx, _workload_spec(args), args.collectives, args.peak_gbps)
+        factory = dist.make_rank_workloads(ctx, args.collectives, args.peak_gbps)
     fail_on = ci.merge_fail_on(args.fail_on)
     if fail_on and not args.record:
         raise UsageError("--fail-on needs the recording to check (drop --no-record)")
@@ -408,7 +422,7 @@ def cmd_stress(args) -> int:
     every = args.progress if args.progress is not None else (10.0 if sys.stdout.isatty() else 60.0)
     run = ci.RunInfo(fail_on=fail_on, summary_json=args.summary_json, junit=args.junit, duration_s=args.duration,
                      previous_unrecovered=point.unrecovered if point else [], resumed=point is not None)
-    with Session(cfg, on_status=_status if args.prometheus else None) as s:
+    with Session(cfg, on_status=_status if args.prometheus else None, workload_factory=factory) as s:
         _status(f"{s.gpu_note}; {s.model_note}")
         run.offset_s = s.resumed_after_s
         if point is not None:
@@ -421,6 +435,8 @@ def cmd_stress(args) -> int:
         t0 = time.monotonic()
         why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))
         run.ran_s = time.monotonic() - t0
+    if dist is not None:
+        dist.shutdown()
     return ci.finish(s, why, run)
 
 

@@ -51,3 +51,19 @@ def test_guarded_replay_layout(snap_compare, size):
 
 def test_help_screen(snap_compare):
     assert snap_compare(_replay_at_first_oom(), terminal_size=(80, 24), press=["question_mark"])
+
+
+RANKS = RAMP.parent / "cpu-gloo-2rank-train"
+
+
+def _two_ranks_at_end():
+    """A data-parallel session (2 ranks, gloo, an OOM on rank 1 survived by both, the collective check):
+    the ranks line names the straggler, communication beside the step time."""
+    src = ReplaySource(RANKS)
+    src.seek_to(int(src.steps_df["ts"].max().timestamp() * 1e6))
+    return make_app(src)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_ranks_replay_layout(snap_compare, size):
+    assert snap_compare(_two_ranks_at_end(), terminal_size=size)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import polars as pl
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # v1 sessions read with the v2 columns null (see docs/SCHEMA.md)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
 # A process on a GPU. pid and used_bytes come with every tick (NVML's compute-apps); the rest is added once a
@@ -78,6 +78,11 @@ STEPS: dict[str, pl.DataType] = {
     "next_batch": pl.UInt32,
     "next_seq_len": pl.UInt32,
     "next_precision": pl.String,
+    # v3: data-parallel runs (torchrun): which rank ran the step, of how many, and its gradient all-reduce
+    "rank": pl.UInt16,
+    "world_size": pl.UInt16,
+    "comm_time_s": pl.Float64,
+    "comm_bytes": pl.UInt64,
 }
 
 # One row per (scoring, GPU): the failure risk that was live at that moment (v2).
@@ -111,6 +116,7 @@ EVENT_KINDS = (
     "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
     "risk_alarm", "risk_clear", "guard_override", "guard_miss", "memory_snapshot", "compile",
     "recorder_resumed", "sampler_error", "session_resumed", "detached", "guard_unable", "guard_remedy",
+    "collective",
 )
 
 

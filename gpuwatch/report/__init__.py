@@ -72,8 +72,16 @@ def build_context(rec: Recording, fmt: str = "html", th: Thresholds | None = Non
         "recommendations": A.recommendations(rec, matrix, th, sweep),
         "energy": en, "charts": charts, "sweep": sweep, "sweep_chart": sweep_chart,
         "method_lines": lines, "workloads": wls, "environment": A.environment(rec),
-        "has_risk": rec.risk.height > 0, "warnings": rec.warnings,
+        "has_risk": rec.risk.height > 0, "warnings": rec.warnings, **multigpu(rec),
     }
+
+
+def multigpu(rec: Recording) -> dict[str, Any]:
+    """A data-parallel session's ranks (whole-run medians, the straggler) and its collective check."""
+    from gpuwatch.recording.ranks import collectives, rank_stats, straggler
+
+    stats = rank_stats(rec.steps.sort("ts").to_dicts(), last=10**9) if "rank" in rec.steps.columns else []
+    return {"ranks": stats, "straggler": straggler(stats), "collectives": collectives(rec.events.to_dicts())}
 
 
 def _env(fmt: str):

@@ -10,6 +10,7 @@ from typing import Any
 from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
+from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.source import GpuMeta, event_detail
 from gpuwatch.telemetry.reasons import LIMITING, decode
 from gpuwatch.units import fmt_bytes
@@ -191,7 +192,30 @@ def workload_lines(steps: list[dict[str, Any]], status: dict[str, Any] | None, p
         f"{_f(tpj, '{:.1f}')} tok/J  loss {_f(last.get('loss'), '{:.3f}')}  |logit| {_f(last.get('max_abs_logit'), '{:.3g}')}  ",
         f"torch {fmt_bytes(last.get('torch_allocated_bytes'))} alloc / {fmt_bytes(last.get('torch_peak_bytes'))} peak",
         f"  experts {last.get('expert_impl') or '-'}")
-    return [l1, l2]
+    ranks = rank_lines(steps, wide)
+    return [l1, *ranks] if ranks and not wide else [l1, l2, *ranks]
+
+
+def rank_lines(steps: list[dict[str, Any]], wide: bool) -> list[Text]:
+    """A data-parallel run (2+ ranks): the straggler against the median, communication beside the step;
+    one line at 80 columns, one more per rank when wide."""
+    stats = rank_stats(steps)
+    slow = straggler(stats)
+    if not stats or slow is None:
+        return []
+    comm = [s.comm_s for s in stats if s.comm_s is not None]
+    share = [s.comm_share for s in stats if s.comm_share is not None]
+    style = "bold red" if slow.excess > 0.1 else "yellow" if slow.excess > 0.03 else "green"
+    head = Text.assemble(
+        ("ranks ", "bold"), f"{len(stats)}  step med {slow.median_s:.3f}s  ", ("slowest ", "bold"),
+        (f"r{slow.rank} {slow.step_s:.3f}s +{100 * slow.excess:.0f}%", style),
+        f"  comm {max(comm):.3f}s ({100 * max(share):.0f}%)" if comm and share else "  comm -")
+    if not wide:
+        return [head]
+    per = [Text(f"     r{s.rank}: step {_f(s.step_s, '{:.3f}')} s  comm {_f(s.comm_s, '{:.3f}')} s "
+                f"({_f(s.comm_share * 100 if s.comm_share is not None else None)}%)  {fmt_bytes(s.comm_bytes)} all-reduced"
+                f"  {_f(s.tokens_per_s, '{:,.0f}')} tok/s  at step {s.last_step}") for s in stats[:8]]
+    return [head, *per]
 
 
 def risk_line(mem_series: list, total: int | None, interval_s: float, model_loaded: bool) -> tuple[Text, list]:

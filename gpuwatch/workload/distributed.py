@@ -1,0 +1,544 @@
+"""Data-parallel training over torch.distributed: `torchrun --nproc-per-node N -m gpuwatch stress ...`.
+
+Every rank is one process on its own device (cuda:LOCAL_RANK with NCCL, the CPU with gloo). Rank 0 runs
+the whole session (sampler, recorder, scorer, guard, dashboard); the other ranks run the workload only.
+The model is wrapped in torch's `DistributedDataParallel` (train mode: the gradients are all-reduced in
+backward by DDP's own reducer); gpuwatch adds a comm hook that times the all-reduce and counts its bytes
+(`comm.CommMeter`).
+
+The ranks agree through a second process group, gloo on the CPU (the control plane, a few hundred bytes a
+step, never in the way of NCCL's streams):
+  * before every step one `all_gather_object`: rank 0's decision (stop, pause, the schedule's state, the
+    controls it applied - batch ceiling, hold, precision - so every rank applies them at the same step)
+    and every rank's step rows and events of the previous step (rank 0 records them: one session, a
+    `rank` column);
+  * after forward and backward one all-reduce (max) of two flags, "OOM" and "non-finite": an OOM on any
+    rank makes every rank skip the update of that step and back off together (the rank that failed in
+    forward first joins the gradient all-reduce with zero gradients, so nobody waits alone).
+An OOM inside backward cannot rejoin DDP's reducer: that rank writes its reason to the rendezvous store and
+fails; the others' collectives fail (peer gone) or time out (`GPUWATCH_DIST_TIMEOUT_S`, default 600 s),
+and every rank stops with that reason in its `workload_error` event. Never a hang past the timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpuwatch.errors import UsageError
+from gpuwatch.telemetry.bus import Bus
+from gpuwatch.workload import flops as F
+from gpuwatch.workload import model as M
+from gpuwatch.workload.allocator import release_cache
+from gpuwatch.workload.comm import CommMeter
+from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+ENV_TIMEOUT = "GPUWATCH_DIST_TIMEOUT_S"  # the process groups' timeout (default 600 s)
+ENV_SIM_OOM = "GPUWATCH_SIM_OOM"  # tests: "RANK:STEP[:backward]" - a simulated OOM on that rank at that step
+CTRL_TIMEOUT_S = 3600.0  # the control plane waits this long (a paused rank 0 sends a heartbeat every second)
+FATAL_KEY = "gpuwatch/fatal"
+
+
+def launched() -> bool:
+    """Whether this process is one rank of several (torchrun, or any launcher setting WORLD_SIZE)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number") from None
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    ctrl: Any  # the gloo group of the control plane
+    store: Any  # the rendezvous store (a failing rank's reason goes here)
+    timeout_s: float
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world, "local_rank": self.local_rank,
+                "backend": self.backend, "timeout_s": self.timeout_s}
+
+    def fatal(self, reason: str) -> None:
+        """Leave this rank's reason for the others (first one wins), before it fails."""
+        try:
+            if not self.store.check([FATAL_KEY]):
+                self.store.set(FATAL_KEY, f"rank {self.rank}: {reason}")
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            pass
+
+    def fatal_reason(self) -> str | None:
+        try:
+            if self.store.check([FATAL_KEY]):
+                return self.store.get(FATAL_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except KeyError:
+        raise UsageError(f"torch.distributed: {name} is not set (run under torchrun, or use --nproc N)") from None
+    except ValueError:
+        raise UsageError(f"torch.distributed: {name}={os.environ[name]!r} is not a number") from None
+
+
+def init_from_env(device: str = "auto") -> DistContext:
+    """Join the job torchrun started: NCCL on cuda:LOCAL_RANK where CUDA has that device, else gloo on
+    the CPU (`--device cpu` forces gloo). Both process groups get a timeout, so a lost rank ends the job."""
+    rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT")
+    try:
+        timeout_s = float(os.environ.get(ENV_TIMEOUT, "600"))
+    except ValueError:
+        raise UsageError(f"{ENV_TIMEOUT} must be seconds") from None
+    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() > local
+    if device.startswith("cuda") and not cuda_ok:
+        raise UsageError(f"--device {device}: rank {rank} has no CUDA device {local} here")
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise UsageError(f"--device {device}: under torchrun use auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    if cuda_ok and device != "cpu":
+        dev, backend = torch.device(f"cuda:{local}"), "nccl"
+        torch.cuda.set_device(dev)
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    # the launcher's store (torchrun's agent hosts it; a plain launcher: rank 0 does), as env:// would make it
+    master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(addr, port, world, is_master=master, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CTRL_TIMEOUT_S)))
+    return DistContext(rank, world, local, backend, dev, ctrl, dist.PrefixStore("gpuwatch", store), timeout_s)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a failed job's groups may not tear down cleanly
+            pass
+
+
+def _sim_oom() -> tuple[int, int, str] | None:
+    text = os.environ.get(ENV_SIM_OOM)
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        return int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "forward"
+    except (IndexError, ValueError):
+        raise UsageError(f"{ENV_SIM_OOM}={text!r}: use RANK:STEP or RANK:STEP:backward") from None
+
+
+class RankFailed(RuntimeError):
+    """This rank cannot go on with the others (an OOM inside backward): the job stops with the reason."""
+
+
+class DistributedWorkload(Workload):
+    """gpuwatch's workload as one rank of a data-parallel job (see the module's docstring)."""
+
+    def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext) -> None:
+        super().__init__(bus, cfg)
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.ddp: DDP | None = None
+        self.meter = CommMeter(self.device, ctx.world)
+        self._gen.manual_seed(cfg.seed * 1_000_003 + ctx.rank)  # each rank its own data
+        self._applied: list[tuple[str, Any, str, str]] = []
+        self._rewrap = False
+        self._stage = "idle"
+        self._sim = _sim_oom()
+        self._out = {"steps": bus.steps.next_seq, "events": bus.events.next_seq}  # what the others have not seen
+        self.peers: dict[int, dict[str, Any]] = {}  # rank 0: each rank's last step row
+        self.collectives_max: int | None = None  # run the bandwidth check first (bytes), set by the front end
+        self.collectives_peak: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "distributed": self.ctx.describe()}
+
+    # -- DDP ----------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        super()._build()
+        if self.cfg.mode == "train":
+            self._wrap()
+
+    def _wrap(self) -> None:
+        """(Re)wrap the model in DDP: after a precision change the reducer's buckets must be rebuilt.
+        Every rank does it at the same step (DDP's constructor is a collective)."""
+        self.ddp = None
+        # MoE: an expert no token was routed to has no gradient this step -> find_unused_parameters
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        with warnings.catch_warnings():  # broadcast_buffers: deprecated in torch 2.13, the only spelling in 2.11
+            warnings.simplefilter("ignore", FutureWarning)
+            self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True,
+                            gradient_as_bucket_view=True)  # no second copy of the gradients
+        self.ddp.register_comm_hook(None, self.meter.hook)
+        self._rewrap = False
+
+    # -- the control plane -----------------------------------------------------------------------------
+    def _apply_controls(self) -> None:
+        with self._lock:
+            self._applied = [(k, v[0], v[1], v[2]) for k, v in self._pending.items()]
+        was = self.precision
+        super()._apply_controls()
+        if self.precision != was and self.ddp is not None:
+            self._rewrap = True
+
+    def _decide(self) -> dict[str, Any]:
+        """Rank 0: the guard, the user's keys and the schedule decide the next step, once for all ranks."""
+        if not self._resume.is_set() and not self._stop.is_set():
+            self.state = "paused"
+            if not self._resume.wait(1.0):
+                return {"stop": False, "step": False}
+        if self.guard is not None and not self.manual and not self._stop.is_set():
+            self.guard.before_step(self)
+        self._apply_controls()
+        self._maybe_snapshot()
+        plan = self.schedule.wanted()
+        finished = plan is None or bool(self.cfg.max_steps and self._step >= self.cfg.max_steps)
+        return {"stop": self._stop.is_set() or finished, "finished": finished, "why": self.stopped_by,
+                "step": True, "schedule": self.schedule.state(), "controls": self._applied,
+                "precision": self.precision, "at_step": self._step}
+
+    def _outbox(self) -> dict[str, Any]:
+        steps, self._out["steps"], _ = self.bus.steps.since(self._out["steps"])
+        events, self._out["events"], _ = self.bus.events.since(self._out["events"])
+        return {"rank": self.rank, "steps": steps, "events": events}
+
+    def _exchange(self, decision: dict[str, Any] | None) -> dict[str, Any]:
+        mine = self._outbox() if not self.ctx.leader else {"rank": 0, "decision": decision}
+        got: list[Any] = [None] * self.ctx.world
+        dist.all_gather_object(got, mine, group=self.ctx.ctrl)
+        if self.ctx.leader:
+            self._ingest(got[1:])
+        return got[0]["decision"]
+
+    def _ingest(self, parts: list[dict[str, Any]]) -> None:
+        """Rank 0: the other ranks' step rows and events go into this session's bus (and recording)."""
+        for part in parts:
+            for ev in part["events"]:
+                ev.detail.setdefault("rank", part["rank"])
+                if not ev.message.startswith("rank "):
+                    ev.message = f"rank {part['rank']}: {ev.message}"
+                self.bus.events.append(ev)
+            for row in part["steps"]:
+                self.peers[part["rank"]] = row
+                self.bus.steps.append(row)
+
+    def _adopt(self, d: dict[str, Any]) -> None:
+        """Another rank: apply rank 0's decision exactly (same schedule state, same controls)."""
+        self.schedule.restore(d["schedule"])
+        for key, value, who, why in d["controls"]:
+            if key == "precision" and value != self.precision:
+                M.apply_precision(self.model, value)
+                self.precision = value
+                if self.cfg.mode == "train":
+                    self.scaler = M.LossScaler() if value == "fp16" else None
+                    self._rewrap = self.ddp is not None
+            elif key == "release_cache":
+                value = ", ".join(release_cache(self.device, expandable=value)) or "nothing to release here"
+            self.bus.emit("control", f"{key} -> {value} (rank 0's {who}, applied on rank {self.rank} at step "
+                          f"{d['at_step']})", gpu=self.cfg.gpu_index, control=key, value=value, who=who, why=why,
+                          rank=self.rank, at_step=d["at_step"])
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        finished = False
+        try:
+            self._build()
+            if self.collectives_max:
+                self._collectives()
+            while True:
+                d = self._exchange(self._decide() if self.ctx.leader else None)
+                if d["stop"]:
+                    finished = bool(d.get("finished"))
+                    self.stopped_by = self.stopped_by or d.get("why")
+                    break
+                if not d["step"]:
+                    self.state = "paused"
+                    continue
+                if not self.ctx.leader:
+                    self._adopt(d)
+                if self._rewrap:
+                    self._wrap()
+                self.state = "running"
+                self._dist_step(*self.schedule.wanted())
+        except Exception as e:  # noqa: BLE001 - visible, never a crash of the app
+            self.state = "failed"
+            text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if not isinstance(e, RankFailed):
+                self.ctx.fatal(text)
+            first = self.ctx.fatal_reason()
+            self.unrecovered = text if first is None or first.startswith(f"rank {self.rank}:") else \
+                f"{first} (here: {text})"
+            self.bus.emit("workload_error", f"workload stopped: {self.unrecovered}", "error", gpu=self.cfg.gpu_index,
+                          rank=self.rank, first_failure=first)
+        finally:
+            if self.state != "failed":
+                self.state = "finished" if finished else "stopped"
+            by = f" by the guard: {self.stopped_by}" if self.stopped_by else ""
+            self.bus.emit("workload_stop", f"rank {self.rank}: workload {self.state} after {self._step} steps{by}",
+                          gpu=self.cfg.gpu_index, stopped_by=self.stopped_by, rank=self.rank)
+            if self.state != "failed":
+                self._flush_last()
+
+    def _flush_last(self) -> None:
+        """The last rows and events of the other ranks reach rank 0 (one more gather, after the stop)."""
+        try:
+            got: list[Any] = [None] * self.ctx.world
+            dist.all_gather_object(got, self._outbox() if not self.ctx.leader else {"rank": 0},
+                                   group=self.ctx.ctrl)
+            if self.ctx.leader:
+                self._ingest(got[1:])
+        except Exception:  # noqa: BLE001 - a rank that failed cannot send it
+            pass
+
+    def _collectives(self) -> None:
+        from gpuwatch.workload.collectives import record_check
+
+        was, self.state = self.state, "collectives"
+        try:
+            record_check(self.ctx, self.bus, self.collectives_max, self.collectives_peak, self.cfg.gpu_index)
+        finally:
+            self.state = was
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _dist_step(self, wanted: int, seq: int, phase: str) -> None:
+        if self.cfg.faults.fragment:
+            seq = int(torch.randint(max(1, seq // 4), seq + 1, (1,), generator=self._gen, device=self.device).item())
+        batch, micro, k = self._split(wanted)
+        before = M.memory(self.device)["torch_allocated_bytes"]
+        failure, row = None, None
+        try:
+            row = self._rank_step(batch, seq, phase, micro, k)
+        except Exception as e:  # noqa: BLE001 - classified below, outside the handler
+            if not M.is_oom(e):
+                raise
+            failure = str(e).splitlines()[0][:300]
+        if failure is not None and self.ddp is not None:
+            if self._stage == "backward":  # DDP's reducer is part-way: this rank cannot rejoin
+                self.ctx.fatal(f"OOM in backward at step {self._step} (batch {micro} x {seq}): {failure}")
+                raise RankFailed(f"OOM in backward at step {self._step}: cannot rejoin the gradient all-reduce")
+            self._shadow_pass()
+        flags = torch.tensor([failure is not None, row is not None and row.pop("_nonfinite")], dtype=torch.float32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.ctrl)
+        if flags[0] > 0:
+            self._skip_together(failure, batch, seq, before, micro)
+            return
+        if self.ddp is not None:
+            self._update(skip=bool(flags[1] > 0))
+        M.synchronize(self.device)
+        self._finish_row(row, micro)
+
+    def _rank_step(self, batch: int, seq: int, phase: str, micro: int, k: int) -> dict[str, Any]:
+        dev = self.device
+        if self._sim and self._sim[0] == self.rank and self._sim[1] == self._step and self._sim[2] == "forward":
+            self._sim = None
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.rank} at step {self._step})")
+        if self.ddp is None:  # prefill/decode: the base step, every rank in step with the others
+            row = self._timed_step(batch, seq, phase, micro, k)
+            row["_t0"] = time.perf_counter() - row["step_time_s"]
+            row["_nonfinite"] = False
+            return row
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        ids = M.random_ids(self.fields["vocab_size"], batch, seq, dev, self._gen)
+        M.synchronize(dev)
+        t0 = time.perf_counter()
+        self.meter.reset()
+        lim = self.cfg.faults.oom_above_tokens
+        if lim and micro * seq > lim:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {micro * seq} tokens > {lim})")
+        loss, max_logit = self._forward_backward(ids.split(micro) if k > 1 else [ids])
+        del ids
+        return {"_t0": t0, "_nonfinite": not (_finite(loss) and _finite(max_logit)), "ts": None, "step": self._step,
+                "gpu": self.cfg.gpu_index, "mode": "train", "phase": phase, "precision": self.precision,
+                "batch": batch, "seq_len": seq, "loss": loss, "max_abs_logit": max_logit, "micro_batches": k}
+
+    def _forward_backward(self, chunks) -> tuple[float, float]:
+        """Forward and backward of every micro-batch through DDP (the all-reduce runs in the last
+        backward, `no_sync` before it). The update waits for the ranks' agreement."""
+        ddp, k = self.ddp, len(chunks)
+        ddp.train()
+        losses, max_logit = [], 0.0
+        try:
+            for i, ids in enumerate(chunks):
+                self._stage = "forward"
+                with ddp.no_sync() if i < k - 1 else _nullcontext():
+                    out = ddp(input_ids=ids, labels=ids, use_cache=False)
+                    loss = out.loss
+                    max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
+                    del out
+                    losses.append(loss.item())
+                    self._stage = "backward"
+                    if self._sim and self._sim[:2] == (self.rank, self._step) and self._sim[2] == "backward":
+                        self._sim = None
+                        raise torch.OutOfMemoryError(f"CUDA out of memory (simulated in backward on rank {self.rank})")
+                    ((loss / k) * (self.scaler.scale if self.scaler else 1.0)).backward()
+                    del loss
+            self._stage = "done"
+            return sum(losses) / k, max_logit
+        finally:
+            ddp.eval()
+
+    def _shadow_pass(self) -> None:
+        """This rank failed in forward: join the gradient all-reduce with zero gradients (a one-token
+        forward times 0), so the other ranks' backward is not left waiting for it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        self.ddp.train()
+        try:
+            out = self.ddp(input_ids=ids, labels=ids, use_cache=False)
+            (out.loss * 0.0).backward()
+        finally:
+            self.ddp.eval()
+
+    def _update(self, skip: bool) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not skip and (self.scaler is None or self.scaler.unscale_and_check(params)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _skip_together(self, failure: str | None, batch: int, seq: int, before, micro: int) -> None:
+        """Some rank ran out of memory: no rank updates, every rank backs off the same way (rank 0's
+        schedule state reaches the others before the next step anyway)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if failure is not None:
+            self._recover_oom(failure, batch, seq, before, micro)
+            return
+        decision = self.schedule.oom(micro)
+        self.lost_steps += 1
+        self.bus.emit("oom_recovered", f"another rank ran out of memory at step {self._step}: the step is skipped "
+                      f"on every rank; {decision}", "warning", gpu=self.cfg.gpu_index, decision=decision,
+                      who="recovery", rank=self.rank, peer_oom=True)
+
+    def _finish_row(self, row: dict[str, Any], micro: int) -> None:
+        dt = time.perf_counter() - row.pop("_t0")
+        comm_s, comm_bytes = self.meter.result() if self.ddp is not None else (None, None)
+        mode, batch, seq = row["mode"], row["batch"], row["seq_len"]
+        if self.ddp is not None:
+            tokens = batch * seq
+            tflops = F.step_flops(self.fields, mode, batch, seq, self.cfg.decode_tokens) / dt / 1e12
+            peak = F.peak_tflops(self.device_name, self.precision)
+            row.update(step_time_s=dt, tokens_per_s=tokens / dt, tflops=tflops, mfu=tflops / peak if peak else None,
+                       **M.memory(self.device), expert_impl=self._impl_label())
+        row.update(ts=time.time_ns() // 1000, rank=self.rank, world_size=self.ctx.world, comm_time_s=comm_s,
+                   comm_bytes=comm_bytes)
+        self.schedule.done()
+        self._step += 1
+        self._floor_ooms = 0
+        self.last_ok_batch = micro
+        nxt = self.plan_info() or {}
+        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"))
+        self.last = row
+        self.bus.steps.append(row)
+        if not (_finite(row["loss"]) and _finite(row["max_abs_logit"])):
+            self.nonfinite += 1
+            self.bus.emit("nonfinite", f"non-finite output at step {self._step} ({self.precision}): update skipped "
+                          "on every rank", "warning", gpu=self.cfg.gpu_index, loss=row["loss"], rank=self.rank)
+        if self.cfg.integrity_every and self._step % self.cfg.integrity_every == 0:
+            self._integrity()
+
+
+def _finite(x) -> bool:
+    return x is None or x == x and abs(x) != float("inf")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def make_rank_workloads(ctx: DistContext, collectives_max: int | None = None, peak_gbps: float | None = None):
+    """The `workload_factory` of rank 0's Session (and of the other ranks' bare loop): this rank's one
+    workload on its own device."""
+    from dataclasses import replace
+
+    from gpuwatch.workload.factory import make_workloads
+
+    def factory(spec, bus, nvml_index=None):
+        if spec.gpus:
+            raise UsageError("--gpus runs independent workloads; under torchrun each rank takes cuda:LOCAL_RANK")
+        one = replace(spec, device=str(ctx.device))
+        (w,) = make_workloads(one, bus, nvml_index)
+        dw = DistributedWorkload(bus, w.cfg, ctx)
+        dw.collectives_max, dw.collectives_peak = collectives_max, peak_gbps
+        return [dw]
+
+    return factory
+
+
+def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gbps: float | None = None) -> int:
+    """A rank other than 0: the workload alone, in this thread, until rank 0 says stop. Its steps and
+    events reach rank 0's session. SIGINT/SIGTERM are left to rank 0 (torchrun signals every rank; rank 0
+    stops the job at the next step, so no rank leaves the others waiting in a collective)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    bus = Bus()
+    (w,) = make_rank_workloads(ctx, collectives_max, peak_gbps)(spec, bus)
+    try:
+        w.run()
+    finally:
+        if w.state != "failed":
+            shutdown()
+    if w.state == "failed":
+        print(f"gpuwatch: rank {ctx.rank}: {w.unrecovered}", flush=True)
+        return 1
+    return 0
+
+
+def join(device: str, resume=None, collectives: int | None = None) -> DistContext:
+    """`stress` under torchrun: check what cannot combine with it, then join the job."""
+    if not launched():
+        raise UsageError("--collectives needs several ranks: add --nproc N (or start under torchrun)")
+    if resume is not None:
+        raise UsageError("--resume of a data-parallel run is not supported: start it again")
+    return init_from_env(device)
+
+
+def relaunch(argv: list[str], nproc: int) -> int:
+    """`stress --nproc N ...`: the same command under torchrun (`python -m torch.distributed.run`) with
+    N ranks on this host; its exit code is the job's."""
+    import subprocess
+    import sys
+
+    if launched():
+        raise UsageError("--nproc starts torchrun; this process already runs under it")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "gpuwatch", *rest]
+    return subprocess.call(cmd)
