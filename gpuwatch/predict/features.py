@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import GROWTH_STEPS, PRECISION_BYTES, Failed, forecast, usable_limit
+from gpuwatch.predict.peak import GROWTH_STEPS, PRECISION_BYTES, Failed, forecast, median, nanmedian, usable_limit
 from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
@@ -205,7 +205,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     ts = _us(st["ts"])
     out["steps_per_s"] = float(((ts > w.end_us - 5e6) & (ts <= w.end_us)).sum()) / 5.0
     if np.isfinite(times).sum() >= 3:
-        out["step_time_trend"] = float(np.nanmedian(times[-3:]) / max(np.nanmedian(times), 1e-9))
+        out["step_time_trend"] = nanmedian(times[-3:]) / max(nanmedian(times), 1e-9)
     nb, ns, npr = _plan_of(last, plan)
     last_tok = float(last["batch"] or 0) * float(last["seq_len"] or 0)
     if nb and ns and last_tok:
@@ -226,7 +226,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     a = alloc[-(GROWTH_STEPS + 1):]
     a = a[np.isfinite(a)]
     if a.size >= 2:
-        out["alloc_growth_frac_per_step"] = float(np.median(np.diff(a))) / limit
+        out["alloc_growth_frac_per_step"] = median(np.diff(a)) / limit
     if nb and ns:
         micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
         fc = forecast(batch, seq, micro, st["precision"].to_list(), alloc, peak, times, float(nb), float(ns),
@@ -245,9 +245,12 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
     """The shapes that ran out of memory in the events window (their OOM events' detail)."""
     if not events.height or "detail" not in events.columns:
         return []
-    ev = events.filter(pl.col("kind") == "oom")
+    oom = np.flatnonzero(events["kind"].to_numpy() == "oom")  # numpy, not a polars query per window
+    if not oom.size:
+        return []
+    details = events["detail"].to_list()
     out = []
-    for d in ev["detail"].to_list():
+    for d in (details[i] for i in oom):
         try:
             x = json.loads(d) if d else {}
             b, q = float(x["batch"]), float(x["seq_len"])

@@ -39,3 +39,16 @@ def own_used(procs: pl.Series, pid: int) -> tuple[np.ndarray, np.ndarray]:
     df = procs.to_frame("p").select(pl.col("p").list.eval(match).list.first().alias("own"),
                                     pl.col("p").is_not_null().alias("listed"))
     return np.asarray(df["own"].to_numpy(), dtype=np.float64), df["listed"].to_numpy()
+
+
+def of_gpu(df: pl.DataFrame, gpu: int, keep_null: bool) -> pl.DataFrame:
+    """The rows of one GPU (and GPU-less rows with keep_null): the frame itself where every row is
+    (a one-GPU session, the usual case: no query), else a gather by numpy's mask."""
+    if not df.height:
+        return df
+    a = df["gpu"].to_numpy()
+    a = a.astype(np.float64) if a.dtype.kind != "f" else a
+    mask = (a == gpu) | (np.isnan(a) if keep_null else False)
+    if mask.all():
+        return df
+    return df[np.flatnonzero(mask)]

@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.recording import schema
-from gpuwatch.recording.frames import epoch_us, own_used, split_by_gpu, stack
+from gpuwatch.recording.frames import epoch_us, of_gpu, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (event_detail, fill_plans, recorded_caps,  # noqa: F401 - re-exported
                                          recorded_interval, sorted_by_time)
@@ -322,7 +322,9 @@ class ReplaySource:
                   events_s: float = WINDOW_EVENTS_S) -> Window:
         """A window ending at any moment, without moving the cursor (training and `score` walk a
         recording with this, so they cut exactly what replay would show at that moment)."""
-        body = self._by_gpu.get(gpu, schema.empty("samples"))
+        body = self._by_gpu.get(gpu)
+        if body is None:
+            body = schema.empty("samples")
         ts = self._ts.get(gpu, np.array([], dtype=np.int64))
         hi = int(np.searchsorted(ts, end_us, side="right"))
         lo = int(np.searchsorted(ts, end_us - seconds * 1e6, side="right"))
@@ -332,7 +334,7 @@ class ReplaySource:
         ei = int(np.searchsorted(self._events_ts, end_us, side="right"))
         ej = int(np.searchsorted(self._events_ts, end_us - events_s * 1e6, side="right"))
         ev = self.events_df.slice(ej, ei - ej)
-        ev = ev.filter(ev["gpu"].is_null() | (ev["gpu"] == gpu)) if gpu is not None and _others(ev, gpu) else ev
+        ev = of_gpu(ev, gpu, keep_null=True) if gpu is not None else ev
         meta = _meta_of(self.gpus, gpu)
         own = self._own_of(gpu, body, meta)
         return Window(gpu, end_us, self.interval_s, samples, steps, ev, meta,
@@ -349,8 +351,8 @@ class ReplaySource:
     def _steps_by_gpu(self, gpu: int | None, upto: int, n: int) -> pl.DataFrame:
         """The last n steps of `gpu` among the first `upto` rows (all GPUs' steps are time-ordered)."""
         part = self.steps_df.slice(max(0, upto - n * max(1, len(self.gpus))), min(upto, n * max(1, len(self.gpus))))
-        if gpu is not None and _others(part, gpu):
-            part = part.filter(part["gpu"] == gpu)
+        if gpu is not None:
+            part = of_gpu(part, gpu, keep_null=False)
         return part.tail(n)
 
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
@@ -565,17 +567,6 @@ class RecordedFeed:
                                          row.get("gpu"), detail if isinstance(detail, dict) else {}, ts_us))
         else:
             getattr(self.bus, table).append({**row, "ts": ts_us})
-
-
-def _others(df: pl.DataFrame, gpu: int) -> bool:
-    """Whether rows of other GPUs (or GPU-less rows) are among these: a filter is needed (a query)."""
-    g = df["gpu"]
-    if not df.height:
-        return False
-    if g.null_count():
-        return True
-    a = g.to_numpy()
-    return bool((a != gpu).any())
 
 
 def _meta_of(gpus: list[GpuMeta], gpu: int | None) -> GpuMeta | None:
