@@ -225,7 +225,9 @@ def test_the_tree_walker_gives_predict_probas_numbers():
     assert getattr(fast, "pure_python", False)
     Xt = rng.normal(size=(200, len(F.NAMES)))
     Xt[rng.random(Xt.shape) < 0.2] = np.nan
-    np.testing.assert_allclose(fast(Xt), est.predict_proba(Xt), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(fast(Xt), est.predict_proba(Xt), rtol=1e-9, atol=1e-12)  # a batch
+    one = np.vstack([fast(Xt[i:i + 1]) for i in range(60)])  # one row at a time: the walk itself
+    np.testing.assert_allclose(one, est.predict_proba(Xt[:60]), rtol=1e-9, atol=1e-12)
 
 
 def test_a_shape_that_failed_before_is_forecast_to_fail_again():

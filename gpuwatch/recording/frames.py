@@ -52,3 +52,18 @@ def of_gpu(df: pl.DataFrame, gpu: int, keep_null: bool) -> pl.DataFrame:
     if mask.all():
         return df
     return df[np.flatnonzero(mask)]
+
+
+def own_of_rows(rows: list[dict], pid: int) -> tuple[np.ndarray, np.ndarray]:
+    """own_used over sample rows still as dicts (the live source's new rows): the same figures."""
+    own = np.full(len(rows), np.nan)
+    listed = np.zeros(len(rows), dtype=bool)
+    for i, r in enumerate(rows):
+        procs = r.get("gpu_procs")
+        if procs is None:
+            continue
+        listed[i] = True
+        v = next((p.get("used_bytes") for p in procs if p.get("pid") == pid), None)
+        if v is not None:
+            own[i] = float(v)
+    return own, listed

@@ -16,7 +16,7 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.recording import schema
-from gpuwatch.recording.frames import epoch_us, of_gpu, own_used, split_by_gpu, stack
+from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (event_detail, fill_plans, recorded_caps,  # noqa: F401 - re-exported
                                          recorded_interval, sorted_by_time)
@@ -109,6 +109,8 @@ class LiveSource:
         self._cur = {"ticks": bus.ticks.next_seq - len(bus.ticks), "steps": bus.steps.next_seq - len(bus.steps),
                      "events": bus.events.next_seq - len(bus.events)}
         self._per: dict[str, dict[Any, tuple[pl.DataFrame, np.ndarray]]] = {}
+        self._own_live: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # per GPU: frames.own_of_rows
+        self._empty: dict[str, tuple[pl.DataFrame, np.ndarray]] = {}
 
     def _catch_up(self) -> None:
         """Convert only the rows that arrived since the last call; keep them per GPU (samples, steps)
@@ -120,7 +122,9 @@ class LiveSource:
         steps, self._cur["steps"], _ = self.bus.steps.since(self._cur["steps"])
         events, self._cur["events"], _ = self.bus.events.since(self._cur["events"])
         if ticks:
-            self._append("samples", to_frame([r for t in ticks for r in t.rows], "samples"))
+            rows = [r for t in ticks for r in t.rows]
+            self._append("samples", to_frame(rows, "samples"))
+            self._own_rows(rows)
         if steps:
             self._append("steps", to_frame(steps, "steps"))
         if events:
@@ -138,14 +142,29 @@ class LiveSource:
                 new, ts = new.slice(keep), ts[keep:]
             self._per[table][g] = (new.rechunk() if new.n_chunks() > 16 else new, ts)
 
+    def _own_rows(self, rows: list[dict[str, Any]]) -> None:
+        """The workload's own memory of the new sample rows, from the row dicts (no polars query), kept
+        per GPU in step with the samples frame (the same rows, trimmed alike)."""
+        for m in self.gpus:
+            if m.pid is None or m.index not in self._per.get("samples", {}):
+                continue
+            own, listed = own_of_rows([r for r in rows if r.get("gpu") == m.index], m.pid)
+            o0, l0 = self._own_live.get(m.index, (np.empty(0), np.empty(0, dtype=bool)))
+            n = self._per["samples"][m.index][0].height
+            self._own_live[m.index] = (np.concatenate([o0, own])[-n:], np.concatenate([l0, listed])[-n:])
+
     def _get(self, table: str, g) -> tuple[pl.DataFrame, np.ndarray]:
-        return self._per.get(table, {}).get(g) or (schema.empty(table), np.array([], dtype=np.int64))
+        got = self._per.get(table, {}).get(g)
+        if got is None:  # an empty table, built once (a frame from a schema costs ~0.1 ms)
+            got = self._empty.setdefault(table, (schema.empty(table), np.array([], dtype=np.int64)))
+        return got
 
     def window(self, gpu: int | None, seconds: float = WINDOW_S, n_steps: int = WINDOW_STEPS,
                events_s: float = WINDOW_EVENTS_S) -> Window:
         with self._lock:
             self._catch_up()
             (sm, sts), (st, stts), (ev, evts) = self._get("samples", gpu), self._get("steps", gpu), self._get("events", None)
+            own = self._own_live.get(gpu)
         last = self.bus.ticks.latest(1)
         end = last[0].ts_us if last else time.time_ns() // 1000
         hi = int(np.searchsorted(sts, end, side="right"))
@@ -154,10 +173,11 @@ class LiveSource:
         ehi = int(np.searchsorted(evts, end, side="right"))
         elo = int(np.searchsorted(evts, end - events_s * 1e6, side="right"))
         events = ev.slice(elo, ehi - elo)
-        if gpu is not None and events.height:
-            events = events.filter(events["gpu"].is_null() | (events["gpu"] == gpu))
+        if gpu is not None:
+            events = of_gpu(events, gpu, keep_null=True)
+        own = (own[0][lo:hi], own[1][lo:hi]) if own is not None and own[0].size == sm.height else None
         return Window(gpu, end, self.interval_s, sm.slice(lo, hi - lo), st.slice(max(0, shi - n_steps), min(shi, n_steps)),
-                      events, _meta_of(self.gpus, gpu))
+                      events, _meta_of(self.gpus, gpu), own)
 
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
         return [r for r in self.bus.risk.latest(n * max(1, len(self.gpus))) if r.get("gpu") == gpu][-n:]
