@@ -108,11 +108,39 @@ def test_guard_decision_applied_by_every_rank_at_the_same_step(env):
 
 
 @pytest.mark.slow
-def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
-    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY, "--steps", "3", "-o", str(tmp_path)],
-                  extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+def test_guard_decides_on_the_riskiest_rank(env):
+    """Rank 1 (not rank 0) is the one near its limit: its risk reaches rank 0 with its step rows, the real
+    guard decides on it (the max over ranks), and both ranks apply the lower ceiling at the same step."""
+    r = _torchrun(env, [str(ROOT / "tests" / "support" / "ddp_guard_worker.py"), "--worst-rank"],
+                  extra_env={"GPUWATCH_SIM_RISK": "1:2:0.9"})
     assert r.returncode == 0, r.stderr[-3000:]
-    _, data = _session(tmp_path)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["state"] == "finished"
+    acts = [e for e in out["events"] if e["kind"] == "guard_action"]
+    assert len(acts) == 1 and acts[0]["decided_on_rank"] == 1 and acts[0]["value"] == 3
+    for k in (0, 1):  # rank 1 said it before step 2; rank 0 decided before step 3; both ran step 3 at ceiling 3
+        rows = sorted((x for x in out["rows"] if x["rank"] == k), key=lambda x: x["step"])
+        assert [x["step"] for x in rows] == [0, 1, 2, 3], k
+        assert [x["micro_batches"] for x in rows] == [1, 1, 1, 2], k
+    applied = [e for e in out["events"] if e["kind"] == "control" and e["rank"] == 1]
+    assert len(applied) == 1 and applied[0]["at_step"] == 3
+
+
+@pytest.mark.slow
+def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
+    js = tmp_path / "summary.json"
+    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY, "--steps", "3", "-o", str(tmp_path / "rec"),
+                        "--summary-json", str(js)], extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the summary counts every rank's OOMs: rank 1's one, in the total and per rank
+    (w,) = json.loads(js.read_text())["workloads"]
+    assert w["ooms"] == 1 and w["recovered"] == 1 and w["steps"] == 3
+    by = {c["rank"]: c for c in w["ranks"]}
+    assert sorted(by) == [0, 1] and by[0]["ooms"] == 0 and by[1]["ooms"] == 1 and by[1]["recovered"] == 1
+    assert by[0]["lost_steps"] == 1 and by[0]["state"] == by[1]["state"] == "finished"
+    assert by[0]["steps"] == by[1]["steps"] == 3
+    assert "1 OOM (1 recovered)" in r.stdout and "rank 1 finished, 3 steps, 1 OOM (1 recovered)" in r.stdout
+    _, data = _session(tmp_path / "rec")
     steps = data.steps
     for k in (0, 1):  # the same steps on both ranks; the batch halved on both from the same step on
         mine = steps.filter(pl.col("rank") == k).sort("step")
