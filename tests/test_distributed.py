@@ -154,6 +154,38 @@ def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_shards_per_layer_and_survives_an_oom_on_one_rank(env, tmp_path):
+    """`--dp fsdp`: FSDP2's fully_shard per decoder layer on gloo; each rank holds about half the
+    parameters; the engine is in the meta; rank 1's OOM (before its forward) is survived by both."""
+    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY[:-5], "--set", "num_hidden_layers=2", "--no-model",
+                        "--progress", "0", "--dp", "fsdp", "--steps", "3", "-o", str(tmp_path)],
+                  extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d, data = _session(tmp_path)
+    dist_meta = json.loads((d / "meta.json").read_text())["config"]["workloads"][0]["distributed"]
+    assert dist_meta["dp"] == "fsdp" and "fully_shard" in dist_meta["engine"]
+    eng = [json.loads(x) for x in data.events.filter(pl.col("kind") == "dp_engine")["detail"]]
+    assert sorted(e["rank"] for e in eng) == [0, 1]
+    for e in eng:
+        assert e["param_bytes_here"] <= 0.55 * e["param_bytes_full"]  # sharded: about 1/2 each
+    for k in (0, 1):
+        mine = data.steps.filter(pl.col("rank") == k).sort("step")
+        assert mine["step"].to_list() == [0, 1, 2] and mine["batch"].to_list() == [4, 2, 2], k
+        assert mine["comm_bytes"].null_count() == 3 and mine["loss"].is_finite().all()
+
+
+@pytest.mark.slow
+def test_fsdp_accumulates_and_refuses_a_precision_change(env):
+    r = _torchrun(env, [str(ROOT / "tests" / "support" / "ddp_guard_worker.py"), "--fsdp"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in (0, 1):
+        rows = sorted((x for x in out["rows"] if x["rank"] == k), key=lambda x: x["step"])
+        assert [x["micro_batches"] for x in rows] == [1, 1, 2, 2] and {x["precision"] for x in rows} == {"fp32"}
+    assert [e["value"] for e in out["events"] if e["kind"] == "control_refused"] == ["bf16"]
+
+
+@pytest.mark.slow
 def test_oom_in_backward_stops_every_rank_with_the_reason(env, tmp_path):
     r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY, "--steps", "4", "-o", str(tmp_path)],
                   extra_env={"GPUWATCH_SIM_OOM": "1:1:backward"})
@@ -166,7 +198,8 @@ def test_oom_in_backward_stops_every_rank_with_the_reason(env, tmp_path):
 
 def test_bad_input_is_one_line(env, tmp_path):
     for args, want in ((["--collectives", "4KiB"], "needs several ranks"),
-                       (["--nproc", "0"], "--nproc")):
+                       (["--nproc", "0"], "--nproc"), (["--dp", "fsdp"], "--dp fsdp needs several ranks"),
+                       (["--nproc", "2", "--dp", "fsdp", "--mode", "prefill"], "--mode train")):
         r = subprocess.run([sys.executable, "-m", "gpuwatch", "stress", *TINY, "-o", str(tmp_path), *args], env=env,
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

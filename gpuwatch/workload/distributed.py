@@ -113,8 +113,10 @@ class DistributedWorkload(Workload):
         if self.dp == "fsdp":
             self.ddp, self.engine = _fsdp().shard(self.model, self.device)
             self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=1e-5)  # over the shards
-            self.bus.emit("dp_engine", f"rank {self.rank}: {self.engine}, one unit per decoder layer",
-                          gpu=self.cfg.gpu_index, rank=self.rank, engine=self.engine)
+            here, full = _fsdp().param_bytes(self.ddp)
+            self.bus.emit("dp_engine", f"rank {self.rank}: {self.engine}, one unit per decoder layer; holds "
+                          f"{here / 2**20:.1f} of {full / 2**20:.1f} MiB of parameters", gpu=self.cfg.gpu_index,
+                          rank=self.rank, engine=self.engine, param_bytes_here=here, param_bytes_full=full)
             self._rewrap = False
             return
         self.ddp = None

@@ -4,7 +4,9 @@ step rows of every rank (they reach it over the control plane) as one JSON line.
 
 `--worst-rank`: rank 0 runs gpuwatch's real Guard instead (mode on, threshold 0.5), with no risk of its
 own; rank 1 reports a risk of 0.9 before step 2 (GPUWATCH_SIM_RISK=1:2:0.9, set by the test): the guard
-must decide on rank 1's risk and both ranks apply the lower ceiling at the same step."""
+must decide on rank 1's risk and both ranks apply the lower ceiling at the same step.
+`--fsdp`: the model sharded with FSDP (`--dp fsdp`): the ceiling is applied (gradient accumulation without
+sync), the precision change refused on every rank."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def main() -> int:
     spec = WorkloadSpec(preset="tiny", mode="train", batch=4, seq_len=32, max_steps=4, device="cpu",
                         overrides={"num_hidden_layers": 1})
     bus = Bus()
-    (w,) = D.make_rank_workloads(ctx)(spec, bus)
+    (w,) = D.make_rank_workloads(ctx, dp="fsdp" if "--fsdp" in sys.argv else None)(spec, bus)
     worst = "--worst-rank" in sys.argv
     if ctx.leader:
         if worst:
