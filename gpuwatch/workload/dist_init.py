@@ -27,6 +27,12 @@ def launched() -> bool:
         raise UsageError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number") from None
 
 
+def under_torchrun() -> bool:
+    """Started by torchrun (or a launcher like it), even with one rank: `torchrun --nproc-per-node 1`
+    runs the job's code paths (NCCL, DDP, the collective check) on one GPU."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+
+
 @dataclass
 class DistContext:
     rank: int
@@ -112,7 +118,7 @@ def join(device: str, resume=None, collectives: int | None = None, dp: str | Non
          mode: str | None = None) -> DistContext:
     """`stress` under torchrun: check what cannot combine with it, then join the job."""
     flag = "--collectives" if collectives else f"--dp {dp}"
-    if not launched():
+    if not launched() and not under_torchrun():
         raise UsageError(f"{flag} needs several ranks: add --nproc N (or start under torchrun)")
     check_dp(dp, mode)
     if resume is not None:

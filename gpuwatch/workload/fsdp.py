@@ -58,6 +58,8 @@ def shard(model, device: torch.device) -> tuple[Any, str]:
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if hasattr(model, "set_reduce_scatter_unused_params"):  # an expert no token reached on one rank only
+            model.set_reduce_scatter_unused_params(True)
         return model, engine_name()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
