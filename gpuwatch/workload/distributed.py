@@ -329,9 +329,11 @@ class DistributedWorkload(Workload):
                 raise
             failure = str(e).splitlines()[0][:300]
         if failure is not None and self.ddp is not None:
-            if self._stage == "backward":  # DDP's reducer is part-way: this rank cannot rejoin
-                self.ctx.fatal(f"OOM in backward at step {self._step} (batch {micro} x {seq}): {failure}")
-                raise RankFailed(f"OOM in backward at step {self._step}: cannot rejoin the gradient all-reduce")
+            # DDP's reducer part-way through backward, or FSDP's per-layer all-gathers part-way through forward
+            # or backward: this rank's collectives no longer line up with the others'; it cannot rejoin
+            if self._stage == "backward" or (self.dp == "fsdp" and self._stage == "forward"):
+                self.ctx.fatal(f"OOM in {self._stage} at step {self._step} (batch {micro} x {seq}): {failure}")
+                raise RankFailed(f"OOM in {self._stage} at step {self._step}: cannot rejoin the gradients' collectives")
             self._shadow_pass()
         flags = torch.tensor([failure is not None, row is not None and row.pop("_nonfinite")], dtype=torch.float32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.ctrl)
@@ -345,6 +347,7 @@ class DistributedWorkload(Workload):
 
     def _rank_step(self, batch: int, seq: int, phase: str, micro: int, k: int) -> dict[str, Any]:
         dev = self.device
+        self._stage = "idle"  # an OOM before the model runs: every rank's collectives still line up
         if self._sim and self._sim[0] == self.rank and self._sim[1] == self._step and self._sim[2] == "forward":
             self._sim = None
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.rank} at step {self._step})")
