@@ -10,8 +10,8 @@ The ranks agree through a second process group, gloo on the CPU (the control pla
 step, never in the way of NCCL's streams):
   * before every step one `all_gather_object`: rank 0's decision (stop, pause, the schedule's state, the
     controls it applied - batch ceiling, hold, precision - so every rank applies them at the same step)
-    and every rank's step rows and events of the previous step (rank 0 records them: one session, a
-    `rank` column);
+    and every rank's step rows, events, counters (OOMs...) and GPU identity of the previous step (rank 0
+    records them: one session, a `rank` column; its guard decides on the riskiest rank's figures);
   * after forward and backward one all-reduce (max) of two flags, "OOM" and "non-finite": an OOM on any
     rank makes every rank skip the update of that step and back off together (the rank that failed in
     forward first joins the gradient all-reduce with zero gradients, so nobody waits alone).
