@@ -55,7 +55,8 @@ def format_summary(s: dict[str, Any]) -> str:
              f"median {tps} tokens/s, {s['ooms']} OOM ({s['recovered']} recovered), "
              f"{s['nonfinite']} non-finite, {s['integrity_failures']} integrity failures"]
     if s.get("ranks"):
-        lines.append(f"  {len(s['ranks'])} ranks (the OOM counts above are their total): " + "; ".join(
+        n = len(s["ranks"])
+        lines.append(f"  {n} rank{'s' if n > 1 else ''} (the OOM counts above are their total): " + "; ".join(
             f"rank {c['rank']} {c['state']}, {c['steps']} steps, {c['ooms']} OOM ({c['recovered']} recovered), "
             f"{c['lost_steps']} skipped" for c in s["ranks"]))
     if s["unrecovered"]:
