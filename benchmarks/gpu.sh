@@ -43,7 +43,13 @@
 #   multigpu    issue 19, needs >= 2 GPUs: v2-lite DDP training, 1 GPU (plain stress) vs 2 ranks (torchrun via
 #               `stress --nproc 2`, NCCL) at the same batch per GPU, tokens/s scaling (target >= 1.9x),
 #               and the 2-rank job's collective check to 1 GiB: all-reduce busbw against NVLink 4's 450 GB/s
-#               per direction (target >= 80 %); $R/multigpu.json (benchmarks/multigpu_check.py)
+#               per direction (target >= 80 %); then v3-slice training sharded with FSDP (`--dp fsdp`, 2
+#               ranks; MULTIGPU_FSDP_BATCH, default 4 x 512) - the preset DDP cannot train on one H200: steps,
+#               engine, parameter bytes and peak memory per rank in $R/multigpu.json's "fsdp"
+#               (benchmarks/multigpu_check.py)
+#   nccl1       NCCL on one GPU (world size 1): `torchrun --nproc-per-node 1 -m gpuwatch stress --preset small
+#               --mode train --steps 12 --collectives 64MiB`, the session checked for rank/comm columns and
+#               collective events; $R/nccl_smoke.json (benchmarks/nccl_smoke.sh, < 150 s)
 #   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
 #               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
@@ -208,9 +214,13 @@ stage_multigpu() {
   EXT=txt stage multigpu-one 300 python3 -m gpuwatch stress $W --device cuda:0 -o $M/one
   GPUWATCH_DIST_TIMEOUT_S=300 CUDA_VISIBLE_DEVICES=0,1 EXT=txt stage multigpu-two 420 \
     python3 -m gpuwatch stress --nproc 2 $W --collectives 1GiB -o $M/two
-  python3 benchmarks/multigpu_check.py $M/one $M/two > $R/multigpu.json
+  GPUWATCH_DIST_TIMEOUT_S=300 CUDA_VISIBLE_DEVICES=0,1 EXT=txt stage multigpu-fsdp 420 \
+    python3 -m gpuwatch stress --nproc 2 --dp fsdp --preset v3-slice --mode train --batch "${MULTIGPU_FSDP_BATCH:-4}" \
+    --seq-len 512 --steps "${MULTIGPU_FSDP_STEPS:-10}" --no-model --guard off --progress 0 -o $M/fsdp
+  python3 benchmarks/multigpu_check.py $M/one $M/two --fsdp $M/fsdp > $R/multigpu.json
   echo "multigpu: rc=$? (0 = both targets met)"; head -c 1500 $R/multigpu.json
 }
+stage_nccl1() { bash benchmarks/nccl_smoke.sh; head -c 1500 $R/nccl_smoke.json; echo; }
 stage_nearcap() {
   python3 benchmarks/nearcap.py --set "${NEARCAP_SET:-1}" --seconds "${NEARCAP_S:-520}" --out /tmp/nearcap 2>&1 | tee $R/nearcap.txt
   cp /tmp/nearcap/nearcap.json /tmp/nearcap/nvidia-smi.csv $R/ 2>/dev/null

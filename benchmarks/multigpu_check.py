@@ -1,9 +1,12 @@
 """Issue 19's GPU figures from two recorded sessions (benchmarks/gpu.sh multigpu): v2-lite data-parallel
 training scaling (the 2-rank job's tokens/s, summed over ranks, against one GPU's, same batch per GPU;
 target >= 1.9x) and the all-reduce bus bandwidth at the largest size of the collective check (target >=
-80 % of the interconnect's specified per-direction peak, 450 GB/s for NVLink 4). Prints one JSON object.
+80 % of the interconnect's specified per-direction peak, 450 GB/s for NVLink 4). With `--fsdp SESSION`
+(the v3-slice `--dp fsdp` run): its engine, the steps each rank completed, the parameter bytes each rank
+held and its peak memory; `fsdp_ok` when every rank completed a step with no unrecovered failure. Prints
+one JSON object.
 
-    python benchmarks/multigpu_check.py ONE_GPU_SESSION TWO_RANK_SESSION [--warmup 5]
+    python benchmarks/multigpu_check.py ONE_GPU_SESSION TWO_RANK_SESSION [--warmup 5] [--fsdp SESSION]
 """
 
 from __future__ import annotations
@@ -36,11 +39,36 @@ def _tps(steps: pl.DataFrame, warmup: int) -> float | None:
     return statistics.median(rows) if rows else None
 
 
+def _fsdp(path: Path) -> dict:
+    """What the FSDP run did, rank by rank."""
+    try:
+        rec = open_recording(_session(path))
+    except (SystemExit, OSError) as e:
+        return {"ok": False, "error": str(e)}
+    meta = json.loads((rec.path / "meta.json").read_text())
+    dist = ((meta.get("config") or {}).get("workloads") or [{}])[0].get("distributed") or {}
+    ev = rec.events
+    held = {d["rank"]: {"param_bytes_here": d.get("param_bytes_here"), "param_bytes_full": d.get("param_bytes_full")}
+            for d in map(json.loads, ev.filter(pl.col("kind") == "dp_engine")["detail"])}
+    steps = rec.steps.filter(pl.col("rank").is_not_null())
+    ranks = {}
+    for (k,), g in steps.group_by("rank"):
+        ranks[int(k)] = {"steps": g.height, "peak_bytes_max": g["torch_peak_bytes"].max(),
+                         "tokens_per_s_p50": g["tokens_per_s"].median(), "batch_last": g.sort("step")["batch"][-1],
+                         **held.get(int(k), {})}
+    errors = ev.filter(pl.col("kind").is_in(["workload_error", "oom"]))["message"].to_list()
+    return {"engine": dist.get("engine"), "dp": dist.get("dp"), "ranks": ranks, "failures": errors[:5],
+            "ok": len(ranks) >= 2 and all(r["steps"] > 0 for r in ranks.values())
+            and not ev.filter(pl.col("kind") == "workload_error").height,
+            "session": str(rec.path)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("one", type=Path)
     ap.add_argument("two", type=Path)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out at the start of each rank")
+    ap.add_argument("--fsdp", type=Path, help="the v3-slice --dp fsdp session (or its output folder)")
     a = ap.parse_args(argv)
     one, two = open_recording(_session(a.one)), open_recording(_session(a.two))
     single = _tps(one.steps, a.warmup)
@@ -66,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         "collectives": {c["op"]: c["rows"] for c in collectives(two.events.to_dicts())},
         "sessions": [str(one.path), str(two.path)],
     }
+    if a.fsdp is not None:
+        out["fsdp"] = _fsdp(a.fsdp)
     print(json.dumps(out, indent=1, default=str))
-    return 0 if out["scaling_ok"] and out["busbw_ok"] else 1
+    return 0 if out["scaling_ok"] and out["busbw_ok"] and out.get("fsdp", {}).get("ok", True) else 1
 
 
 if __name__ == "__main__":

@@ -220,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "run time); the workload flags are the recorded ones and may not contradict them")
     s.add_argument("--nproc", type=_pos_int, metavar="N", help="data-parallel (DDP) over N ranks, under torchrun")
     s.add_argument("--collectives", type=_size, metavar="SIZE", help="ranks: first an nccl-tests-like check to SIZE")
+    s.add_argument("--dp", choices=["ddp", "fsdp"], help="ranks: DDP (default), or FSDP sharded per decoder layer")
     s.add_argument("--peak-gbps", type=_nonneg, help="busbw peak per direction (default: 450 on H100/H200 NVLink 4)")
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
@@ -392,15 +393,15 @@ def cmd_stress(args) -> int:
     from gpuwatch.runtime import Session, load_resume
 
     factory, dist = None, None
-    if args.nproc or args.collectives or os.environ.get("WORLD_SIZE", "1") != "1":
+    if args.nproc or args.collectives or args.dp or os.environ.get("WORLD_SIZE", "1") != "1":
         from gpuwatch.workload import distributed as dist
 
         if args.nproc:  # this command again, under torchrun
-            return dist.relaunch(sys.argv[1:], args.nproc)
-        ctx = dist.join(args.device, args.resume, args.collectives)
+            return dist.relaunch(sys.argv[1:], args.nproc, args.dp, args.mode)
+        ctx = dist.join(args.device, args.resume, args.collectives, args.dp, args.mode)
         if not ctx.leader:  # the workload only: its steps and events go to rank 0's session
-            return dist.run_rank(ctx, _workload_spec(args), args.collectives, args.peak_gbps)
-        factory = dist.make_rank_workloads(ctx, args.collectives, args.peak_gbps)
+            return dist.run_rank(ctx, _workload_spec(args), args.collectives, args.peak_gbps, args.dp)
+        factory = dist.make_rank_workloads(ctx, args.collectives, args.peak_gbps, args.dp)
     fail_on = ci.merge_fail_on(args.fail_on)
     if fail_on and not args.record:
         raise UsageError("--fail-on needs the recording to check (drop --no-record)")

@@ -108,11 +108,39 @@ def test_guard_decision_applied_by_every_rank_at_the_same_step(env):
 
 
 @pytest.mark.slow
-def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
-    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY, "--steps", "3", "-o", str(tmp_path)],
-                  extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+def test_guard_decides_on_the_riskiest_rank(env):
+    """Rank 1 (not rank 0) is the one near its limit: its risk reaches rank 0 with its step rows, the real
+    guard decides on it (the max over ranks), and both ranks apply the lower ceiling at the same step."""
+    r = _torchrun(env, [str(ROOT / "tests" / "support" / "ddp_guard_worker.py"), "--worst-rank"],
+                  extra_env={"GPUWATCH_SIM_RISK": "1:2:0.9"})
     assert r.returncode == 0, r.stderr[-3000:]
-    _, data = _session(tmp_path)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["state"] == "finished"
+    acts = [e for e in out["events"] if e["kind"] == "guard_action"]
+    assert len(acts) == 1 and acts[0]["decided_on_rank"] == 1 and acts[0]["value"] == 3
+    for k in (0, 1):  # rank 1 said it before step 2; rank 0 decided before step 3; both ran step 3 at ceiling 3
+        rows = sorted((x for x in out["rows"] if x["rank"] == k), key=lambda x: x["step"])
+        assert [x["step"] for x in rows] == [0, 1, 2, 3], k
+        assert [x["micro_batches"] for x in rows] == [1, 1, 1, 2], k
+    applied = [e for e in out["events"] if e["kind"] == "control" and e["rank"] == 1]
+    assert len(applied) == 1 and applied[0]["at_step"] == 3
+
+
+@pytest.mark.slow
+def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
+    js = tmp_path / "summary.json"
+    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY, "--steps", "3", "-o", str(tmp_path / "rec"),
+                        "--summary-json", str(js)], extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the summary counts every rank's OOMs: rank 1's one, in the total and per rank
+    (w,) = json.loads(js.read_text())["workloads"]
+    assert w["ooms"] == 1 and w["recovered"] == 1 and w["steps"] == 3
+    by = {c["rank"]: c for c in w["ranks"]}
+    assert sorted(by) == [0, 1] and by[0]["ooms"] == 0 and by[1]["ooms"] == 1 and by[1]["recovered"] == 1
+    assert by[0]["lost_steps"] == 1 and by[0]["state"] == by[1]["state"] == "finished"
+    assert by[0]["steps"] == by[1]["steps"] == 3
+    assert "1 OOM (1 recovered)" in r.stdout and "rank 1 finished, 3 steps, 1 OOM (1 recovered)" in r.stdout
+    _, data = _session(tmp_path / "rec")
     steps = data.steps
     for k in (0, 1):  # the same steps on both ranks; the batch halved on both from the same step on
         mine = steps.filter(pl.col("rank") == k).sort("step")
@@ -123,6 +151,38 @@ def test_oom_on_one_rank_is_survived_by_all(env, tmp_path):
     assert oom.height == 1 and json.loads(oom["detail"][0])["rank"] == 1
     peer = [json.loads(x) for x in ev.filter(pl.col("kind") == "oom_recovered")["detail"]]
     assert {d.get("rank") for d in peer} == {0, 1}
+
+
+@pytest.mark.slow
+def test_fsdp_shards_per_layer_and_survives_an_oom_on_one_rank(env, tmp_path):
+    """`--dp fsdp`: FSDP2's fully_shard per decoder layer on gloo; each rank holds about half the
+    parameters; the engine is in the meta; rank 1's OOM (before its forward) is survived by both."""
+    r = _torchrun(env, ["-m", "gpuwatch", "stress", *TINY[:-5], "--set", "num_hidden_layers=2", "--no-model",
+                        "--progress", "0", "--dp", "fsdp", "--steps", "3", "-o", str(tmp_path)],
+                  extra_env={"GPUWATCH_SIM_OOM": "1:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    d, data = _session(tmp_path)
+    dist_meta = json.loads((d / "meta.json").read_text())["config"]["workloads"][0]["distributed"]
+    assert dist_meta["dp"] == "fsdp" and "fully_shard" in dist_meta["engine"]
+    eng = [json.loads(x) for x in data.events.filter(pl.col("kind") == "dp_engine")["detail"]]
+    assert sorted(e["rank"] for e in eng) == [0, 1]
+    for e in eng:
+        assert e["param_bytes_here"] <= 0.55 * e["param_bytes_full"]  # sharded: about 1/2 each
+    for k in (0, 1):
+        mine = data.steps.filter(pl.col("rank") == k).sort("step")
+        assert mine["step"].to_list() == [0, 1, 2] and mine["batch"].to_list() == [4, 2, 2], k
+        assert mine["comm_bytes"].null_count() == 3 and mine["loss"].is_finite().all()
+
+
+@pytest.mark.slow
+def test_fsdp_accumulates_and_refuses_a_precision_change(env):
+    r = _torchrun(env, [str(ROOT / "tests" / "support" / "ddp_guard_worker.py"), "--fsdp"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in (0, 1):
+        rows = sorted((x for x in out["rows"] if x["rank"] == k), key=lambda x: x["step"])
+        assert [x["micro_batches"] for x in rows] == [1, 1, 2, 2] and {x["precision"] for x in rows} == {"fp32"}
+    assert [e["value"] for e in out["events"] if e["kind"] == "control_refused"] == ["bf16"]
 
 
 @pytest.mark.slow
@@ -138,7 +198,8 @@ def test_oom_in_backward_stops_every_rank_with_the_reason(env, tmp_path):
 
 def test_bad_input_is_one_line(env, tmp_path):
     for args, want in ((["--collectives", "4KiB"], "needs several ranks"),
-                       (["--nproc", "0"], "--nproc")):
+                       (["--nproc", "0"], "--nproc"), (["--dp", "fsdp"], "--dp fsdp needs several ranks"),
+                       (["--nproc", "2", "--dp", "fsdp", "--mode", "prefill"], "--mode train")):
         r = subprocess.run([sys.executable, "-m", "gpuwatch", "stress", *TINY, "-o", str(tmp_path), *args], env=env,
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

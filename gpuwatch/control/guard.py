@@ -80,15 +80,27 @@ class Guard:
         if onset and w is not None:
             w.request_snapshot(self.snapshot_dir(), f"risk {risk:.2f}")
 
+    def latest_risk(self, gpu: int | None) -> dict[str, Any] | None:
+        """The scorer's latest figures for one GPU (risk, reasons, features, plan), or None."""
+        with self._lock:
+            got = self._latest.get(gpu)
+            return dict(got) if got else None
+
     # -- the workload thread ---------------------------------------------------------------------------
-    def before_step(self, w: GuardedWorkload) -> Action:
+    def before_step(self, w: GuardedWorkload, worst: dict[str, Any] | None = None) -> Action:
         """Decide before the workload's next step; the action (if any) has been handed to `w.apply`.
-        Returns it, or NONE."""
+        Returns it, or NONE. `worst`: a data-parallel job's riskiest other rank (its `rank`, `gpu`, `risk`,
+        `reasons`, `features` and `view`, its memory figures): where its risk is above this workload's own,
+        the decision is made on that rank's figures (the job's one decision, applied by every rank)."""
         if self.cfg.mode == "off" or self.unable:
             return NONE
         gpu = w.gpu_index
         with self._lock:
             latest = dict(self._latest.get(gpu) or {})
+        rank = None
+        if worst and worst.get("risk") is not None and (latest.get("risk") is None or worst["risk"] > latest["risk"]):
+            rank = worst.get("rank")
+            latest = {k: worst.get(k) for k in ("risk", "reasons", "features", "plan")}
         plan = w.next_plan()
         self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
         if plan is None or not latest:
@@ -98,14 +110,19 @@ class Guard:
         if view.manual:
             d["why_none"] = "manual"
             return NONE
+        if rank is not None:  # the other rank's GPU and memory figures
+            view = replace(view, gpu=worst.get("gpu"), **{k: v for k, v in (worst.get("view") or {}).items()
+                                                           if hasattr(view, k)})
+            d["rank"] = rank
         rescored = False
-        if self.rescore is not None and self._worth_rescoring(plan, latest):
-            risk, reasons, feats = self.rescore(gpu, plan.scored())  # the plan stepped up since it was scored
+        score_gpu = gpu if rank is None else worst.get("gpu")
+        if self.rescore is not None and score_gpu is not None and self._worth_rescoring(plan, latest):
+            risk, reasons, feats = self.rescore(score_gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
             rescored = True
         obs = self._observe(w, plan, view, latest)
         obs.fresh = rescored or latest.get("plan") == plan.scored()
-        obs.alloc_rising_steps = self._rising(gpu, view)
+        obs.alloc_rising_steps = self._rising(gpu if rank is None else ("rank", rank), view)
         act = self.policies[gpu].decide(obs)
         f = obs.features
         d.update(risk=obs.risk, rescored=rescored, scored_plan=latest.get("plan"), action=act.kind, why=act.why,
@@ -121,7 +138,7 @@ class Guard:
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE
         if act.kind != "none":
-            self._apply(w, act, obs)
+            self._apply(w, act, obs, rank)
             return act
         return NONE
 
@@ -168,11 +185,12 @@ class Guard:
             lower_precisions=view.lower_precisions, accepts=w.accepts(), act_frac=act_frac,
             features=latest.get("features") or {}, reasons=latest.get("reasons") or [])
 
-    def _apply(self, w: GuardedWorkload, act: Action, obs: Observation) -> None:
+    def _apply(self, w: GuardedWorkload, act: Action, obs: Observation, rank: int | None = None) -> None:
         self.actions += 1
         gpu = w.gpu_index
         verb = "would " if not self.acting else ""
-        self.bus.emit("guard_action", f"{verb}{act.kind.replace('_', ' ')}: {act.why}",
+        on = f" (rank {rank}'s risk, the highest of the job's ranks)" if rank is not None else ""
+        self.bus.emit("guard_action", f"{verb}{act.kind.replace('_', ' ')}: {act.why}{on}",
                       "error" if act.kind == "stop" else "warning", gpu=gpu,
                       action=act.kind, value=act.value, rule=self.cfg.rule, mode=self.cfg.mode,
                       risk=obs.risk, threshold=obs.threshold, reasons=obs.reasons[:3],
@@ -180,7 +198,8 @@ class Guard:
                       mem_used_frac=obs.features.get("mem_used_frac"),
                       next_peak_est_frac=obs.features.get("next_peak_est_frac"),
                       alloc_growth_frac_per_step=obs.features.get("alloc_growth_frac_per_step"),
-                      torch_reserved_gap_frac=obs.features.get("torch_reserved_gap_frac"))
+                      torch_reserved_gap_frac=obs.features.get("torch_reserved_gap_frac"),
+                      **({"decided_on_rank": rank} if rank is not None else {}))
         if act.kind == "name_leak":  # naming costs nothing to the run: observe mode does it too
             w.request_snapshot(self.snapshot_dir(), act.why)
         if not self.acting:

@@ -10,8 +10,8 @@ The ranks agree through a second process group, gloo on the CPU (the control pla
 step, never in the way of NCCL's streams):
   * before every step one `all_gather_object`: rank 0's decision (stop, pause, the schedule's state, the
     controls it applied - batch ceiling, hold, precision - so every rank applies them at the same step)
-    and every rank's step rows and events of the previous step (rank 0 records them: one session, a
-    `rank` column);
+    and every rank's step rows, events, counters (OOMs...) and GPU identity of the previous step (rank 0
+    records them: one session, a `rank` column; its guard decides on the riskiest rank's figures);
   * after forward and backward one all-reduce (max) of two flags, "OOM" and "non-finite": an OOM on any
     rank makes every rank skip the update of that step and back off together (the rank that failed in
     forward first joins the gradient all-reduce with zero gradients, so nobody waits alone).
@@ -22,12 +22,11 @@ and every rank stops with that reason in its `workload_error` event. Never a han
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
 import warnings
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,101 +39,11 @@ from gpuwatch.workload import flops as F
 from gpuwatch.workload import model as M
 from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload.comm import CommMeter
+from gpuwatch.workload.dist_init import ENV_TIMEOUT, DistContext, init_from_env, join, launched, relaunch, shutdown
 from gpuwatch.workload.runner import Workload, WorkloadConfig
 
-ENV_TIMEOUT = "GPUWATCH_DIST_TIMEOUT_S"  # the process groups' timeout (default 600 s)
 ENV_SIM_OOM = "GPUWATCH_SIM_OOM"  # tests: "RANK:STEP[:backward]" - a simulated OOM on that rank at that step
-CTRL_TIMEOUT_S = 3600.0  # the control plane waits this long (a paused rank 0 sends a heartbeat every second)
-FATAL_KEY = "gpuwatch/fatal"
-
-
-def launched() -> bool:
-    """Whether this process is one rank of several (torchrun, or any launcher setting WORLD_SIZE)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
-        raise UsageError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number") from None
-
-
-@dataclass
-class DistContext:
-    rank: int
-    world: int
-    local_rank: int
-    backend: str
-    device: torch.device
-    ctrl: Any  # the gloo group of the control plane
-    store: Any  # the rendezvous store (a failing rank's reason goes here)
-    timeout_s: float
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-    def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world, "local_rank": self.local_rank,
-                "backend": self.backend, "timeout_s": self.timeout_s}
-
-    def fatal(self, reason: str) -> None:
-        """Leave this rank's reason for the others (first one wins), before it fails."""
-        try:
-            if not self.store.check([FATAL_KEY]):
-                self.store.set(FATAL_KEY, f"rank {self.rank}: {reason}")
-        except Exception:  # noqa: BLE001 - the store may be gone with the job
-            pass
-
-    def fatal_reason(self) -> str | None:
-        try:
-            if self.store.check([FATAL_KEY]):
-                return self.store.get(FATAL_KEY).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            pass
-        return None
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except KeyError:
-        raise UsageError(f"torch.distributed: {name} is not set (run under torchrun, or use --nproc N)") from None
-    except ValueError:
-        raise UsageError(f"torch.distributed: {name}={os.environ[name]!r} is not a number") from None
-
-
-def init_from_env(device: str = "auto") -> DistContext:
-    """Join the job torchrun started: NCCL on cuda:LOCAL_RANK where CUDA has that device, else gloo on
-    the CPU (`--device cpu` forces gloo). Both process groups get a timeout, so a lost rank ends the job."""
-    rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT")
-    try:
-        timeout_s = float(os.environ.get(ENV_TIMEOUT, "600"))
-    except ValueError:
-        raise UsageError(f"{ENV_TIMEOUT} must be seconds") from None
-    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() > local
-    if device.startswith("cuda") and not cuda_ok:
-        raise UsageError(f"--device {device}: rank {rank} has no CUDA device {local} here")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise UsageError(f"--device {device}: under torchrun use auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
-    if cuda_ok and device != "cpu":
-        dev, backend = torch.device(f"cuda:{local}"), "nccl"
-        torch.cuda.set_device(dev)
-    else:
-        dev, backend = torch.device("cpu"), "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    # the launcher's store (torchrun's agent hosts it; a plain launcher: rank 0 does), as env:// would make it
-    master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = dist.TCPStore(addr, port, world, is_master=master, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CTRL_TIMEOUT_S)))
-    return DistContext(rank, world, local, backend, dev, ctrl, dist.PrefixStore("gpuwatch", store), timeout_s)
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a failed job's groups may not tear down cleanly
-            pass
+ENV_SIM_RISK = "GPUWATCH_SIM_RISK"  # tests: "RANK:STEP:RISK" - that rank reports that risk before that step
 
 
 def _sim_oom() -> tuple[int, int, str] | None:
@@ -148,6 +57,17 @@ def _sim_oom() -> tuple[int, int, str] | None:
         raise UsageError(f"{ENV_SIM_OOM}={text!r}: use RANK:STEP or RANK:STEP:backward") from None
 
 
+def _sim_risk() -> tuple[int, int, float] | None:
+    text = os.environ.get(ENV_SIM_RISK)
+    if not text:
+        return None
+    try:
+        r, step, risk = text.split(":")
+        return int(r), int(step), float(risk)
+    except ValueError:
+        raise UsageError(f"{ENV_SIM_RISK}={text!r}: use RANK:STEP:RISK") from None
+
+
 class RankFailed(RuntimeError):
     """This rank cannot go on with the others (an OOM inside backward): the job stops with the reason."""
 
@@ -155,9 +75,11 @@ class RankFailed(RuntimeError):
 class DistributedWorkload(Workload):
     """gpuwatch's workload as one rank of a data-parallel job (see the module's docstring)."""
 
-    def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext) -> None:
+    def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext, dp: str = "ddp") -> None:
         super().__init__(bus, cfg)
         self.ctx = ctx
+        self.dp = dp  # "ddp" or "fsdp" (gpuwatch/workload/fsdp.py)
+        self.engine = "DistributedDataParallel" if dp == "ddp" else _fsdp().engine_name()
         self.rank = ctx.rank
         self.ddp: DDP | None = None
         self.meter = CommMeter(self.device, ctx.world)
@@ -166,13 +88,18 @@ class DistributedWorkload(Workload):
         self._rewrap = False
         self._stage = "idle"
         self._sim = _sim_oom()
+        self._sim_risk = _sim_risk()
+        self.nvml_index = None  # rank 0: the Session's CUDA device -> NVML index (a peer's GPU's risk)
+        self.peer_risk: dict[int, dict[str, Any]] = {}  # rank 0: what each rank said of its own risk
+        self.peer_gpu: dict[int, int | None] = {}  # rank 0: each rank's NVML index on this host (None: unknown)
+        self.peer_counts: dict[int, dict[str, Any]] = {}  # rank 0: each rank's own counters (OOMs...), latest
         self._out = {"steps": bus.steps.next_seq, "events": bus.events.next_seq}  # what the others have not seen
         self.peers: dict[int, dict[str, Any]] = {}  # rank 0: each rank's last step row
         self.collectives_max: int | None = None  # run the bandwidth check first (bytes), set by the front end
         self.collectives_peak: float | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "distributed": self.ctx.describe()}
+        return {**super().describe(), "distributed": {**self.ctx.describe(), "dp": self.dp, "engine": self.engine}}
 
     # -- DDP ----------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -182,7 +109,16 @@ class DistributedWorkload(Workload):
 
     def _wrap(self) -> None:
         """(Re)wrap the model in DDP: after a precision change the reducer's buckets must be rebuilt.
-        Every rank does it at the same step (DDP's constructor is a collective)."""
+        Every rank does it at the same step (DDP's constructor is a collective). FSDP: sharded once."""
+        if self.dp == "fsdp":
+            self.ddp, self.engine = _fsdp().shard(self.model, self.device)
+            self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=1e-5)  # over the shards
+            here, full = _fsdp().param_bytes(self.ddp)
+            self.bus.emit("dp_engine", f"rank {self.rank}: {self.engine}, one unit per decoder layer; holds "
+                          f"{here / 2**20:.1f} of {full / 2**20:.1f} MiB of parameters", gpu=self.cfg.gpu_index,
+                          rank=self.rank, engine=self.engine, param_bytes_here=here, param_bytes_full=full)
+            self._rewrap = False
+            return
         self.ddp = None
         # MoE: an expert no token was routed to has no gradient this step -> find_unused_parameters
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -194,8 +130,16 @@ class DistributedWorkload(Workload):
         self._rewrap = False
 
     # -- the control plane -----------------------------------------------------------------------------
+    def accepts(self) -> frozenset[str]:
+        return super().accepts() - ({"precision"} if self.dp == "fsdp" else set())
+
     def _apply_controls(self) -> None:
         with self._lock:
+            if self.dp == "fsdp" and "precision" in self._pending:
+                value, who, _ = self._pending.pop("precision")
+                self.bus.emit("control_refused", f"precision -> {value} ({who}) not applied: under FSDP the "
+                              "shards would have to be rebuilt", "warning", gpu=self.cfg.gpu_index, control="precision",
+                              value=value, who=who, rank=self.rank)
             self._applied = [(k, v[0], v[1], v[2]) for k, v in self._pending.items()]
         was = self.precision
         super()._apply_controls()
@@ -209,7 +153,7 @@ class DistributedWorkload(Workload):
             if not self._resume.wait(1.0):
                 return {"stop": False, "step": False}
         if self.guard is not None and not self.manual and not self._stop.is_set():
-            self.guard.before_step(self)
+            self.guard.before_step(self, worst=self._worst_rank())
         self._apply_controls()
         self._maybe_snapshot()
         plan = self.schedule.wanted()
@@ -218,10 +162,54 @@ class DistributedWorkload(Workload):
                 "step": True, "schedule": self.schedule.state(), "controls": self._applied,
                 "precision": self.precision, "at_step": self._step}
 
+    def _own_risk(self) -> dict[str, Any] | None:
+        """What this rank says of its own risk before the next step. A rank has no scorer of its own (rank
+        0 scores every GPU of its host, peers' too); here only the test's injection (`GPUWATCH_SIM_RISK`)."""
+        s = self._sim_risk
+        if s and s[0] == self.rank and s[1] == self._step:
+            return {"risk": s[2], "reasons": [["simulated", s[2]]], "features": {}}
+        return None
+
+    def _worst_rank(self) -> dict[str, Any] | None:
+        """Rank 0: the riskiest other rank before the next step, as the guard takes it (`worst`): its risk
+        (rank 0's scorer's figure for that rank's GPU when it is on this host, else what the rank said), its
+        GPU and its memory figures of its last step. The guard compares it with rank 0's own risk and
+        decides on the larger, once for all ranks."""
+        latest = getattr(self.guard, "latest_risk", None)
+        best = None
+        for r in sorted(set(self.peer_risk) | set(self.peer_gpu)):
+            gpu = self.peer_gpu.get(r)
+            got = latest(gpu) if latest is not None and gpu is not None else None
+            said = self.peer_risk.get(r)
+            if said is not None and (got is None or (said.get("risk") or 0.0) > (got.get("risk") or 0.0)):
+                got = said
+            if not got or got.get("risk") is None:
+                continue
+            if best is None or got["risk"] > best["risk"]:
+                row = self.peers.get(r) or {}
+                best = {**got, "rank": r, "gpu": gpu,
+                        "view": {"last_peak_bytes": row.get("torch_peak_bytes"),
+                                 "last_allocated_bytes": row.get("torch_allocated_bytes"),
+                                 "last_reserved_bytes": row.get("torch_reserved_bytes")}}
+        return best
+
     def _outbox(self) -> dict[str, Any]:
         steps, self._out["steps"], _ = self.bus.steps.since(self._out["steps"])
         events, self._out["events"], _ = self.bus.events.since(self._out["events"])
-        return {"rank": self.rank, "steps": steps, "events": events}
+        return {"rank": self.rank, "steps": steps, "events": events, "risk": self._own_risk(),
+                "ident": {"uuid": self.cfg.gpu_uuid, "pci_bus_id": self.cfg.gpu_pci_bus_id},
+                "counts": self.own_counts()}
+
+    def own_counts(self) -> dict[str, Any]:
+        """This rank's counters, as the summary counts them (sent to rank 0 before every step and at the end)."""
+        return {"rank": self.rank, "state": self.state, "steps": self._step, "ooms": self.ooms,
+                "recovered": self.recovered, "lost_steps": self.lost_steps, "nonfinite": self.nonfinite,
+                "integrity_failures": self.integrity_failures, "unrecovered": self.unrecovered}
+
+    def rank_counts(self) -> list[dict[str, Any]]:
+        """Rank 0: every rank's counters, rank 0's own first (another rank's are the last it sent: at the
+        end of the job, or before its last step where it failed)."""
+        return [self.own_counts(), *(self.peer_counts[k] for k in sorted(self.peer_counts))]
 
     def _exchange(self, decision: dict[str, Any] | None) -> dict[str, Any]:
         mine = self._outbox() if not self.ctx.leader else {"rank": 0, "decision": decision}
@@ -234,6 +222,13 @@ class DistributedWorkload(Workload):
     def _ingest(self, parts: list[dict[str, Any]]) -> None:
         """Rank 0: the other ranks' step rows and events go into this session's bus (and recording)."""
         for part in parts:
+            k = part["rank"]
+            self.peer_risk[k] = part.get("risk")
+            if part.get("counts"):
+                self.peer_counts[k] = part["counts"]
+            if k not in self.peer_gpu:
+                ident = part.get("ident") or {}
+                self.peer_gpu[k] = self.nvml_index(ident) if self.nvml_index and any(ident.values()) else None
             for ev in part["events"]:
                 ev.detail.setdefault("rank", part["rank"])
                 if not ev.message.startswith("rank "):
@@ -334,9 +329,11 @@ class DistributedWorkload(Workload):
                 raise
             failure = str(e).splitlines()[0][:300]
         if failure is not None and self.ddp is not None:
-            if self._stage == "backward":  # DDP's reducer is part-way: this rank cannot rejoin
-                self.ctx.fatal(f"OOM in backward at step {self._step} (batch {micro} x {seq}): {failure}")
-                raise RankFailed(f"OOM in backward at step {self._step}: cannot rejoin the gradient all-reduce")
+            # DDP's reducer part-way through backward, or FSDP's per-layer all-gathers part-way through forward
+            # or backward: this rank's collectives no longer line up with the others'; it cannot rejoin
+            if self._stage == "backward" or (self.dp == "fsdp" and self._stage == "forward"):
+                self.ctx.fatal(f"OOM in {self._stage} at step {self._step} (batch {micro} x {seq}): {failure}")
+                raise RankFailed(f"OOM in {self._stage} at step {self._step}: cannot rejoin the gradients' collectives")
             self._shadow_pass()
         flags = torch.tensor([failure is not None, row is not None and row.pop("_nonfinite")], dtype=torch.float32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.ctrl)
@@ -350,6 +347,7 @@ class DistributedWorkload(Workload):
 
     def _rank_step(self, batch: int, seq: int, phase: str, micro: int, k: int) -> dict[str, Any]:
         dev = self.device
+        self._stage = "idle"  # an OOM before the model runs: every rank's collectives still line up
         if self._sim and self._sim[0] == self.rank and self._sim[1] == self._step and self._sim[2] == "forward":
             self._sim = None
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.rank} at step {self._step})")
@@ -382,7 +380,7 @@ class DistributedWorkload(Workload):
         try:
             for i, ids in enumerate(chunks):
                 self._stage = "forward"
-                with ddp.no_sync() if i < k - 1 else _nullcontext():
+                with self._no_sync(i == k - 1):
                     out = ddp(input_ids=ids, labels=ids, use_cache=False)
                     loss = out.loss
                     max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
@@ -398,6 +396,12 @@ class DistributedWorkload(Workload):
             return sum(losses) / k, max_logit
         finally:
             ddp.eval()
+
+    def _no_sync(self, last: bool):
+        """Every micro-batch but the last accumulates without the gradients' collective."""
+        if self.dp == "fsdp":
+            return _fsdp().no_sync(self.ddp, self.engine, sync=last)
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
 
     def _shadow_pass(self) -> None:
         """This rank failed in forward: join the gradient all-reduce with zero gradients (a one-token
@@ -436,7 +440,7 @@ class DistributedWorkload(Workload):
 
     def _finish_row(self, row: dict[str, Any], micro: int) -> None:
         dt = time.perf_counter() - row.pop("_t0")
-        comm_s, comm_bytes = self.meter.result() if self.ddp is not None else (None, None)
+        comm_s, comm_bytes = self.meter.result() if self.ddp is not None and self.dp == "ddp" else (None, None)
         mode, batch, seq = row["mode"], row["batch"], row["seq_len"]
         if self.ddp is not None:
             tokens = batch * seq
@@ -462,19 +466,18 @@ class DistributedWorkload(Workload):
             self._integrity()
 
 
+def _fsdp():
+    from gpuwatch.workload import fsdp
+
+    return fsdp
+
+
 def _finite(x) -> bool:
     return x is None or x == x and abs(x) != float("inf")
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def make_rank_workloads(ctx: DistContext, collectives_max: int | None = None, peak_gbps: float | None = None):
+def make_rank_workloads(ctx: DistContext, collectives_max: int | None = None, peak_gbps: float | None = None,
+                        dp: str | None = None):
     """The `workload_factory` of rank 0's Session (and of the other ranks' bare loop): this rank's one
     workload on its own device."""
     from dataclasses import replace
@@ -486,14 +489,16 @@ def make_rank_workloads(ctx: DistContext, collectives_max: int | None = None, pe
             raise UsageError("--gpus runs independent workloads; under torchrun each rank takes cuda:LOCAL_RANK")
         one = replace(spec, device=str(ctx.device))
         (w,) = make_workloads(one, bus, nvml_index)
-        dw = DistributedWorkload(bus, w.cfg, ctx)
+        dw = DistributedWorkload(bus, w.cfg, ctx, dp or "ddp")
         dw.collectives_max, dw.collectives_peak = collectives_max, peak_gbps
+        dw.nvml_index = nvml_index
         return [dw]
 
     return factory
 
 
-def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gbps: float | None = None) -> int:
+def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gbps: float | None = None,
+             dp: str | None = None) -> int:
     """A rank other than 0: the workload alone, in this thread, until rank 0 says stop. Its steps and
     events reach rank 0's session. SIGINT/SIGTERM are left to rank 0 (torchrun signals every rank; rank 0
     stops the job at the next step, so no rank leaves the others waiting in a collective)."""
@@ -502,7 +507,7 @@ def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gb
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     bus = Bus()
-    (w,) = make_rank_workloads(ctx, collectives_max, peak_gbps)(spec, bus)
+    (w,) = make_rank_workloads(ctx, collectives_max, peak_gbps, dp)(spec, bus)
     try:
         w.run()
     finally:
@@ -512,33 +517,3 @@ def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gb
         print(f"gpuwatch: rank {ctx.rank}: {w.unrecovered}", flush=True)
         return 1
     return 0
-
-
-def join(device: str, resume=None, collectives: int | None = None) -> DistContext:
-    """`stress` under torchrun: check what cannot combine with it, then join the job."""
-    if not launched():
-        raise UsageError("--collectives needs several ranks: add --nproc N (or start under torchrun)")
-    if resume is not None:
-        raise UsageError("--resume of a data-parallel run is not supported: start it again")
-    return init_from_env(device)
-
-
-def relaunch(argv: list[str], nproc: int) -> int:
-    """`stress --nproc N ...`: the same command under torchrun (`python -m torch.distributed.run`) with
-    N ranks on this host; its exit code is the job's."""
-    import subprocess
-    import sys
-
-    if launched():
-        raise UsageError("--nproc starts torchrun; this process already runs under it")
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "gpuwatch", *rest]
-    return subprocess.call(cmd)

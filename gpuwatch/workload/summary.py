@@ -7,15 +7,29 @@ from typing import Any
 
 
 def summarize(w, bus) -> dict[str, Any]:
-    rows = [r for r in bus.steps.latest(len(bus.steps)) if r["gpu"] == w.cfg.gpu_index]
+    """A data-parallel job's rank 0 (`rank_counts`): `ooms`, `recovered`, `nonfinite` and
+    `integrity_failures` are totals over every rank, `ranks` has each rank's own; steps and tokens/s are rank
+    0's (each rank runs the same steps)."""
+    rank = getattr(w, "rank", None)
+    every = [r for r in bus.steps.latest(len(bus.steps)) if r["gpu"] == w.cfg.gpu_index]
+    rows = [r for r in every if r.get("rank") in (None, rank)]
     tps = [r["tokens_per_s"] for r in rows]
-    return {"preset": w.cfg.preset, "mode": w.cfg.mode, "device": w.device_name, "state": w.state,
-            "gpu": w.cfg.gpu_index, "steps": len(rows), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "ooms": w.ooms, "recovered": w.recovered, "nonfinite": w.nonfinite,
-            "integrity_failures": w.integrity_failures, "unrecovered": w.unrecovered,
-            "ramp_edges": w.schedule.edges, "sweep": sweep_table(rows) if w.cfg.schedule == "sweep" else None,
-            "sweep_oom": w.schedule.oom_levels, "stopped_by_guard": getattr(w, "stopped_by", None),
-            "remedies": list(getattr(w, "remedies", []) or [])}
+    out = {"preset": w.cfg.preset, "mode": w.cfg.mode, "device": w.device_name, "state": w.state,
+           "gpu": w.cfg.gpu_index, "steps": len(rows), "median_tokens_per_s": statistics.median(tps) if tps else None,
+           "ooms": w.ooms, "recovered": w.recovered, "nonfinite": w.nonfinite,
+           "integrity_failures": w.integrity_failures, "unrecovered": w.unrecovered,
+           "ramp_edges": w.schedule.edges, "sweep": sweep_table(rows) if w.cfg.schedule == "sweep" else None,
+           "sweep_oom": w.schedule.oom_levels, "stopped_by_guard": getattr(w, "stopped_by", None),
+           "remedies": list(getattr(w, "remedies", []) or [])}
+    counts = getattr(w, "rank_counts", None)
+    if callable(counts):
+        ranks = counts()
+        for k in ("ooms", "recovered", "nonfinite", "integrity_failures"):
+            out[k] = sum(int(c.get(k) or 0) for c in ranks)
+        out["unrecovered"] = out["unrecovered"] or next((f"rank {c['rank']}: {c['unrecovered']}" for c in ranks
+                                                         if c.get("unrecovered")), None)
+        out["ranks"] = ranks
+    return out
 
 
 def sweep_table(rows: list[dict]) -> list[dict[str, Any]]:
@@ -40,6 +54,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [f"{s['preset']} {s['mode']} on {s['device']}: {s['state']}, {s['steps']} steps, "
              f"median {tps} tokens/s, {s['ooms']} OOM ({s['recovered']} recovered), "
              f"{s['nonfinite']} non-finite, {s['integrity_failures']} integrity failures"]
+    if s.get("ranks"):
+        n = len(s["ranks"])
+        lines.append(f"  {n} rank{'s' if n > 1 else ''} (the OOM counts above are their total): " + "; ".join(
+            f"rank {c['rank']} {c['state']}, {c['steps']} steps, {c['ooms']} OOM ({c['recovered']} recovered), "
+            f"{c['lost_steps']} skipped" for c in s["ranks"]))
     if s["unrecovered"]:
         lines.append(f"  UNRECOVERED: {s['unrecovered']}")
     if s.get("stopped_by_guard"):
