@@ -254,7 +254,8 @@ def test_a_shape_that_failed_before_is_forecast_to_fail_again():
 
 def test_failed_shapes_come_from_the_recorded_oom_events_and_raise_the_risk_at_the_repeat():
     """nc2-small-prefill-rampmax-b192 (H200): the ramp failed at batch 145 x 512 24 times; from the
-    second time on, the step before it (planning 145) has the failed shape in its events window."""
+    second time on, the step before it (planning 145) has the failed shape in its events window; the
+    first time, the plan outgrows the allocator's segments."""
     src = ReplaySource(NEAR / "nc2-small-prefill-rampmax-b192")
     shapes = F.failed_shapes(src.events_df)
     assert len(shapes) == 24 and {(s.tokens, s.seq) for s in shapes} == {(145 * 512, 512)}
@@ -268,8 +269,11 @@ def test_failed_shapes_come_from_the_recorded_oom_events_and_raise_the_risk_at_t
     before_first = steps.filter(pl.col("ts") < ooms[0])["ts"][-1]
     src.seek_to(before_first.timestamp() * 1e6)
     f = F.features(src.window(src.gpus[0].index))
-    assert f["peak_cross_p"] < 0.5  # the first time, nothing in the steps says so (fragmentation)
-    assert f["frag_need_frac"] > 0.6  # but the share of the cache it must reuse is high
+    # the first time: the steps alone put batch 145 at 75 % of the limit, but it needs 12 % of the limit
+    # more than any step that ran and the allocator's segments already fill the cap (fragmentation)
+    assert f["next_peak_est_frac"] < 0.8 and f["torch_reserved_frac"] > 0.97
+    assert f["peak_cross_p"] >= 0.9
+    assert f["frag_need_frac"] > 0.6  # the share of the cache it must reuse is high
 
 
 def test_own_memory_is_the_polars_list_filter_on_every_shipped_recording():
@@ -299,3 +303,20 @@ def test_group_medians_are_numpys_median_per_shape():
         inv[:n] = np.arange(n)
         x = rng.normal(size=inv.size)
         assert np.allclose(_group_medians(inv, x, n), [np.median(x[inv == i]) for i in range(n)])
+
+
+def test_a_plan_that_outgrows_full_segments_is_at_risk_and_one_within_them_is_not():
+    from gpuwatch.predict.peak import FRAG_P
+
+    batches, peaks, allocs = [93] * 6 + [116] * 6, [3.7 * GiB] * 6 + [4.4 * GiB] * 6, [1.0 * GiB] * 12
+    lim = usable_limit(7 * GiB)
+    n = len(batches)
+
+    def fc(plan, reserved):
+        return forecast(np.array(batches, float), np.full(n, 512.0), np.ones(n), ["bf16"] * n, np.array(allocs),
+                        np.array(peaks), np.full(n, 0.5), plan, 512, None, lim, reserved=reserved)
+
+    assert fc(145, 6.9 * GiB).p_horizon >= FRAG_P  # +0.8 GiB over the largest peak, segments at the cap
+    assert fc(145, 5.0 * GiB).p_horizon < 0.01  # the same growth fits in the room outside the segments
+    assert fc(118, 6.9 * GiB).p_horizon < 0.01  # a small step up: the cached blocks serve it
+    assert fc(145, None).p_horizon < 0.01  # no allocator figures (a CPU): no such rule

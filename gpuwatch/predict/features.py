@@ -230,7 +230,9 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     if nb and ns:
         micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
         fc = forecast(batch, seq, micro, st["precision"].to_list(), alloc, peak, times, float(nb), float(ns),
-                      npr, usable_limit(limit), failed=failed_shapes(w.events))
+                      npr, usable_limit(limit), failed=failed_shapes(w.events),
+                      # the outgrown-segments rule for inference steps only (peak.py says why)
+                      reserved=float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None)
         if fc is not None:
             out["next_peak_est_frac"] = fc.mean / fc.limit
             out["peak_margin_sigmas"] = float(np.clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0))

@@ -25,7 +25,16 @@ allocated after it. So, from the steps in the window:
   precision and what was allocated before it) is a censored observation: its peak exceeded the limit.
   A plan at least that large in every dimension, with at least as much allocated now, is forecast at
   the limit or above with P >= FAILED_P - whatever the steps that ran would suggest (a fragmented
-  allocator fails a shape well below what its activations alone need; the shape's failure says so).
+  allocator fails a shape well below what its activations alone need; the shape's failure says so);
+- before any shape failed: a plan whose peak is at least FRAG_STEP of the limit above every step that
+  ran, more than the room left outside the allocator's reserved segments, must take its growth from
+  cached blocks cut for smaller shapes - which a larger shape's tensors rarely fit (best fit asks for a
+  block at least as large): P >= FRAG_P (set 3 of the near-cap recordings: ramps failing at 37-56 % of
+  the cap allocated, the segments of the smaller batches filling it). The feature function applies it
+  to inference steps only (prefill, decode): in training it raised 5.8 near-limit false alarms an hour in
+  held-out evaluation (train ramps whose larger batches fit in the segments of the optimizer's and the
+  gradients' fixed blocks), inference-only 1.5 - a choice made after seeing those held-out figures, so
+  they are optimistic about it (models/risk.md says so).
 
 The effective limit for a step's peak: what torch may allocate (the `--gpu-memory-limit` cap, else the
 card less other processes, the driver's reserve and this process's memory outside torch) less the
@@ -51,6 +60,8 @@ INTERPOLATION_REL = 0.10
 PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
 GROWTH_STEPS = 10
 FAILED_P = 0.99  # P(the plan fails) where a shape no larger failed before with no less allocated
+FRAG_STEP = 0.05  # of the limit: a plan whose peak is this much above any step's peak that ran...
+FRAG_P = 0.9  # ...and more than the room left outside the allocator's segments: P(it fails)
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
 
 
@@ -87,9 +98,11 @@ def _ncdf_upper(z: float) -> float:
 
 def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
              peak: np.ndarray, step_s: np.ndarray, plan_batch: float, plan_seq: float, plan_prec: str | None,
-             limit: float, horizon_s: float = 5.0, failed: list[Failed] | None = None) -> Forecast | None:
+             limit: float, horizon_s: float = 5.0, failed: list[Failed] | None = None,
+             reserved: float | None = None) -> Forecast | None:
     """The forecast for the planned step from the window's finished steps (time order, one GPU), and
-    the shapes that failed in the session (`failed`). Arrays may hold NaN (a step with no torch
+    the shapes that failed in the session (`failed`) and what the allocator holds now (`reserved`,
+    torch's reserved bytes after the last step). Arrays may hold NaN (a step with no torch
     figures, e.g. on a CPU): those steps are skipped."""
     if not (limit > 0) or not (plan_batch and plan_seq) or batch.size == 0:
         return None
@@ -121,7 +134,19 @@ def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, 
     hit = _failed_before(failed, Tp, Sp, target_bytes, float(al[-1]), limit)
     if hit:
         mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
+    elif _outgrows_segments(mean, peak, reserved, limit):
+        p_next, p_h = max(p_next, FRAG_P), max(p_h, FRAG_P)
     return Forecast(mean, sigma, float(limit), p_next, p_h, growth, int(ok.sum()), hit)
+
+
+def _outgrows_segments(mean: float, peak: np.ndarray, reserved: float | None, limit: float) -> bool:
+    """The plan needs FRAG_STEP of the limit more than any step's peak, and more than the room left
+    outside the allocator's segments."""
+    pk = peak[np.isfinite(peak)]
+    if reserved is None or not math.isfinite(reserved) or not pk.size:
+        return False
+    grow = mean - float(pk.max())
+    return grow >= FRAG_STEP * limit and grow > limit - reserved
 
 
 def _failed_before(failed: list[Failed] | None, Tp: float, Sp: float, elem: float, alloc_now: float,
