@@ -116,7 +116,7 @@ class Guard:
             d["rank"] = rank
         rescored = False
         score_gpu = gpu if rank is None else worst.get("gpu")
-        if self.rescore is not None and score_gpu is not None and self._worth_rescoring(plan, latest):
+        if self.rescore is not None and (rank is None or score_gpu is not None) and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(score_gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=risk, reasons=reasons, features=feats, plan=plan.scored())
             rescored = True
