@@ -325,3 +325,15 @@ def test_one_throttling_figure_per_report():
     assert an, "the sweep is throttled by its power cap"
     said = float(re.search(r"held back in ([0-9.]+) %", an[0].example).group(1))
     assert said == pytest.approx(row.value * 100, abs=0.5), (said, row.value)
+
+
+def test_a_session_whose_steps_have_no_tflops_still_reports():
+    """A workload that cannot count its FLOPs (a user's own loop through the library) records null tflops:
+    the report says what it has instead of failing on a None format."""
+    rec = open_recording(RAMP)
+    no_flops = dataclasses.replace(rec, steps=rec.steps.with_columns(pl.lit(None, pl.Float64).alias("tflops")))
+    from gpuwatch.report.analysis import summary
+
+    rows = dict(summary(no_flops, None))
+    assert "tokens/s" in rows["Throughput"] and "TFLOP/s" not in rows["Throughput"]
+    assert "<html" in render(no_flops, "html").lower()

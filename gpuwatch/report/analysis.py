@@ -505,8 +505,10 @@ def summary(rec: Recording, en: dict[str, Any] | None) -> list[tuple[str, str]]:
     if rec.steps.height:
         rows.append(("Steps", f"{rec.steps.height:,} ({session_tokens(rec.steps):,.0f} tokens)"))
     if st.height:
-        rows.append(("Throughput", f"median {st['tokens_per_s'].median():,.0f} tokens/s, "
-                                   f"{st['tflops'].median():.0f} TFLOP/s"))
+        tps, tf = st["tokens_per_s"].median(), st["tflops"].median()  # None where no step recorded it
+        rows.append(("Throughput", ", ".join(x for x in (
+            f"median {tps:,.0f} tokens/s" if tps is not None else "", f"{tf:.0f} TFLOP/s" if tf is not None else "")
+            if x) or "not recorded"))
     s = rec.samples.filter(pl.col("gpu").is_not_null() & pl.col("gpu_mem_used_bytes").is_not_null())
     if s.height:
         peak = s.select(mem_used_expr()).max().item()

@@ -163,7 +163,8 @@ def _util_row(ctx: _Ctx, th: Thresholds) -> Row:
 
 def _mfu_row(rec: Recording, th: Thresholds) -> Row:
     name = "Compute (TFLOP/s vs peak)"
-    st = measured_steps(rec.steps).filter(pl.col("mfu").is_not_null() & pl.col("mfu").is_finite())
+    st = measured_steps(rec.steps).filter(pl.col("mfu").is_not_null() & pl.col("mfu").is_finite()
+                                          & pl.col("tflops").is_not_null())
     if st.is_empty():
         why = "no workload steps in this session" if rec.steps.is_empty() else "no MFU recorded (peak unknown, e.g. CPU)"
         return Row(name, None, th.min_mfu, None, why, "%")
