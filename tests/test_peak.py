@@ -320,3 +320,15 @@ def test_a_plan_that_outgrows_full_segments_is_at_risk_and_one_within_them_is_no
     assert fc(145, 5.0 * GiB).p_horizon < 0.01  # the same growth fits in the room outside the segments
     assert fc(118, 6.9 * GiB).p_horizon < 0.01  # a small step up: the cached blocks serve it
     assert fc(145, None).p_horizon < 0.01  # no allocator figures (a CPU): no such rule
+
+
+def test_own_memory_from_row_dicts_is_the_same_as_from_the_frame():
+    """The live source's twin of frames.own_used (the new rows still as dicts) gives the same figures."""
+    from gpuwatch.recording.frames import own_of_rows
+
+    for p in [NEAR / "nc-v2lite-prefill-b48", NEAR / "nc3-small-decode-rampmax-b128", NEAR / "sbs-small-prefill-cap20"]:
+        s = pl.read_parquet(p / "samples.parquet")
+        pid = json.loads((p / "meta.json").read_text())["pid"]
+        own, listed = own_of_rows(s.to_dicts(), pid)
+        ref_own, ref_listed = own_used(s["gpu_procs"], pid)
+        assert np.array_equal(own, ref_own, equal_nan=True) and np.array_equal(listed, ref_listed), p

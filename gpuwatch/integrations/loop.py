@@ -400,19 +400,10 @@ class GuardedLoop:
 
     def _maybe_snapshot(self) -> None:
         req, self._snapshot_req = self._snapshot_req, None
-        if req is None or self.device.type != "cuda":
-            return
-        reason, directory = req
-        try:
-            from gpuwatch.workload.memsnap import save_memory_snapshot
+        if req is not None and self.device.type == "cuda":
+            from gpuwatch.workload.memsnap import snapshot_event
 
-            info = save_memory_snapshot(self.device, directory, self._baseline)
-        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
-            self.bus.emit("memory_snapshot", f"memory snapshot failed: {e}", "warning", gpu=self.gpu_index)
-            return
-        top = ", ".join(f"{b['size'] / 2**20:.0f} MiB" for b in info["largest_growing"][:3]) or "none"
-        self.bus.emit("memory_snapshot", f"allocator snapshot ({reason}); largest growing: {top}", "warning",
-                      gpu=self.gpu_index, **info)
+            snapshot_event(self.bus, self.device, req, self._baseline, self.gpu_index, "allocator snapshot")
 
     # -- what the session records and the runtime asks -----------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -468,12 +459,13 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _first_tensor(batch: Batch) -> torch.Tensor | None:
+def _first_tensor(batch: Batch, min_dim: int = 0) -> torch.Tensor | None:
+    """The first tensor with at least `min_dim` dimensions, depth first through dicts, lists and tuples."""
     if isinstance(batch, torch.Tensor):
-        return batch
+        return batch if batch.dim() >= min_dim else None
     vals = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for v in vals:
-        t = _first_tensor(v)
+        t = _first_tensor(v, min_dim)
         if t is not None:
             return t
     return None
@@ -488,16 +480,8 @@ def batch_size_of(batch: Batch) -> int:
 
 def seq_len_of(batch: Batch) -> int:
     """The second dimension of the first tensor that has one (token ids), else 1."""
-    def walk(b):
-        if isinstance(b, torch.Tensor):
-            return int(b.shape[1]) if b.dim() >= 2 else None
-        vals = b.values() if isinstance(b, Mapping) else b if isinstance(b, (list, tuple)) else ()
-        for v in vals:
-            r = walk(v)
-            if r is not None:
-                return r
-        return None
-    return walk(batch) or 1
+    t = _first_tensor(batch, min_dim=2)
+    return (int(t.shape[1]) if t is not None else 0) or 1
 
 
 def _split(batch: Batch, k: int) -> list[Batch]:

@@ -10,7 +10,6 @@ model handles it), never a made-up value.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ import polars as pl
 
 from gpuwatch.predict.peak import GROWTH_STEPS, PRECISION_BYTES, Failed, forecast, median, nanmedian, usable_limit
 from gpuwatch.recording.frames import epoch_us, own_used
+from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
 
@@ -253,8 +253,8 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
     details = events["detail"].to_list()
     out = []
     for d in (details[i] for i in oom):
+        x = event_detail({"detail": d})
         try:
-            x = json.loads(d) if d else {}
             b, q = float(x["batch"]), float(x["seq_len"])
         except (ValueError, KeyError, TypeError):
             continue

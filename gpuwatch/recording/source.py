@@ -278,7 +278,7 @@ class ReplaySource:
         s = frames["samples"]
         if not s.is_empty():
             s = sorted_by_time(s)
-            ts = s["ts"].dt.epoch("us").to_numpy()
+            ts = epoch_us(s["ts"])
             after = not self.ticks_ts.size or ts[0] > self.ticks_ts[-1]
             gpu = s["gpu"]
             for g in gpu.unique(maintain_order=True).to_list():
@@ -296,7 +296,7 @@ class ReplaySource:
                     self._ts[g] = np.concatenate([self._ts[g], part_ts])
                 else:  # rows from before what is held (rare): merge and sort everything once
                     body, tail = sorted_by_time(pl.concat([body, *([tail] if tail is not None else []), part])).rechunk(), None
-                    self._ts[g] = body["ts"].dt.epoch("us").to_numpy()
+                    self._ts[g] = epoch_us(body["ts"])
                 self._body[g], self._tail[g] = body, tail
                 self._by_gpu[g] = body if tail is None else pl.concat([body, tail], rechunk=False)
             self._own.clear()
@@ -305,14 +305,14 @@ class ReplaySource:
                 np.concatenate([self.ticks_ts, ticks]))
         if not frames["events"].is_empty():
             self.events_df = sorted_by_time(pl.concat([self.events_df, frames["events"]]))
-            self._events_ts = self.events_df["ts"].dt.epoch("us").to_numpy()
+            self._events_ts = epoch_us(self.events_df["ts"])
         if not frames["steps"].is_empty() or not frames["events"].is_empty():
             steps = sorted_by_time(pl.concat([self.steps_df, frames["steps"]]))
             self.steps_df = fill_plans(steps, self.events_df)
-            self._steps_ts = self.steps_df["ts"].dt.epoch("us").to_numpy()
+            self._steps_ts = epoch_us(self.steps_df["ts"])
         if not frames.get("risk", schema.empty("risk")).is_empty():
             self.risk_df = sorted_by_time(pl.concat([self.risk_df, frames["risk"]]))
-            self._risk_ts = self.risk_df["ts"].dt.epoch("us").to_numpy()
+            self._risk_ts = epoch_us(self.risk_df["ts"])
         return True
 
     risk_note: str | None = None  # where the risk rows came from when not recorded with the session
@@ -323,7 +323,7 @@ class ReplaySource:
         """Risk rows computed after the fact (an older session scored on the fly, maybe on another
         thread: the rows and their times are swapped in together, and reads clip to both)."""
         df = sorted_by_time(df)
-        ts = df["ts"].dt.epoch("us").to_numpy()
+        ts = epoch_us(df["ts"])
         self.risk_df, self._risk_ts = df, ts
         self.risk_note = note
         self._changed = True
@@ -528,7 +528,7 @@ class RecordedFeed:
         self.host = str(rec.meta.get("host") or "")
         gpus = rec.gpus
         first = rec.samples.filter(rec.samples["gpu"] == gpus[0]) if gpus else rec.samples
-        self._rec_ts = first["ts"].dt.epoch("us").to_numpy()
+        self._rec_ts = epoch_us(first["ts"])
         host_cols = [c for c in first.columns if c.startswith(self.HOST_PREFIXES)]
         self._host = first.select(host_cols).to_dicts()
         self.caps = recorded_caps(rec.meta)
@@ -536,7 +536,7 @@ class RecordedFeed:
 
         def rows(df: pl.DataFrame) -> tuple[np.ndarray, list[dict[str, Any]]]:
             df = sorted_by_time(df) if df.height else df
-            return df["ts"].dt.epoch("us").to_numpy(), df.to_dicts()
+            return epoch_us(df["ts"]), df.to_dicts()
         self._tables = {"steps": rows(rec.steps), "events": rows(rec.events), "risk": rows(rec.risk)}
         self._next = {t: 0 for t in self._tables}
         self._first_tick: int | None = None

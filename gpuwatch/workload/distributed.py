@@ -317,17 +317,10 @@ class DistributedWorkload(Workload):
 
     # -- one step --------------------------------------------------------------------------------------
     def _dist_step(self, wanted: int, seq: int, phase: str) -> None:
-        if self.cfg.faults.fragment:
-            seq = int(torch.randint(max(1, seq // 4), seq + 1, (1,), generator=self._gen, device=self.device).item())
+        seq = self._step_seq(seq)
         batch, micro, k = self._split(wanted)
         before = M.memory(self.device)["torch_allocated_bytes"]
-        failure, row = None, None
-        try:
-            row = self._rank_step(batch, seq, phase, micro, k)
-        except Exception as e:  # noqa: BLE001 - classified below, outside the handler
-            if not M.is_oom(e):
-                raise
-            failure = str(e).splitlines()[0][:300]
+        row, failure = self._attempt(self._rank_step, batch, seq, phase, micro, k)
         if failure is not None and self.ddp is not None:
             # DDP's reducer part-way through backward, or FSDP's per-layer all-gathers part-way through forward
             # or backward: this rank's collectives no longer line up with the others'; it cannot rejoin

@@ -52,3 +52,17 @@ def save_memory_snapshot(device: torch.device, directory: Path | str | None,
             "active_bytes": sum(blocks.values()), "new_blocks": len(new), "new_bytes": sum(s for _, s in new),
             "largest_growing": [{"address": hex(a), "size": s} for a, s in new[:8]],
             "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def snapshot_event(bus, device: torch.device, request: tuple[str, Path | str | None], base: dict[int, int] | None,
+                   gpu: int | None, label: str) -> None:
+    """Take a requested snapshot (reason, directory) before a step and say so as a `memory_snapshot`
+    event naming the largest growing blocks; a failed snapshot is a warning and never stops the run."""
+    reason, directory = request
+    try:
+        info = save_memory_snapshot(device, directory, base)
+    except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+        bus.emit("memory_snapshot", f"memory snapshot failed: {e}", "warning", gpu=gpu)
+        return
+    top = ", ".join(f"{b['size'] / 2**20:.0f} MiB" for b in info["largest_growing"][:3]) or "none"
+    bus.emit("memory_snapshot", f"{label} ({reason}); largest growing: {top}", "warning", gpu=gpu, **info)

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -380,19 +380,11 @@ class Workload:
 
     def _maybe_snapshot(self) -> None:
         req, self.snapshot_request = self.snapshot_request, None
-        if req is None or self.device.type != "cuda":
-            return
-        reason, directory = req
-        try:
-            from gpuwatch.workload.memsnap import save_memory_snapshot
+        if req is not None and self.device.type == "cuda":
+            from gpuwatch.workload.memsnap import snapshot_event
 
-            info = save_memory_snapshot(self.device, directory, self._baseline_blocks)
-        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
-            self.bus.emit("memory_snapshot", f"memory snapshot failed: {e}", "warning", gpu=self.cfg.gpu_index)
-            return
-        top = ", ".join(f"{b['size'] / 2**20:.0f} MiB" for b in info["largest_growing"][:3]) or "none"
-        self.bus.emit("memory_snapshot", f"allocator snapshot at alarm ({reason}); largest growing: {top}",
-                      "warning", gpu=self.cfg.gpu_index, **info)
+            snapshot_event(self.bus, self.device, req, self._baseline_blocks, self.cfg.gpu_index,
+                           "allocator snapshot at alarm")
 
     # -- one step ----------------------------------------------------------------------------------------
     def _split(self, wanted: int) -> tuple[int, int, int]:
@@ -404,19 +396,29 @@ class Workload:
             return wanted, math.ceil(wanted / k), k
         return micro, micro, 1
 
-    def _one_step(self, wanted: int, seq: int, phase: str) -> None:
+    def _step_seq(self, seq: int) -> int:
+        """The step's sequence length: under --fragment, random in [seq/4, seq] (odd shapes, allocator holes)."""
         if self.cfg.faults.fragment:
             seq = int(torch.randint(max(1, seq // 4), seq + 1, (1,), generator=self._gen, device=self.device).item())
-        for _attempt in range(20):  # reactive rules retry the same step; the schedule's recovery moves on
+        return seq
+
+    @staticmethod
+    def _attempt(run: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+        """(run(*args), None), or (None, the OOM's first line) where it ran out of memory; any other error
+        propagates. The caller recovers outside the handler (its traceback pins the step's tensors)."""
+        try:
+            return run(*args), None
+        except Exception as e:  # noqa: BLE001 - classified here: only an OOM is caught
+            if not M.is_oom(e):
+                raise
+            return None, str(e).splitlines()[0][:300]
+
+    def _one_step(self, wanted: int, seq: int, phase: str) -> None:
+        seq = self._step_seq(seq)
+        for _try in range(20):  # reactive rules retry the same step; the schedule's recovery moves on
             batch, micro, k = self._split(wanted)
             before = M.memory(self.device)["torch_allocated_bytes"]
-            failure = None
-            try:
-                row = self._timed_step(batch, seq, phase, micro, k)
-            except Exception as e:  # noqa: BLE001 - classified below, outside the handler
-                if not M.is_oom(e):
-                    raise
-                failure = str(e).splitlines()[0][:300]
+            row, failure = self._attempt(self._timed_step, batch, seq, phase, micro, k)
             if failure is None:
                 break
             # recover OUTSIDE the except block: its traceback pins the step's tensors
