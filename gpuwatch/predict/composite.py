@@ -4,8 +4,9 @@ the estimator cannot see, each at its own operating point.
     risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), clipped to 0..1; alarm at 0.5
 
 `p_estimator` is the feature `peak_cross_p` (predict/peak.py: the probability that a step within the
-horizon peaks over the usable limit; no learning). `p_classifier` is gradient-boosted trees over the
-context features only (leaks and slow growth, the allocator's fragmentation, other processes, telemetry
+horizon peaks over the usable limit; no learning), or `ahead_cross_p` where that is higher (the largest
+step the workload plans within the lookahead, predict/ahead.py: the warning's lead time).
+`p_classifier` is gradient-boosted trees over the context features only (leaks and slow growth, the allocator's fragmentation, other processes, telemetry
 gaps, what happened before), trained without re-weighting the classes so that its output stays near a
 frequency. `t_e` and `t_c` are picked on out-of-fold scores (predict/train.py): the pair that catches
 the most OOMs within the false-alarm budget near the limit. Either part alone reaching its threshold
@@ -36,6 +37,7 @@ class RiskComposite:
         self.t_estimator = float(t_estimator)
         self.t_classifier = float(t_classifier)
         self.est_index = NAMES.index("peak_cross_p")
+        self.ahead_index = NAMES.index("ahead_cross_p")
         self.classes_ = np.array([0, 1])
 
     def _combine(self, p_est: np.ndarray, p_clf: np.ndarray) -> np.ndarray:
@@ -47,18 +49,24 @@ class RiskComposite:
     def predict_proba(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         p_clf = self.classifier.predict_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
-        return self._combine(X[:, self.est_index], p_clf)
+        return self._combine(self.p_estimator(X), p_clf)
+
+    def p_estimator(self, X: np.ndarray) -> np.ndarray:
+        """The estimator's part per row: the next step's (and the growth trend's) probability, or the
+        lookahead's where it is higher (predict/ahead.py; missing = the next step's)."""
+        nxt, ahead = X[:, self.est_index], X[:, self.ahead_index]
+        return np.where(np.isfinite(ahead) & (ahead > np.nan_to_num(nxt, nan=0.0)), ahead, nxt)
 
     def fast(self, classifier_proba):
         """predict_proba with the classifier's own fast path (the scorer's tree walker)."""
         def proba(X):
             X = np.asarray(X, dtype=np.float64)
             p_clf = classifier_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
-            return self._combine(X[:, self.est_index], p_clf)
+            return self._combine(self.p_estimator(X), p_clf)
         return proba
 
     def parts(self, x) -> dict[str, float]:
         """Each part's probability for one row (shown on screen and in `score --json`)."""
         X = np.asarray([x], dtype=np.float64)
         p_clf = float(self.classifier.predict_proba(X)[0, 1])
-        return {"estimator": float(np.nan_to_num(X[0, self.est_index])), "classifier": p_clf}
+        return {"estimator": float(np.nan_to_num(self.p_estimator(X)[0])), "classifier": p_clf}

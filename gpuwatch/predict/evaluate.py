@@ -208,8 +208,8 @@ BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
     "next-step peak": ("estimated next-step peak > 100 % of the usable limit",
                        lambda tl: np.nan_to_num(_col(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
 }
-ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon peaks over the usable limit) >= 0.5 (predict/peak.py, no learning)",
-                  lambda tl: np.nan_to_num(_col(tl, "peak_cross_p"), nan=0.0))
+ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon, or the largest step planned within the lookahead, peaks over the usable limit) >= 0.5 (predict/peak.py, predict/ahead.py; no learning)",
+                  lambda tl: np.nan_to_num(np.fmax(_col(tl, "peak_cross_p"), _col(tl, "ahead_cross_p")), nan=0.0))
 
 
 def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) -> dict[str, Metrics]:

@@ -44,6 +44,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "peak_margin_sigmas": ("sigmas", "(usable limit - estimated next peak) / the estimate's spread, clipped to -10..50"),
     "frag_need_frac": ("fraction", "(estimated next peak - allocated - room left outside the allocator's segments) / its cached memory: the share of the cache the planned step must reuse (> 1: it cannot fit; fragmentation makes high shares fail)"),
     "peak_cross_p": ("probability", "P(a step within the horizon peaks over the usable limit): the planned step, and the growth trend carried on"),
+    "ahead_cross_p": ("probability", "P(the largest step the workload plans within the lookahead peaks over the usable limit): predict/ahead.py; peak_cross_p where that is the next step; missing where the workload plans no further than the next step"),
     "plan_vs_max_fit": ("ratio", "planned next-step tokens (batch x seq_len) / the most tokens any step in the window ran"),
     "plan_growth": ("ratio", "planned next-step tokens / the last step's tokens"),
     "step_time_trend": ("ratio", "median step time of the last 3 steps / of the window's steps"),
@@ -229,10 +230,16 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
         out["alloc_growth_frac_per_step"] = median(np.diff(a)) / limit
     if nb and ns:
         micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
-        fc = forecast(batch, seq, micro, st["precision"].to_list(), alloc, peak, times, float(nb), float(ns),
-                      npr, usable_limit(limit), failed=failed_shapes(w.events),
-                      # the outgrown-segments rule for inference steps only (peak.py says why)
-                      reserved=float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None)
+        prec = st["precision"].to_list()
+        args = dict(failed=failed_shapes(w.events),
+                    # the outgrown-segments rule for inference steps only (peak.py says why)
+                    reserved=float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None)
+        fc = forecast(batch, seq, micro, prec, alloc, peak, times, float(nb), float(ns), npr, usable_limit(limit), **args)
+        ab, asq = _ahead_of(last, plan)
+        if fc is not None and ab and asq:  # the largest step planned within the lookahead (predict/ahead.py)
+            fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else forecast(
+                batch, seq, micro, prec, alloc, peak, times, float(ab), float(asq), npr, usable_limit(limit), **args)
+            out["ahead_cross_p"] = max(fc.p_horizon, fa.p_horizon) if fa is not None else fc.p_horizon
         if fc is not None:
             out["next_peak_est_frac"] = fc.mean / fc.limit
             out["peak_margin_sigmas"] = float(np.clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0))
@@ -268,6 +275,13 @@ def _plan_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, An
     if plan:
         return plan.get("batch"), plan.get("seq_len"), plan.get("precision")
     return last.get("next_batch"), last.get("next_seq_len"), last.get("next_precision") or last.get("precision")
+
+
+def _ahead_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, Any]:
+    """The largest step planned within the lookahead: the live plan's, else the last step row's (null in
+    sessions recorded before schema v4 and for a workload that knows only its next step)."""
+    src = plan if plan else last
+    return src.get("ahead_batch"), src.get("ahead_seq_len")
 
 
 def _events(out: dict[str, float], w: Window) -> None:

@@ -26,6 +26,10 @@ from gpuwatch.recording.source import ReplaySource, Window, event_detail
 from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
+# Not a model feature: the key under which `score` hands the next step's risk (without the lookahead) to
+# the guard with the features.
+RISK_NEXT = "risk_next"
+_AHEAD, _PEAK = NAMES.index("ahead_cross_p"), NAMES.index("peak_cross_p")
 
 
 class Scorer:
@@ -62,7 +66,18 @@ class Scorer:
         x = vector(f)
         r = self.score_vector(x)
         why = self.reasons(x, r) if r >= self.model.threshold * REASONS_FROM else []
+        f[RISK_NEXT] = self.risk_next(x, r)
         return r, why, f
+
+    def risk_next(self, x: list[float], r: float) -> float:
+        """The risk of the next step: `r` without the lookahead's part (predict/ahead.py) - what the
+        guard acts on. `r` itself where the lookahead adds nothing (one prediction more only where it does)."""
+        a, p = x[_AHEAD], x[_PEAK]
+        if a != a or a <= (p if p == p else 0.0):
+            return r
+        y = list(x)
+        y[_AHEAD] = float("nan")
+        return self.score_vector(y)
 
 
 def _fast_proba(est):
@@ -182,6 +197,7 @@ class LiveScorer:
                 x = vector(f)
                 r = self.scorer.score_vector(x)
                 why = self._reasons(g, x, r)
+                f[RISK_NEXT] = self.scorer.risk_next(x, r)
                 onset = self._publish(g, w.end_us, r, why)
             if self.on_risk is not None:
                 self.on_risk(g, r, why, f, plan, onset)

@@ -34,13 +34,13 @@ SEED = 0
 # the trees from learning a session's quirks (+1 rising, -1 falling, 0 free).
 MONOTONE = {"mem_used_frac": 1, "mem_max_frac_30s": 1, "mem_slope_5s": 1, "mem_slope_30s": 1, "mem_accel": 1,
             "torch_peak_frac": 1, "torch_peak_max_frac": 1, "alloc_growth_frac_per_step": 1,
-            "next_peak_est_frac": 1, "peak_cross_p": 1, "peak_margin_sigmas": -1, "plan_vs_max_fit": 1,
+            "next_peak_est_frac": 1, "peak_cross_p": 1, "ahead_cross_p": 1, "peak_margin_sigmas": -1, "plan_vs_max_fit": 1,
             "plan_growth": 1, "ooms_60s": 1, "others_mem_frac": 1, "torch_reserved_gap_frac": 1,
             "torch_reserved_frac": 1, "frag_need_frac": 1,
             "mem_headroom_gib": -1, "time_to_full_s": -1, "secs_since_oom": -1}
 
 # The estimator's own figures (predict/peak.py): the backbone of the risk.
-ESTIMATOR = ("peak_cross_p", "next_peak_est_frac", "peak_margin_sigmas")
+ESTIMATOR = ("peak_cross_p", "ahead_cross_p", "next_peak_est_frac", "peak_margin_sigmas")
 # What the estimator cannot see - leaks and slow growth, fragmentation, other processes, gaps - for
 # the classifier on top of it.
 CONTEXT = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "alloc_growth_frac_per_step",
@@ -144,10 +144,14 @@ def fit(tls: list[Timeline], seed: int = SEED, kind: str = "hgb-context", balanc
     return est
 
 
-def estimator_scores(tls: list[Timeline]) -> list[np.ndarray]:
-    """The estimator's own probability per window (the feature `peak_cross_p`, no learning)."""
+def estimator_scores(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarray]:
+    """The estimator's own probability per window (no learning): the composite's estimator part
+    (`peak_cross_p`, or `ahead_cross_p` where higher); with `lookahead` False, the next step's only."""
+    from gpuwatch.predict.composite import RiskComposite
+
+    c = RiskComposite(None, 1.0, 1.0)
     i = NAMES.index("peak_cross_p")
-    return [np.nan_to_num(t.X[:, i], nan=0.0) for t in tls]
+    return [np.nan_to_num(c.p_estimator(t.X) if lookahead else t.X[:, i], nan=0.0) for t in tls]
 
 
 def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float) -> list[np.ndarray]:
@@ -314,6 +318,10 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
                 E.event_metrics(real, oof_core, t_core, horizon_s, with_auc=True),
             "estimator + classifier, each at its operating point (shipped)": by_session,
         }
+        if any(np.isfinite(t.X[:, NAMES.index("ahead_cross_p")]).any() for t in real):
+            ablation[f"the same without the lookahead (next step only; predict/ahead.py)"] = E.event_metrics(
+                real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c), ALARM, horizon_s,
+                with_auc=True)
     progress("fitting the final model on every session and its counterfactual copies...")
     est = RiskComposite(fit(tls), t_e, t_c)
     X, y = _xy(tls)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import polars as pl
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
 # A process on a GPU. pid and used_bytes come with every tick (NVML's compute-apps); the rest is added once a
@@ -83,6 +83,10 @@ STEPS: dict[str, pl.DataType] = {
     "world_size": pl.UInt16,
     "comm_time_s": pl.Float64,
     "comm_bytes": pl.UInt64,
+    # v4: the largest step the workload plans within the lookahead (predict/ahead.py), steps ahead (1 = next)
+    "ahead_batch": pl.UInt32,
+    "ahead_seq_len": pl.UInt32,
+    "ahead_steps": pl.UInt16,
 }
 
 # One row per (scoring, GPU): the failure risk that was live at that moment (v2).

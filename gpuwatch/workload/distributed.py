@@ -447,8 +447,7 @@ class DistributedWorkload(Workload):
         self._step += 1
         self._floor_ooms = 0
         self.last_ok_batch = micro
-        nxt = self.plan_info() or {}
-        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"))
+        self._plan_columns(row)
         self.last = row
         self.bus.steps.append(row)
         if not (_finite(row["loss"]) and _finite(row["max_abs_logit"])):

@@ -14,52 +14,20 @@ import gc
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from gpuwatch.predict import ahead as A
 from gpuwatch.contract import Action, StepPlan, WorkloadView, lower_precisions
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
 from gpuwatch.workload.allocator import release_cache
+from gpuwatch.workload.config import Faults, WorkloadConfig  # noqa: F401 - imported from here by callers
 from gpuwatch.workload import model as M
 from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
 from gpuwatch.workload.schedule import Schedule
-
-
-@dataclass
-class Faults:
-    leak_mib: float = 0.0  # keep this much device memory per step
-    fragment: bool = False  # random sequence lengths (1/4..1 of the set length)
-    fp16_overflow: bool = False  # scale embeddings so fp16 overflows
-    memory_limit_bytes: int | None = None  # behave like a smaller card
-    oom_above_tokens: int | None = None  # tests/CPU dry runs: a (micro-)batch over this many tokens raises OOM
-
-
-@dataclass
-class WorkloadConfig:
-    preset: str = "tiny"
-    mode: str = "prefill"
-    schedule: str = "steady"
-    precision: str = "fp32"
-    batch: int | None = None
-    seq_len: int | None = None
-    max_batch: int | None = None
-    device: str = "cpu"
-    gpu_index: int | None = None  # the NVML index this workload runs on (for step rows)
-    overrides: dict[str, Any] = field(default_factory=dict)
-    faults: Faults = field(default_factory=Faults)
-    integrity_every: int = 50
-    decode_tokens: int = 16
-    long_seq: int = 8192  # the sequence length of the `long` schedule
-    seed: int = 0
-    max_steps: int | None = None
-    gpu_uuid: str | None = None  # how this workload was matched to its NVML GPU
-    gpu_pci_bus_id: str | None = None
-    accumulate: bool = True  # train: a ceiling below the schedule's batch -> gradient accumulation
-    graphs: str = "auto"  # static KV cache + CUDA graphs: auto = decode only, on = decode and prefill, off
 
 
 class Workload:
@@ -101,6 +69,8 @@ class Workload:
         self.snapshot_request: tuple[str, Any] | None = None
         self.stopped_by: str | None = None  # why the guard stopped this run cleanly (a leak), if it did
         self._floor_ooms = 0  # OOMs in a row at batch 1 (no step ran between them)
+        self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
+        self._ahead: dict[str, Any] = {}  # the step columns ahead_* of the last step (predict/ahead.py)
         self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
@@ -167,7 +137,10 @@ class Workload:
         prec = pend["precision"][0] if "precision" in pend else self.precision
         seq = pend["seq_len"][0] if "seq_len" in pend else p[1]
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
-        return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff}
+        ab = self._ahead.get("ahead_batch")  # the lookahead of the last step, under today's ceiling
+        return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff,
+                "ahead_batch": min(ab, ceiling) if ab and ceiling else ab,
+                "ahead_seq_len": self._ahead.get("ahead_seq_len"), "ahead_steps": self._ahead.get("ahead_steps")}
 
     # -- the guard's contract (gpuwatch.contract.GuardedWorkload) -----------------------------------
     @property
@@ -434,8 +407,7 @@ class Workload:
             from gpuwatch.workload.memsnap import baseline
 
             self._baseline_blocks = baseline(self.device)
-        nxt = self.plan_info() or {}
-        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"))
+        self._plan_columns(row)
         self.last = row
         self.bus.steps.append(row)
         if row["loss"] is not None and not _finite(row["loss"]) or not _finite(row["max_abs_logit"]):
@@ -444,6 +416,15 @@ class Workload:
                           gpu=self.cfg.gpu_index, loss=row["loss"], max_abs_logit=row["max_abs_logit"])
         if self.cfg.integrity_every and self._step % self.cfg.integrity_every == 0:
             self._integrity()
+
+    def _plan_columns(self, row: dict[str, Any]) -> None:
+        """The plan of the next step and the largest step planned within the lookahead (predict/ahead.py)
+        on a finished step's row; the lookahead is kept for `plan_info` until the next step."""
+        self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
+        self._ahead = A.columns(self.schedule, self._ends)
+        nxt = self.plan_info() or {}
+        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"),
+                   **self._ahead)
 
     def _timed_step(self, batch: int, seq: int, phase: str, micro: int | None = None, k: int = 1) -> dict[str, Any]:
         dev = self.device

@@ -3,6 +3,7 @@ Pure Python (no torch) so it is tested on its own."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 SWEEP_LEVELS = (1, 8, 32, 64, 128)
@@ -62,6 +63,20 @@ class Schedule:
         if k == "long":
             return self.batch, max(self.seq_len, self.long_seq), "long"
         return self.batch, self.seq_len, "steady"
+
+    def ahead(self, n: int) -> list[tuple[int, int]]:
+        """(batch, seq_len) of the next `n` steps if each of them runs, the ceiling applied (a train step
+        over the ceiling runs micro-batches of the ceiling): what the schedule already knows of the steps to
+        come. A copy walks forward; this schedule is left as it is."""
+        s = copy.deepcopy(self)
+        out: list[tuple[int, int]] = []
+        for _ in range(max(0, int(n))):
+            p = s.plan()
+            if p is None:
+                break
+            out.append((p[0], p[1]))
+            s.done()
+        return out
 
     def done(self) -> None:
         """A step finished without failure."""

@@ -1,0 +1,167 @@
+"""Fill the schema-v4 lookahead columns (`ahead_batch`, `ahead_seq_len`, `ahead_steps`) of `gpuwatch
+stress` sessions recorded before them, through the same code the live workload runs.
+
+The stress workload's schedule is pure (gpuwatch/workload/schedule.py): given the command the session
+was started with (meta.json's argv) and what happened in it (each step that ran, each OOM the schedule
+recovered from, each control that was applied - the history `stress --resume` replays), it is in the
+state the live run was in after each step. At each step row this script asks that schedule what
+`Workload._plan_columns` would have asked it live (`predict/ahead.columns`: the largest step planned
+within 4 s at the pace of the last step ends). Nothing is read from the recording's future.
+
+It checks itself: the replayed schedule's plan for the next step must equal the `next_batch` /
+`next_seq_len` the live run recorded (schema v2 and later; in v1 sessions, the step that ran next) - the agreement is printed per session, and a
+session below 99 % is left unchanged. Sessions not started by `gpuwatch stress`, data-parallel sessions and
+sessions that already have the columns are skipped.
+
+    python3 benchmarks/backfill_ahead.py recordings/*/ recordings/h200-*/*/   # rewrites steps.parquet
+    python3 benchmarks/backfill_ahead.py --check recordings/...               # only prints the agreement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpuwatch.cli import _fix_negative_values, build_parser  # noqa: E402
+from gpuwatch.predict import ahead as A  # noqa: E402
+from gpuwatch.recording import schema  # noqa: E402
+from gpuwatch.recording.recorded import fill_plans  # noqa: E402
+from gpuwatch.resume import _history_rows, _replay_event  # noqa: E402
+from gpuwatch.workload.config import WorkloadConfig  # noqa: E402
+from gpuwatch.workload.presets import defaults  # noqa: E402
+from gpuwatch.workload.schedule import Schedule  # noqa: E402
+
+MIN_AGREEMENT = 0.99
+COLS = ("ahead_batch", "ahead_seq_len", "ahead_steps")
+
+
+def schedule_of(argv: list[str], rec: dict) -> Schedule:
+    """The schedule the live run built (Workload.__init__): from its `gpuwatch stress` command line, or
+    (sessions the benchmark scripts recorded) from meta's record of the workload - whose batch is the
+    schedule's after construction (a ramp's start, a quarter of the batch asked for: the start is all a
+    ramp's levels depend on). The check against the recorded plans says whether it was right."""
+    kind = rec.get("schedule") or "steady"
+    b, s = defaults(rec["preset"])
+    if "stress" in argv[1:2]:
+        args = build_parser().parse_args(_fix_negative_values(argv[1:]))
+        return Schedule(kind, args.batch or b, args.seq_len or s, args.max_batch, long_seq=WorkloadConfig.long_seq)
+    batch = int(rec.get("batch") or b)
+    return Schedule(kind, 4 * batch if kind == "ramp" else batch, int(rec.get("seq_len") or s), None,
+                    long_seq=WorkloadConfig.long_seq)
+
+
+def gpu_of(rec: dict):
+    """The GPU a meta record's workload ran on (as recorded.recorded_caps reads it)."""
+    dev = str(rec.get("device") or "")
+    return rec.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
+
+
+def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, seq_random: bool = False
+             ) -> tuple[pl.DataFrame, dict]:
+    """The steps of one workload with the ahead columns filled, and the check's figures (`seq_random`:
+    --fragment drew each step's length at random below the schedule's, so only batches compare where
+    the step that ran next stands for the plan)."""
+    same = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
+    st = steps.filter(same).with_row_index("_i")
+    ev = events.filter(same)
+    rows = {r["ts"]: r for r in st.select("_i", "ts", "next_batch", "next_seq_len").iter_rows(named=True)}
+    out: dict[int, dict] = {}
+    ends: list[float] = []
+    history: list[tuple] = []
+    state = {"precision": None, "ooms": 0, "recovered": 0, "nonfinite": 0, "integrity_failures": 0,
+             "retries": 0, "lost_steps": 0}
+    oom_batch = None
+    agree = compared = 0
+    for kind, r in _history_rows(st, ev):
+        if kind == "step":
+            sched.done()
+            row = rows[r["ts"]]
+            ends = (ends + [r["ts"].timestamp()])[-(A.PACE_STEPS + 1):]
+            out[row["_i"]] = A.columns(sched, ends)
+            p = sched.plan()
+            if row["next_batch"] is not None and p is not None:
+                compared += 1
+                agree += p[0] == row["next_batch"] and (seq_random or p[1] == row["next_seq_len"])
+            continue
+        if kind == "workload_error":
+            continue
+        try:
+            d = json.loads(r["detail"] or "{}")
+        except ValueError:
+            d = {}
+        n = len(history)
+        oom_batch = _replay_event(kind, d, state, history, oom_batch)
+        sched.replay(history[n:])
+    filled = st.with_columns(*(pl.Series(c, [out.get(i, {}).get(c) for i in st["_i"].to_list()],
+                                         dtype=schema.STEPS[c]) for c in COLS))
+    return filled.drop("_i"), {"steps": st.height, "compared": compared, "agree": agree}
+
+
+def run(folder: Path, check: bool) -> str:
+    meta_p, steps_p, events_p = folder / "meta.json", folder / "steps.parquet", folder / "events.parquet"
+    if not (meta_p.is_file() and steps_p.is_file()):
+        return f"{folder}: skipped (no meta.json / steps.parquet)"
+    meta = json.loads(meta_p.read_text())
+    argv = [str(a) for a in meta.get("argv") or []]
+    loads = (meta.get("config") or {}).get("workloads") or []
+    if not loads or any(r.get("schedule") is None or r.get("preset") is None for r in loads):
+        return f"{folder}: skipped (no workload schedule recorded)"
+    steps = pl.read_parquet(steps_p)
+    if all(c in steps.columns for c in COLS) and steps["ahead_batch"].null_count() < steps.height:
+        return f"{folder}: skipped (has the columns)"
+    if "world_size" in steps.columns and (steps["world_size"].fill_null(1) > 1).any():
+        return f"{folder}: skipped (data-parallel)"
+    events = schema.conform(pl.read_parquet(events_p), "events") if events_p.is_file() else schema.empty("events")
+    original = steps.columns
+    v1 = "next_batch" not in original
+    # v1 sessions recorded no plan: compare with what ran next instead (the recording layer's fill_plans)
+    steps = fill_plans(schema.conform(steps, "steps"), events)
+    parts, figs = [], {"steps": 0, "compared": 0, "agree": 0}
+    for rec in loads:
+        part, f = backfill(steps, events, schedule_of(argv, rec), gpu_of(rec),
+                           v1 and bool((rec.get("faults") or {}).get("fragment")))
+        parts.append(part)
+        figs = {k: figs[k] + f[k] for k in figs}
+    share = figs["agree"] / figs["compared"] if figs["compared"] else None
+    line = (f"{folder}: {figs['steps']} steps, the replayed plan equals the recorded next step on "
+            f"{figs['agree']}/{figs['compared']}" + (f" ({share:.1%})" if share is not None else ""))
+    if check:
+        return line
+    if share is not None and share < MIN_AGREEMENT:
+        return line + " - below 99 %: left unchanged"
+    if share is None:
+        return line + " - nothing to check against: left unchanged"
+    merged = pl.concat(parts).sort("ts", maintain_order=True)
+    if merged.height != steps.height:
+        return line + f" - {steps.height - merged.height} step rows of no recorded workload: left unchanged"
+    cols = [c for c in original if c not in COLS] + list(COLS)
+    md = pl.read_parquet_metadata(steps_p)
+    tmp = steps_p.with_suffix(".tmp")
+    merged.select(cols).write_parquet(tmp, compression="zstd", compression_level=19, statistics=True, metadata=md)
+    tmp.replace(steps_p)
+    meta.setdefault("backfilled", []).append({
+        "columns": list(COLS), "by": "benchmarks/backfill_ahead.py",
+        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "plan_agreement": round(share, 4)})
+    meta_p.write_text(json.dumps(meta, indent=2) + "\n")
+    return line + " - filled"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sessions", nargs="+", type=Path)
+    ap.add_argument("--check", action="store_true", help="print the agreement only; write nothing")
+    a = ap.parse_args()
+    for s in a.sessions:
+        print(run(s, a.check), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

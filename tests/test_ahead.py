@@ -1,0 +1,147 @@
+"""The lookahead (predict/ahead.py): what the schedule knows of the steps to come, recorded on each step
+row live, filled the same way into sessions recorded before it, and read by the risk."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from gpuwatch.predict import ahead as A
+from gpuwatch.predict.composite import RiskComposite
+from gpuwatch.predict.features import NAMES
+from gpuwatch.recording.reader import open_recording
+from gpuwatch.workload.schedule import Schedule
+
+from conftest import ROOT
+
+NEARCAP = ROOT / "recordings" / "h200-nearcap-2026-12-01"
+
+
+def _backfill_module():
+    spec = importlib.util.spec_from_file_location("backfill_ahead", ROOT / "benchmarks" / "backfill_ahead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_schedule_walks_ahead_on_a_copy():
+    s = Schedule("ramp", 16, 32)  # starts at 4, six steps a level, x1.25 a level
+    assert s.ahead(8) == [(4, 32)] * 6 + [(5, 32)] * 2
+    assert s.ahead(8) == s.ahead(8) and s.step == 0 and s.batch == 4  # left as it was
+    s.set_ceiling(4)
+    assert s.ahead(8) == [(4, 32)] * 8  # the ceiling stops the climb
+    sw = Schedule("sweep", 8, 16, max_batch=4)  # levels 1, 2, 4: the sweep ends after 18 steps
+    assert len(sw.ahead(64)) == 18 and sw.ahead(64)[-1] == (4, 16)
+    assert Schedule("steady", 3, 7).ahead(3) == [(3, 7)] * 3
+
+
+def test_how_far_ahead_follows_the_pace():
+    assert A.steps_within([]) == 1 and A.steps_within([5.0]) == 1
+    assert A.steps_within([0.0, 0.5, 1.0, 1.5]) == 8  # 4 s at 0.5 s a step
+    assert A.steps_within([0.0, 0.5, 1.0, 30.0]) == 8  # the median, not one stall
+    assert A.steps_within([0.0, 0.001, 0.002]) == A.MAX_STEPS
+    assert A.steps_within([0.0, 20.0, 40.0]) == 1  # a 20 s decode step: the next one only
+    assert A.pick([(4, 32), (5, 32), (5, 32), (2, 64)]) == {"ahead_batch": 5, "ahead_seq_len": 32, "ahead_steps": 2}
+    assert A.pick([]) == {"ahead_batch": None, "ahead_seq_len": None, "ahead_steps": None}
+
+
+@pytest.mark.parametrize("name", ["nc3-small-prefill-rampmax-b256", "nc-small-train-rampmax-b16"])
+def test_recorded_lookahead_holds_the_next_step_and_stops_at_the_max(name):
+    """On real sessions (filled by benchmarks/backfill_ahead.py, whose replayed plans equalled every
+    recorded next step): the largest step ahead is never smaller than the next one, and a ramp capped by
+    --max-batch never looks beyond its max."""
+    st = open_recording(NEARCAP / name).steps
+    assert st["ahead_batch"].null_count() == 0
+    nxt = st["next_batch"].cast(pl.Float64) * st["next_seq_len"]
+    ahd = st["ahead_batch"].cast(pl.Float64) * st["ahead_seq_len"]
+    assert (ahd >= nxt).all() and (st["ahead_steps"] >= 1).all()
+    top = {"nc3-small-prefill-rampmax-b256": 256, "nc-small-train-rampmax-b16": 16}[name]
+    assert st["ahead_batch"].max() <= top
+    assert (ahd > nxt).any() or name == "nc-small-train-rampmax-b16"  # the ramp saw its next level coming
+
+
+def test_live_rows_equal_what_the_backfill_replays():
+    """The stress workload's own step rows (ahead_* computed live after each step) and the backfill's
+    replay of the same run through its command's schedule and its history agree row for row - so sessions
+    filled afterwards read as if recorded with the columns."""
+    pytest.importorskip("torch")
+    from gpuwatch.recording.writer import to_frame
+    from gpuwatch.recording import schema
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(mode="prefill", schedule="ramp", batch=8, seq_len=8, integrity_every=0,
+                                     max_steps=20, overrides={"num_hidden_layers": 1}))
+    w.start()
+    w.join(timeout=120)
+    rows = bus.steps.since(0)[0]
+    assert len(rows) == 20 and all(r["ahead_batch"] for r in rows)
+    live = to_frame(rows, "steps")
+    bf = _backfill_module()
+    replayed, figs = bf.backfill(live.drop("ahead_batch", "ahead_seq_len", "ahead_steps"), schema.empty("events"),
+                                 Schedule("ramp", 8, 8), None)
+    assert figs["agree"] == figs["compared"] == 20
+    for c in bf.COLS:
+        assert replayed[c].to_list() == live[c].to_list(), c
+    assert max(live["ahead_batch"]) > min(live["next_batch"])  # it saw the ramp's next levels
+
+
+def test_the_estimator_part_takes_the_lookahead_where_higher():
+    c = RiskComposite(None, 0.8, float("inf"))
+    x = np.full((3, len(NAMES)), np.nan)
+    i, j = NAMES.index("peak_cross_p"), NAMES.index("ahead_cross_p")
+    x[0, i], x[0, j] = 0.1, 0.9  # the ramp's next level will not fit
+    x[1, i], x[1, j] = 0.7, 0.2  # (cannot happen: ahead >= next) the next step's
+    x[2, i] = 0.3  # no lookahead recorded: the next step's
+    assert c.p_estimator(x).tolist() == [0.9, 0.7, 0.3]
+    r = c.predict_proba(x)[:, 1]
+    assert math.isclose(r[0], min(1.0, 0.9 * 0.5 / 0.8)) and math.isclose(r[2], 0.3 * 0.5 / 0.8)
+
+
+def test_the_guard_acts_on_the_next_steps_risk_not_the_lookahead():
+    """An alarm raised by a step several levels ahead warns; the guard does not cut the batch that fits -
+    the step is refused when it becomes the next one (its re-scoring between steps)."""
+    from gpuwatch.control.guard import Guard
+    from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.predict.model import load_model
+    from gpuwatch.predict.scorer import RISK_NEXT, Scorer
+    from gpuwatch.telemetry.bus import Bus
+
+    sc = Scorer(load_model(ROOT / "models" / "risk.joblib"))
+    x = [float("nan")] * len(NAMES)
+    x[NAMES.index("peak_cross_p")], x[NAMES.index("ahead_cross_p")] = 0.0, 0.99
+    r = sc.score_vector(x)
+    assert r >= sc.model.threshold and sc.risk_next(x, r) < sc.model.threshold
+    y = list(x)
+    y[NAMES.index("ahead_cross_p")] = float("nan")
+    assert sc.risk_next(y, 0.42) == 0.42  # no lookahead: the risk is the next step's
+
+    class W:
+        gpu_index = None
+
+        def next_plan(self):
+            from gpuwatch.contract import StepPlan
+            return StepPlan(batch=8, seq_len=16, precision="bf16", mode="prefill")
+
+        def guard_view(self):
+            from gpuwatch.contract import WorkloadView
+            return WorkloadView(gpu=None, ceiling=None, last_ok_batch=8, lower_precisions=(), manual=False)
+
+        def accepts(self):
+            return frozenset({"lower_ceiling", "refuse_step"})
+
+        def apply(self, action, who="guard"):
+            raise AssertionError(f"acted: {action}")
+
+        def request_snapshot(self, directory, reason):
+            pass
+
+    bus, w = Bus(), W()
+    g = Guard(bus, GuardConfig(cooldown_s=0.0), {None: w}, threshold=0.5)
+    g.on_risk(None, r, [], {RISK_NEXT: sc.risk_next(x, r), "peak_cross_p": 0.0}, {"batch": 8, "seq_len": 16}, True)
+    assert g.before_step(w).kind == "none"
