@@ -217,12 +217,32 @@ class GuardedLoop:
             return None
         self._wanted = (int(batch_size), int(seq_len))
         if self.guard is not None and not self.manual:
+            self._rescore_smaller_plan()
             self.guard.before_step(self)
         self._apply_pending()
         if self._stop_why is not None:
             self._stop(self._stop_why)
             return None
         return self.next_plan()
+
+    def _rescore_smaller_plan(self) -> None:
+        """An alarm scored for a larger plan than this step's is not this step's risk: the scorer scores the
+        plan the loop shows, which between steps is the last step's (often before that step's own row was in
+        its window), and the guard re-scores a plan only when it grew. With random lengths that alarm would
+        split a shorter step the larger one has just run without (H200 calls 25 and 28, the fragment
+        scenario's step 4: p 0.99 for the 18,784-token step 3, which then fit, split the 12,496-token step
+        4). Here the smaller plan is scored now, as a grown one is; only at an alarm, so a few ms rarely."""
+        g, plan = self.guard, self.next_plan()
+        if plan is None or getattr(g, "rescore", None) is None:
+            return
+        got = g.latest_risk(self.gpu_index)
+        scored = (got or {}).get("plan") or {}
+        if not got or got.get("risk") is None or got["risk"] < g.threshold or scored == plan.scored():
+            return
+        if float(scored.get("batch") or 0) * float(scored.get("seq_len") or 0) <= plan.tokens:
+            return  # the same size or grown: the guard's own rule (Guard._worth_rescoring)
+        r, why, f = g.rescore(self.gpu_index, plan.scored())
+        g.on_risk(self.gpu_index, r, why, f, plan.scored(), False)
 
     def record_step(self, batch_size: int, seq_len: int, micro_batches: int, step_time_s: float,
                     loss: float | None = None) -> None:
