@@ -47,13 +47,15 @@
 #               ranks; MULTIGPU_FSDP_BATCH, default 4 x 512) - the preset DDP cannot train on one H200: steps,
 #               engine, parameter bytes and peak memory per rank in $R/multigpu.json's "fsdp"
 #               (benchmarks/multigpu_check.py)
+#   fragment    issue 16: the library guard's fragment scenario alone (guard_library.py --only fragment;
+#               FRAG_BUDGET s, 120): unguarded must fail from fragmentation, guarded must not  [29]
 #   nccl1       NCCL on one GPU (world size 1): `torchrun --nproc-per-node 1 -m gpuwatch stress --preset small
 #               --mode train --steps 12 --collectives 64MiB`, the session checked for rank/comm columns and
 #               collective events; $R/nccl_smoke.json (benchmarks/nccl_smoke.sh, < 150 s)
 #   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
 #               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
-#               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1|2 picks the scenario table,
+#               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1|2|3|4 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
 #   library     the guard in users' loops: plain PyTorch and HF Trainer ramps, healthy, fragment and leak,
 #               unguarded vs guarded under a calibrated cap (benchmarks/guard_library.py; <= 4 minutes;
@@ -128,8 +130,15 @@ stage_library() {
   tail -n 1 $R/guard_library.txt
   tar czf "$OUT/guard-library-sessions.tgz" -C /tmp guard-library-sessions --exclude='hf-*' 2>/dev/null
 }
+stage_fragment() {  # issue 16: the fragment scenario alone (benchmarks/guard_fragment.py), read criteria.shown first
+  EXT=txt stage guard_fragment 200 python3 benchmarks/guard_library.py --out $R/guard_library_fragment.json \
+    --sessions /tmp/guard-library-sessions --budget-s "${FRAG_BUDGET:-120}" --only fragment
+  tail -n 3 $R/guard_fragment.txt
+  python3 -c "import json; d=json.load(open('$R/guard_library_fragment.json')); print(json.dumps(d['scenarios']['fragment'].get('criteria'), indent=1))" 2>&1 | head -40
+  tar czf "$OUT/guard-fragment-sessions.tgz" -C /tmp guard-library-sessions 2>/dev/null
+}
 stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's effect on the workload (ABBA)
-  stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48
+  stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session "${RISK_SESSION:-recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48}"
   cat $R/risk_scorer.json; echo
   stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides "${RISK_STRIDES:-5,1}"
   cat $R/risk_score_hour.json; echo

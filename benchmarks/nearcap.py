@@ -8,7 +8,7 @@ per-process cap, so the workloads do not limit each other; the physical card mus
 at once, which `--budget-gib` checks before anything starts. A background `nvidia-smi` log shows
 what the card held.
 
-    python3 benchmarks/nearcap.py --seconds 520 --out /tmp/nearcap [--set 1|2|3] [--only NAME ...]
+    python3 benchmarks/nearcap.py --seconds 520 --out /tmp/nearcap [--set 1|2|3|4] [--only NAME ...]
 
 Writes one session folder per scenario under OUT/sessions/NAME, its log as OUT/logs/NAME.log, and
 OUT/nearcap.json (each scenario: command, calibrated peak, cap, target, exit code).
@@ -69,6 +69,20 @@ SCENARIOS_3: dict[str, tuple[list[str], float, float, int, float]] = {
     "nc3-small-decode-rampmax-b128": (["--preset", "small", "--mode", "decode", "--schedule", "ramp", "--batch", "128", "--max-batch", "128"], 0.95, 12, 3, 8),
     "nc3-small-train-fp16-rampmax-b20": (["--preset", "small", "--mode", "train", "--precision", "fp16", "--schedule", "ramp", "--batch", "20", "--max-batch", "20"], 0.94, 16, 4, 12),
 }
+# The fourth set (issue 20, lead time): ramps that climb past the edge of a fixed cap again and again (no
+# --max-batch: after each OOM the ramp restarts at a quarter of its batch and climbs again), recorded with
+# the schema-v4 lookahead columns written live - sessions the shipped model never trained on, for its
+# lead time and false alarms on ramps (models/risk.md, "fresh sessions").
+SCENARIOS_4: dict[str, tuple[list[str], float, float, int, float]] = {
+    "nc4-v2lite-prefill-ramp-cap36": (["--preset", "v2-lite", "--mode", "prefill", "--schedule", "ramp", "--batch", "64", "--seq-len", "512", "--gpu-memory-limit", "36GiB"], 0.0, 0, 0, 36),
+    "nc4-small-prefill-ramp-cap6": (["--preset", "small", "--mode", "prefill", "--schedule", "ramp", "--batch", "64", "--gpu-memory-limit", "6GiB"], 0.0, 0, 0, 6),
+    "nc4-small-prefill-ramp-seq2048-cap8": (["--preset", "small", "--mode", "prefill", "--schedule", "ramp", "--batch", "16", "--seq-len", "2048", "--gpu-memory-limit", "8GiB"], 0.0, 0, 0, 8),
+    "nc4-small-train-ramp-cap7": (["--preset", "small", "--mode", "train", "--schedule", "ramp", "--batch", "8", "--gpu-memory-limit", "7GiB"], 0.0, 0, 0, 7),
+    "nc4-small-train-fp16-ramp-cap9": (["--preset", "small", "--mode", "train", "--precision", "fp16", "--schedule", "ramp", "--batch", "8", "--gpu-memory-limit", "9GiB"], 0.0, 0, 0, 9),
+    "nc4-small-train-frag-ramp-cap10": (["--preset", "small", "--mode", "train", "--schedule", "ramp", "--batch", "8", "--fragment", "--gpu-memory-limit", "10GiB"], 0.0, 0, 0, 10),
+    "nc4-small-decode-ramp-cap3": (["--preset", "small", "--mode", "decode", "--schedule", "ramp", "--batch", "256", "--gpu-memory-limit", "3GiB"], 0.0, 0, 0, 3),
+    "nc4-small-prefill-sweep-cap5": (["--preset", "small", "--mode", "prefill", "--schedule", "sweep", "--max-batch", "256", "--gpu-memory-limit", "5GiB"], 0.0, 0, 0, 5),
+}
 CALIBRATE_ARGS = {
     "nc2-small-prefill-rampmax-b192": ["--preset", "small", "--mode", "prefill", "--batch", "192"],  # what calibration runs at: the steady peak of the shape the scenario reaches
     "nc-small-train-rampmax-b16": ["--preset", "small", "--mode", "train", "--batch", "16"],
@@ -106,7 +120,7 @@ def run(cmd: list[str], log: Path, timeout: float) -> int:
 
 
 def scenario(name: str, out: Path, deadline: float, result: dict) -> None:
-    args, target, calib_gib, calib_steps, _ = {**SCENARIOS, **SCENARIOS_2, **SCENARIOS_3}[name]
+    args, target, calib_gib, calib_steps, _ = {**SCENARIOS, **SCENARIOS_2, **SCENARIOS_3, **SCENARIOS_4}[name]
     py = [sys.executable, "-m", "gpuwatch", "stress"]
     log = out / "logs" / f"{name}.log"
     r = result[name] = {"args": args, "target": target}
@@ -159,10 +173,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=520, help="wall time for everything")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--set", type=int, choices=(1, 2, 3), default=1, help="which scenario table (default 1)")
+    ap.add_argument("--set", type=int, choices=(1, 2, 3, 4), default=1, help="which scenario table (default 1)")
     ap.add_argument("--budget-gib", type=float, default=134.0, help="what the caps may add up to on the card")
     a = ap.parse_args()
-    table = {1: SCENARIOS, 2: SCENARIOS_2, 3: SCENARIOS_3}[a.set]
+    table = {1: SCENARIOS, 2: SCENARIOS_2, 3: SCENARIOS_3, 4: SCENARIOS_4}[a.set]
     names = a.only or list(table)
     total = sum(table[n][4] for n in names)
     print(f"{len(names)} scenarios, expected caps {total:.0f} GiB of a {a.budget_gib:.0f} GiB budget", flush=True)

@@ -145,3 +145,12 @@ def test_the_guard_acts_on_the_next_steps_risk_not_the_lookahead():
     g = Guard(bus, GuardConfig(cooldown_s=0.0), {None: w}, threshold=0.5)
     g.on_risk(None, r, [], {RISK_NEXT: sc.risk_next(x, r), "peak_cross_p": 0.0}, {"batch": 8, "seq_len": 16}, True)
     assert g.before_step(w).kind == "none"
+
+
+def test_an_alarm_about_a_later_step_says_which():
+    from gpuwatch.predict.scorer import _ahead_text
+
+    plan = {"batch": 8, "seq_len": 512, "ahead_batch": 12, "ahead_seq_len": 512, "ahead_steps": 7}
+    assert _ahead_text(plan, 0.1, 0.5) == " (batch 12 x 512 planned in 7 steps)"
+    assert _ahead_text(plan, 0.6, 0.5) == ""  # the next step itself is at risk
+    assert _ahead_text({"batch": 8, "seq_len": 512}, 0.1, 0.5) == ""  # no lookahead known

@@ -198,13 +198,14 @@ class LiveScorer:
                 r = self.scorer.score_vector(x)
                 why = self._reasons(g, x, r)
                 f[RISK_NEXT] = self.scorer.risk_next(x, r)
-                onset = self._publish(g, w.end_us, r, why)
+                onset = self._publish(g, w.end_us, r, why, ahead=_ahead_text(plan, f[RISK_NEXT], self.model.threshold))
             if self.on_risk is not None:
                 self.on_risk(g, r, why, f, plan, onset)
         self.cost_us = (self.cost_us + [(time.thread_time_ns() - c0) // 1000])[-600:]
 
-    def _publish(self, g, ts_us: int, r: float, why: list, plan: str | None = None) -> bool:
-        """One risk row; the alarm's onset and end as events (hysteresis). Returns True at the onset."""
+    def _publish(self, g, ts_us: int, r: float, why: list, plan: str | None = None, ahead: str = "") -> bool:
+        """One risk row; the alarm's onset and end as events (hysteresis). Returns True at the onset.
+        `ahead`: what the alarm is about where a step planned further ahead raised it, not the next one."""
         was = self._alarm.get(g, False)
         alarm = alarm_next(was, r, self.model.threshold)
         self.bus.risk.append({"ts": ts_us, "gpu": g, "kind": self.model.kind, "risk": r, "alarm": alarm,
@@ -212,7 +213,7 @@ class LiveScorer:
                               "reasons": json.dumps(why)})
         if alarm and not was:
             self.bus.emit("risk_alarm", f"OOM risk {r:.2f} >= {self.model.threshold:.2f}"
-                          + (" (the next step's plan)" if plan else "") + ": "
+                          + (" (the next step's plan)" if plan else ahead) + ": "
                           + (", ".join(n for n, _ in why) or "no single feature stands out"), "warning",
                           gpu=g, risk=r, threshold=self.model.threshold, model=self.model.label, reasons=why)
         elif was and not alarm:
@@ -261,6 +262,15 @@ class LiveScorer:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
+
+
+def _ahead_text(plan: dict | None, risk_next: float, threshold: float) -> str:
+    """" (batch B x S planned in k steps)" where the next step alone is under the alarm: the warning is
+    about a step the schedule will run later (predict/ahead.py); empty otherwise."""
+    p = plan or {}
+    if risk_next >= threshold or not p.get("ahead_batch") or not p.get("ahead_steps"):
+        return ""
+    return f" (batch {p['ahead_batch']} x {p.get('ahead_seq_len')} planned in {p['ahead_steps']} steps)"
 
 
 def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
