@@ -15,6 +15,7 @@ sessions that already have the columns are skipped.
 
     python3 benchmarks/backfill_ahead.py recordings/*/ recordings/h200-*/*/   # rewrites steps.parquet
     python3 benchmarks/backfill_ahead.py --check recordings/...               # only prints the agreement
+    python3 benchmarks/backfill_ahead.py --compare recordings/heldout-h200-*/*/  # live columns vs the replay
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
     return filled.drop("_i"), {"steps": st.height, "compared": compared, "agree": agree}
 
 
-def run(folder: Path, check: bool) -> str:
+def run(folder: Path, check: bool, compare: bool = False) -> str:
     meta_p, steps_p, events_p = folder / "meta.json", folder / "steps.parquet", folder / "events.parquet"
     if not (meta_p.is_file() and steps_p.is_file()):
         return f"{folder}: skipped (no meta.json / steps.parquet)"
@@ -114,7 +115,8 @@ def run(folder: Path, check: bool) -> str:
     if not loads or any(r.get("schedule") is None or r.get("preset") is None for r in loads):
         return f"{folder}: skipped (no workload schedule recorded)"
     steps = pl.read_parquet(steps_p)
-    if all(c in steps.columns for c in COLS) and steps["ahead_batch"].null_count() < steps.height:
+    has = all(c in steps.columns for c in COLS) and steps["ahead_batch"].null_count() < steps.height
+    if has and not compare:
         return f"{folder}: skipped (has the columns)"
     if "world_size" in steps.columns and (steps["world_size"].fill_null(1) > 1).any():
         return f"{folder}: skipped (data-parallel)"
@@ -132,6 +134,11 @@ def run(folder: Path, check: bool) -> str:
     share = figs["agree"] / figs["compared"] if figs["compared"] else None
     line = (f"{folder}: {figs['steps']} steps, the replayed plan equals the recorded next step on "
             f"{figs['agree']}/{figs['compared']}" + (f" ({share:.1%})" if share is not None else ""))
+    if has:  # recorded live: do the replayed lookahead columns equal what the workload wrote?
+        replayed = pl.concat(parts).sort("ts", maintain_order=True)
+        live = steps.sort("ts", maintain_order=True)
+        same = sum(int((replayed[c] == live[c]).fill_null(False).sum()) for c in COLS)
+        return line + f"; lookahead recorded live: the replay equals it in {same}/{len(COLS) * live.height} cells"
     if check:
         return line
     if share is not None and share < MIN_AGREEMENT:
@@ -157,9 +164,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sessions", nargs="+", type=Path)
     ap.add_argument("--check", action="store_true", help="print the agreement only; write nothing")
+    ap.add_argument("--compare", action="store_true",
+                    help="sessions recorded with the columns (live): compare them with the replay; write nothing")
     a = ap.parse_args()
     for s in a.sessions:
-        print(run(s, a.check), flush=True)
+        print(run(s, a.check or a.compare, a.compare), flush=True)
     return 0
 
 

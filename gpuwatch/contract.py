@@ -57,6 +57,10 @@ class StepPlan:
     micro_batches: int = 1  # gradient accumulation steps the batch is split into
     effective_batch: int | None = None  # samples per optimizer update (train), else the batch
     wanted_batch: int | None = None  # what the schedule or the user's loader wants before any ceiling
+    # the largest step planned within the lookahead (gpuwatch/predict/ahead.py), where the workload knows one
+    ahead_batch: int | None = None  # its micro-batch, the ceiling applied
+    ahead_seq_len: int | None = None
+    ahead_steps: int | None = None  # how many steps ahead (1 = this one)
 
     @property
     def tokens(self) -> int:
@@ -64,9 +68,12 @@ class StepPlan:
 
     def scored(self) -> dict[str, Any]:
         """The plan as the risk model's feature function reads it."""
-        return {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
-                "effective_batch": self.effective_batch if self.effective_batch is not None else self.batch,
-                "micro_batches": self.micro_batches}
+        out = {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
+               "effective_batch": self.effective_batch if self.effective_batch is not None else self.batch,
+               "micro_batches": self.micro_batches}
+        if self.ahead_batch and self.ahead_seq_len:
+            out.update(ahead_batch=self.ahead_batch, ahead_seq_len=self.ahead_seq_len, ahead_steps=self.ahead_steps)
+        return out
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,93 @@ def test_an_alarm_about_a_later_step_says_which():
     assert _ahead_text(plan, 0.1, 0.5) == " (batch 12 x 512 planned in 7 steps)"
     assert _ahead_text(plan, 0.6, 0.5) == ""  # the next step itself is at risk
     assert _ahead_text({"batch": 8, "seq_len": 512}, 0.1, 0.5) == ""  # no lookahead known
+
+
+def test_a_ramp_whose_start_does_not_fit_starts_lower_and_an_oom_loop_stops():
+    """Call 29: a decode ramp under a 3 GiB cap failed at its start batch and restarted there 995 times."""
+    s = Schedule("ramp", 256, 8)  # starts at 64
+    assert "restarting lower, at 32" in s.oom(64) and s.plan()[0] == 32
+    assert "restarting lower, at 16" in s.oom(32)
+    s.done()
+    st = s.state()
+    r = Schedule("ramp", 256, 8)
+    r.restore(st)
+    assert r.ahead(3) == s.ahead(3) and r.state() == st  # the lowered start survives a resume
+    pytest.importorskip("torch")
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload.config import Faults
+    from gpuwatch.workload.runner import OOM_LOOP, Workload, WorkloadConfig
+
+    bus = Bus()  # every step over 1 token fails: nothing can ever run
+    w = Workload(bus, WorkloadConfig(mode="prefill", schedule="steady", batch=1, seq_len=8, integrity_every=0,
+                                     max_steps=5, faults=Faults(oom_above_tokens=1), overrides={"num_hidden_layers": 1}))
+    w.start()
+    w.join(timeout=60)
+    w.stop()
+    assert w.ooms == OOM_LOOP and w.unrecovered and "in a row" in w.unrecovered
+
+
+def test_the_library_loop_looks_ahead_at_the_batches_its_loader_will_give():
+    """`GuardedLoop.wrap` draws the next few seconds of batches early: the plan and each step row carry
+    the largest of them (a batch on the GPU already is never drawn early)."""
+    torch = pytest.importorskip("torch")
+    from gpuwatch.integrations.loop import GuardedLoop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+
+    def loss(mb):
+        return torch.nn.functional.cross_entropy(model(mb).flatten(0, 1), mb.flatten())
+
+    sizes = [2, 2, 2, 3, 3, 4, 4, 8, 2, 2]  # a loader whose batches grow, then one large one
+    batches = [torch.randint(0, 32, (b, 6)) for b in sizes]
+    g = GuardedLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), record_dir=None, use_model=False,
+                    guard="off", sampler="thread")
+    plans, rows = [], []
+    with g:
+        for batch in g.wrap(batches):
+            g.step(batch, loss)
+            plans.append(g.next_plan())
+            rows.append(g.last_step)
+    assert g.steps == len(sizes)
+    # until two steps have ended the pace is unknown: one batch ahead; then a CPU's steps take well under
+    # 4 s / 16, the loop draws MAX_AHEAD batches ahead, and the batch of 8 is in sight until it has run
+    assert [r["ahead_batch"] for r in rows[:2]] == [2, 2]
+    assert [r["ahead_batch"] for r in rows[2:7]] == [8] * 5 and rows[7]["ahead_batch"] == 2
+    assert [r["next_batch"] for r in rows[:-1]] == sizes[1:]  # the next batch, known, not assumed the same
+    assert rows[-1]["ahead_batch"] is None  # the loader has ended: nothing ahead
+    assert all(r["ahead_steps"] == sizes[i + 1:].index(8) + 1 for i, r in enumerate(rows[:7]) if r["ahead_batch"] == 8)
+    assert plans[3].ahead_batch == 8 and plans[3].scored()["ahead_batch"] == 8
+    g2 = GuardedLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), record_dir=None, use_model=False,
+                     guard="off", sampler="thread")
+    with g2:
+        for batch in g2.wrap(batches, lookahead=False):
+            g2.step(batch, loss)
+            assert g2.last_step["ahead_batch"] is None and g2.next_plan().ahead_batch is None
+
+
+def test_after_an_oom_the_replay_scores_the_recovered_plan_not_the_stale_one():
+    """Held-out H200 session: the v2-lite ramp failed at batch 72 and restarted at 16. Between the OOM and
+    the next step row, the last row still says "next: 72"; scoring that raised a false alarm after every
+    OOM in a replay (live, the workload's own plan is scored). Now: the oom_recovered event's plan where
+    it recorded one, else no forecast at all."""
+    from gpuwatch.predict.features import _plan_after_oom, features
+    from gpuwatch.recording.source import ReplaySource
+
+    src = ReplaySource(ROOT / "recordings" / "heldout-h200-2026-12-01" / "nc4-v2lite-prefill-ramp-cap36")
+    g = src.gpus[0].index
+    ev = src.events_df.filter(pl.col("kind") == "oom")
+    t_oom = int(ev["ts"][0].timestamp() * 1e6)
+    after = features(src.window_at(g, t_oom + 300_000))  # 0.3 s after the OOM, before the next step
+    before = features(src.window_at(g, t_oom - 300_000))
+    assert before["next_peak_est_frac"] > 0.9 and not math.isnan(before["peak_cross_p"])
+    assert math.isnan(after["peak_cross_p"]) and math.isnan(after["next_peak_est_frac"])
+    w = src.window_at(g, t_oom + 300_000)
+    last_us = float(w.steps["ts"][-1].timestamp() * 1e6)
+    assert _plan_after_oom(w.events, last_us) == {"batch": None, "seq_len": None}
+    assert _plan_after_oom(w.events, float(t_oom + 1)) is None  # no OOM after the last row: the row's plan
+    detail = '{"decision": "ramp: restarting at 16", "next_batch": 16, "next_seq_len": 512, "next_precision": "bf16"}'
+    ev2 = pl.concat([w.events.filter(pl.col("kind") != "oom_recovered"), pl.DataFrame({"ts": [w.events["ts"].max()], "kind": ["oom_recovered"],
+                                              "detail": [detail]}).cast({"ts": w.events["ts"].dtype})],
+                    how="diagonal_relaxed")
+    assert _plan_after_oom(ev2, last_us) == {"batch": 16, "seq_len": 512, "precision": "bf16"}

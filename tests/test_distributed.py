@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from gpuwatch.recording import schema
 from gpuwatch.recording.reader import open_recording as read_session
 from gpuwatch.workload import collectives as C
 from gpuwatch.workload.comm import CommMeter
@@ -75,7 +76,7 @@ def test_two_ranks_one_session_and_collectives(env, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     d, data = _session(tmp_path)
-    assert json.loads((d / "meta.json").read_text())["schema_version"] == 3
+    assert json.loads((d / "meta.json").read_text())["schema_version"] == schema.SCHEMA_VERSION
     steps = data.steps
     assert sorted(steps["rank"].to_list()) == [0, 0, 0, 1, 1, 1]
     assert set(steps["world_size"].to_list()) == {2}

@@ -24,6 +24,7 @@ control events) that `gpuwatch replay`, `score`, `report` and `train` open. The 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import math
@@ -39,11 +40,13 @@ import torch
 
 from gpuwatch.contract import Action, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig
+from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 from gpuwatch.workload import flops as F
 from gpuwatch.workload.allocator import release_cache
 
 Batch = Any  # a tensor, or a Mapping / tuple / list of tensors whose first dimension is the batch
+MAX_AHEAD = 16  # batches `wrap` draws ahead of the step at most (the lookahead: predict/ahead.py)
 
 
 class GuardedLoop:
@@ -80,6 +83,9 @@ class GuardedLoop:
         self.remedies: list[str] = []
         self.step_overhead_s: list[float] = []  # gpuwatch's own time per step (the guard, bookkeeping)
         self._wanted: tuple[int, int] | None = None  # (batch, seq_len) of the step being decided
+        self._shapes: list[tuple[int, int]] = []  # (batch, seq_len) of the batch `wrap` gave and those drawn ahead
+        self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
+        self._ahead_ok = True  # the loader's batches are on the CPU (drawing them early costs no GPU memory)
         self._stop_why: str | None = None
         self._last: dict[str, Any] = {}
         self._snapshot_req: tuple[str, Any] | None = None
@@ -155,14 +161,28 @@ class GuardedLoop:
         return self.stopped is not None
 
     # -- the user's loop ------------------------------------------------------------------------------------
-    def wrap(self, loader: Iterable[Batch]) -> Iterator[Batch]:
-        """Iterate the data loader until it ends or the guard stops the run."""
-        for batch in loader:
-            if self.should_stop:
+    def wrap(self, loader: Iterable[Batch], lookahead: bool = True) -> Iterator[Batch]:
+        """Iterate the data loader until it ends or the guard stops the run. With `lookahead`, the batches
+        of the next few seconds (4 s at the recent pace, at most MAX_AHEAD) are drawn from the loader before
+        they are due, so the risk sees the largest of them coming (predict/ahead.py) - not for batches
+        that live on the GPU already (holding them early would cost the memory it guards)."""
+        it = iter(loader)
+        buf: collections.deque = collections.deque()
+        while not self.should_stop:
+            want = 1 + (min(MAX_AHEAD, A.steps_within(self._ends)) if lookahead and self._ahead_ok else 0)
+            while len(buf) < want:
+                try:
+                    buf.append(next(it))
+                except StopIteration:
+                    break
+            if not buf:
                 return
+            batch = buf.popleft()
+            if self._ahead_ok and lookahead:
+                t = _first_tensor(batch)
+                self._ahead_ok = t is None or t.device.type == "cpu"
+            self._shapes = [(batch_size_of(b), seq_len_of(b)) for b in (batch, *buf)] if self._ahead_ok and lookahead else []
             yield batch
-            if self.should_stop:
-                return
 
     def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
         """One optimizer step over `batch`: the guard decides, the batch runs as micro-batches under its
@@ -286,7 +306,11 @@ class GuardedLoop:
                "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
                "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
                "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
-               "next_precision": self.precision}
+               "next_precision": self.precision, **self._ahead_columns(self._shapes[1:])}
+        if len(self._shapes) > 1:  # wrap knows the next batch: that is the plan
+            nb, ns = self._shapes[1]
+            row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
+        self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
         self._last = row
         self.bus.steps.append(row)
         self._maybe_snapshot()
@@ -330,7 +354,8 @@ class GuardedLoop:
         self.bus.emit("oom_recovered", f"recovered: micro-batch ceiling -> {self.ceiling}, same step retried "
                       f"(effective batch {n} kept)", "warning", gpu=self.gpu_index, who="recovery", retried=True,
                       decision=f"ceiling -> {self.ceiling}", retry_control="ceiling", retry_value=self.ceiling,
-                      allocated_after=after, allocated_before=before)
+                      allocated_after=after, allocated_before=before, next_batch=self.ceiling, next_seq_len=s,
+                      next_precision=self.precision)
         return True
 
     def _stop(self, why: str) -> None:
@@ -363,8 +388,18 @@ class GuardedLoop:
             return None
         n, s = w
         micro = min(n, self.ceiling) if self.ceiling else n
+        ah = self._ahead_columns(self._shapes)  # this step first
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
-                        micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n)
+                        micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n,
+                        ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"])
+
+    def _ahead_columns(self, shapes: list[tuple[int, int]]) -> dict[str, int | None]:
+        """The lookahead of the batches `wrap` drew ahead ((batch, seq_len), the first one next), under the
+        guard's ceiling."""
+        ah = A.pick(shapes)
+        if ah["ahead_batch"] and self.ceiling:
+            ah["ahead_batch"] = min(ah["ahead_batch"], self.ceiling)
+        return ah
 
     def guard_view(self) -> WorkloadView:
         last = self._last

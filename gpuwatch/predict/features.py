@@ -44,7 +44,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "peak_margin_sigmas": ("sigmas", "(usable limit - estimated next peak) / the estimate's spread, clipped to -10..50"),
     "frag_need_frac": ("fraction", "(estimated next peak - allocated - room left outside the allocator's segments) / its cached memory: the share of the cache the planned step must reuse (> 1: it cannot fit; fragmentation makes high shares fail)"),
     "peak_cross_p": ("probability", "P(a step within the horizon peaks over the usable limit): the planned step, and the growth trend carried on"),
-    "ahead_cross_p": ("probability", "P(the largest step the workload plans within the lookahead peaks over the usable limit): predict/ahead.py; peak_cross_p where that is the next step; missing where the workload plans no further than the next step"),
+    "ahead_cross_p": ("probability", "P(the largest step the workload plans within the lookahead peaks over the usable limit): predict/ahead.py; the estimate and the outgrown-segments rule (not the failed-shape rule, which speaks for the allocator's state of now); at least peak_cross_p; missing where the workload plans no further than the next step"),
     "plan_vs_max_fit": ("ratio", "planned next-step tokens (batch x seq_len) / the most tokens any step in the window ran"),
     "plan_growth": ("ratio", "planned next-step tokens / the last step's tokens"),
     "step_time_trend": ("ratio", "median step time of the last 3 steps / of the window's steps"),
@@ -207,6 +207,8 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     out["steps_per_s"] = float(((ts > w.end_us - 5e6) & (ts <= w.end_us)).sum()) / 5.0
     if np.isfinite(times).sum() >= 3:
         out["step_time_trend"] = nanmedian(times[-3:]) / max(nanmedian(times), 1e-9)
+    if not plan:  # replay: the last row's plan, unless an OOM came after that row (the recovery changed it)
+        plan = _plan_after_oom(w.events, float(ts[-1]))
     nb, ns, npr = _plan_of(last, plan)
     last_tok = float(last["batch"] or 0) * float(last["seq_len"] or 0)
     if nb and ns and last_tok:
@@ -231,14 +233,18 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     if nb and ns:
         micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
         prec = st["precision"].to_list()
-        args = dict(failed=failed_shapes(w.events),
-                    # the outgrown-segments rule for inference steps only (peak.py says why)
-                    reserved=float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None)
-        fc = forecast(batch, seq, micro, prec, alloc, peak, times, float(nb), float(ns), npr, usable_limit(limit), **args)
+        # the outgrown-segments rule for inference steps only (peak.py says why)
+        reserved = float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None
+        fc = forecast(batch, seq, micro, prec, alloc, peak, times, float(nb), float(ns), npr, usable_limit(limit),
+                      failed=failed_shapes(w.events), reserved=reserved)
         ab, asq = _ahead_of(last, plan)
-        if fc is not None and ab and asq:  # the largest step planned within the lookahead (predict/ahead.py)
+        if fc is not None and ab and asq:  # the largest step planned within the lookahead (predict/ahead.py):
+            # its estimate and the outgrown-segments rule, not the failed-shape rule - a shape that failed
+            # under the allocator's state of now may fit after the steps on the way reshaped the cache (call
+            # 24's decode ramp failed at batch 77, then ran it on the next climb: 3 near-limit false alarms)
             fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else forecast(
-                batch, seq, micro, prec, alloc, peak, times, float(ab), float(asq), npr, usable_limit(limit), **args)
+                batch, seq, micro, prec, alloc, peak, times, float(ab), float(asq), npr, usable_limit(limit),
+                reserved=reserved)
             out["ahead_cross_p"] = max(fc.p_horizon, fa.p_horizon) if fa is not None else fc.p_horizon
         if fc is not None:
             out["next_peak_est_frac"] = fc.mean / fc.limit
@@ -258,17 +264,39 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
     if not oom.size:
         return []
     details = events["detail"].to_list()
+    ts = _us(events["ts"])
     out = []
-    for d in (details[i] for i in oom):
-        x = event_detail({"detail": d})
+    for i in oom:
+        x = event_detail({"detail": details[i]})
         try:
             b, q = float(x["batch"]), float(x["seq_len"])
         except (ValueError, KeyError, TypeError):
             continue
         ab = x.get("allocated_before")
         out.append(Failed(b * q, q, PRECISION_BYTES.get(str(x.get("precision")), 2.0),
-                          float(ab) if isinstance(ab, (int, float)) else float("nan")))
+                          float(ab) if isinstance(ab, (int, float)) else float("nan"), float(ts[i])))
     return out
+
+
+def _plan_after_oom(events: pl.DataFrame, last_step_us: float) -> dict[str, Any] | None:
+    """Where an OOM came after the last step row, the plan that row recorded is not the next step any
+    more (the recovery halved the batch, restarted a ramp): the plan the `oom_recovered` event recorded
+    (its next_batch / next_seq_len), else an unknown plan (no forecast) - not the stale one (a replayed
+    ramp restarting at 16 after failing at 72 would be scored for 72 again: H200 held-out sessions, one
+    false alarm after every OOM). None where no OOM came after the row."""
+    if not events.height:
+        return None
+    kind = events["kind"].to_numpy()
+    ets = _us(events["ts"])
+    oom = np.flatnonzero((kind == "oom") & (ets > last_step_us))
+    if not oom.size:
+        return None
+    rec = np.flatnonzero((kind == "oom_recovered") & (ets >= ets[oom[-1]]))
+    if rec.size:
+        d = event_detail({"detail": events["detail"][int(rec[0])]})
+        if d.get("next_batch") and d.get("next_seq_len"):
+            return {"batch": d["next_batch"], "seq_len": d["next_seq_len"], "precision": d.get("next_precision")}
+    return {"batch": None, "seq_len": None}
 
 
 def _plan_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, Any, Any]:

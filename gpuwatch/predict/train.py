@@ -181,7 +181,7 @@ def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: li
                "the near-limit false alarms within budget while catching more) but shows in the risk at half its probability")
         return te, tc, m, (why + f": the most OOMs caught with at most {MAX_FA_PER_HOUR:g} false alarms per healthy hour "
                            f"at >= {E.NEAR_FRAC:.0%} of the limit, on out-of-fold scores")
-    te, tc, m = min(rows, key=lambda r: (r[2].near_false_alarms, -r[2].caught))
+    te, tc, m = min(rows, key=lambda r: (r[2].near_false_alarms, -r[2].caught, r[2].false_alarms, -r[0], -r[1]))
     return te, tc, m, (f"no operating point kept the near-limit false alarms within {MAX_FA_PER_HOUR:g} per healthy "
                        f"hour; this one has the fewest (estimator p >= {te:g}, classifier p >= {tc:g})")
 

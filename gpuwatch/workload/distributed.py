@@ -429,7 +429,7 @@ class DistributedWorkload(Workload):
         self.lost_steps += 1
         self.bus.emit("oom_recovered", f"another rank ran out of memory at step {self._step}: the step is skipped "
                       f"on every rank; {decision}", "warning", gpu=self.cfg.gpu_index, decision=decision,
-                      who="recovery", rank=self.rank, peer_oom=True)
+                      who="recovery", rank=self.rank, peer_oom=True, **self._next_plan_detail())
 
     def _finish_row(self, row: dict[str, Any], micro: int) -> None:
         dt = time.perf_counter() - row.pop("_t0")
@@ -445,7 +445,7 @@ class DistributedWorkload(Workload):
                    comm_bytes=comm_bytes)
         self.schedule.done()
         self._step += 1
-        self._floor_ooms = 0
+        self._floor_ooms = self._ooms_in_row = 0
         self.last_ok_batch = micro
         self._plan_columns(row)
         self.last = row

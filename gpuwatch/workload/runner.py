@@ -30,6 +30,9 @@ from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
 from gpuwatch.workload.schedule import Schedule
 
 
+OOM_LOOP = 50  # OOMs in a row with no step between them: the run stops (call 29 looped 995 times)
+
+
 class Workload:
     """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
@@ -69,6 +72,7 @@ class Workload:
         self.snapshot_request: tuple[str, Any] | None = None
         self.stopped_by: str | None = None  # why the guard stopped this run cleanly (a leak), if it did
         self._floor_ooms = 0  # OOMs in a row at batch 1 (no step ran between them)
+        self._ooms_in_row = 0  # OOMs since the last step that ran (OOM_LOOP of them: stop)
         self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
         self._ahead: dict[str, Any] = {}  # the step columns ahead_* of the last step (predict/ahead.py)
         self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
@@ -159,7 +163,8 @@ class Workload:
         k = math.ceil(p["effective_batch"] / p["batch"]) if p["effective_batch"] > p["batch"] else 1
         return StepPlan(batch=p["batch"], seq_len=p["seq_len"], precision=p["precision"], mode=self.cfg.mode,
                         micro_batches=k, effective_batch=p["effective_batch"],
-                        wanted_batch=wanted[0] if wanted else p["batch"])
+                        wanted_batch=wanted[0] if wanted else p["batch"], ahead_batch=p["ahead_batch"],
+                        ahead_seq_len=p["ahead_seq_len"], ahead_steps=p["ahead_steps"])
 
     def guard_view(self) -> WorkloadView:
         last = self.last or {}
@@ -401,7 +406,7 @@ class Workload:
             return
         self.schedule.done()
         self._step += 1
-        self._floor_ooms = 0
+        self._floor_ooms = self._ooms_in_row = 0
         self.last_ok_batch = micro
         if self._baseline_blocks is None and self.device.type == "cuda" and self.guard is not None:
             from gpuwatch.workload.memsnap import baseline
@@ -514,7 +519,15 @@ class Workload:
             self.lost_steps += 1
         self.recovered += 1
         self._floor_ooms = self._floor_ooms + 1 if micro <= 1 and react is None else 0
-        if self._floor_ooms >= 2 and self.guard is not None and self.guard.acting and not self.manual:
+        self._ooms_in_row += 1
+        if self._ooms_in_row >= OOM_LOOP and not self._stop.is_set():  # no step ran since: an OOM loop, with or without a guard
+            self.unrecovered = (f"{self._ooms_in_row} OOMs in a row and no step ran between them (last at batch {micro}, "
+                                f"seq {seq}, {self.precision}): stopped instead of looping")
+            self._stop.set()
+            self._resume.set()
+            decision = "stop: " + self.unrecovered
+            self.bus.emit("workload_error", f"workload stopped: {self.unrecovered}", "error", gpu=gpu)
+        elif self._floor_ooms >= 2 and self.guard is not None and self.guard.acting and not self.manual:
             # the guard's promise: never an OOM loop. Nothing smaller can run: stop with the summary.
             self.stopped_by = (f"OOM at batch 1 twice in a row ({self.precision}, seq {seq}): nothing smaller to run; "
                                "stopped instead of looping (a leak? see the memory_snapshot event)")
@@ -525,8 +538,15 @@ class Workload:
                       allocated_after=after, allocated_before=before, decision=decision, who="recovery",
                       retried=react is not None, retry_control=react[0] if react else None,
                       retry_value=react[1] if react else None,
-                      back_to_pre_step=(after is not None and before is not None and after <= before))
+                      back_to_pre_step=(after is not None and before is not None and after <= before),
+                      **self._next_plan_detail())
         return react is not None
+
+    def _next_plan_detail(self) -> dict[str, Any]:
+        """The plan after a recovery, for the oom_recovered event (a replay scores it, not the stale plan of
+        the last step row: predict/features._plan_after_oom)."""
+        p = self.plan_info() or {}
+        return {"next_batch": p.get("batch"), "next_seq_len": p.get("seq_len"), "next_precision": p.get("precision")}
 
     def _integrity(self) -> None:
         """The same input twice must give the same logits (within the precision's tolerance)."""

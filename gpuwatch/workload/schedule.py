@@ -108,6 +108,10 @@ class Schedule:
             return f"sweep: batch {b} does not fit; next level"
         if self.kind == "ramp":
             self.edges.append(self._last_ok)
+            if b <= self._ramp_start and self._ramp_start > 1:  # the start itself does not fit: restarting
+                self._ramp_start = max(1, b // 2)                # there would fail forever (call 29: 995 OOMs)
+                self.batch, self._in_level = self._ramp_start, 0
+                return f"ramp: OOM at batch {b}, its start; restarting lower, at {self._ramp_start}"
             self.batch, self._in_level = self._ramp_start, 0
             return f"ramp: OOM at batch {b}; restarting the ramp at {self._ramp_start}"
         if self.kind == "soak":
@@ -142,7 +146,8 @@ class Schedule:
         out = {"kind": self.kind, "step": self.step, "batch": self.batch, "seq_len": self.seq_len,
                "ceiling": self.ceiling, "finished": self.finished, "edges": list(self.edges),
                "oom_levels": list(self.oom_levels), "level": self._level, "in_level": self._in_level,
-               "base": self._base, "last_ok": self._last_ok}
+               "base": self._base, "last_ok": self._last_ok,
+               **({"ramp_start": self._ramp_start} if self.kind == "ramp" else {})}
         p = self.wanted()
         out["phase"] = p[2] if p else None
         return out
@@ -156,6 +161,8 @@ class Schedule:
         self.edges, self.oom_levels = list(state.get("edges") or []), list(state.get("oom_levels") or [])
         self._level, self._in_level = int(state.get("level", 0)), int(state.get("in_level", 0))
         self._base, self._last_ok = int(state.get("base", self.batch)), int(state.get("last_ok", 0))
+        if self.kind == "ramp" and state.get("ramp_start"):
+            self._ramp_start = int(state["ramp_start"])
 
     def replay(self, history) -> None:
         """Rebuild the state of an interrupted run from its recorded history, in time order: ("done",)

@@ -66,7 +66,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("remedies"):
         lines.append(f"  allocator remedies: {'; '.join(s['remedies'])}")
     if s["ramp_edges"]:
-        lines.append(f"  ramp OOM edges (last batch that fit): {s['ramp_edges']}")
+        e = s["ramp_edges"]
+        shown = f"{e}" if len(e) <= 12 else f"{e[:6]} ... {e[-6:]} ({len(e)} OOMs)"
+        lines.append(f"  ramp OOM edges (last batch that fit): {shown}")
     if s["sweep"]:
         lines.append("  batch  seq  latency_s  tokens/s  TFLOP/s   MFU  peak_GiB")
         for r in s["sweep"]:
