@@ -113,6 +113,11 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         f"{_f(rep.by_session.near_hours * 60 if rep.by_session else None, '{:.1f}')} minutes of healthy running at >= {E.NEAR_FRAC:.0%} of the limit, so one",
         f"false alarm there is {_f(1 / rep.by_session.near_hours if rep.by_session and rep.by_session.near_hours else None, '{:.1f}')} per hour.",
         "",
+        "Labels are strict: an alarm the guard acted on in a guarded session (it refused the step the model said",
+        "would fail, so no OOM followed) counts as a false alarm. Sessions that neither training nor any design",
+        "choice saw: `python3 benchmarks/heldout_eval.py` scores this model on recordings/heldout-h200-*/",
+        "(docs/BENCHMARKS.md, issue 20, has its figures).",
+        "",
     ]
     lines += _model_sections(rep)
     write_file(rep.card_path, "\n".join(lines))
@@ -188,7 +193,12 @@ def _model_sections(rep) -> list[str]:
         "the limit more than any step's peak and more than the room outside the allocator's full segments",
         "(fragmentation). That second rule is limited to inference after a held-out evaluation of it on",
         "training steps too (5.8 near-limit false alarms an hour; 1.5 inference-only): a choice made on",
-        "held-out figures, so this card's figures are optimistic about it. p_classifier: scikit-learn",
+        "held-out figures, so this card's figures are optimistic about it. Where the workload plans further",
+        "than its next step (a schedule, a loader's batches drawn ahead: `predict/ahead.py`), p_estimator is",
+        "`ahead_cross_p` where that is higher: the largest step planned within 4 s, its estimate and the",
+        "fragmentation rule (not the failed-shape rule: applied ahead it raised 3 near-limit false alarms on",
+        "a decode ramp whose failed shape ran on the next climb - again a choice made on held-out figures).",
+        "After an OOM, a replay scores the plan the recovery recorded (or none), not the last step's. p_classifier: scikit-learn",
         "HistGradientBoostingClassifier (100 trees of at most 7 leaves, at least 200 windows a leaf) over the",
         "context features (`CONTEXT` in `predict/train.py`), monotone in the memory-pressure features (more",
         "pressure never lowers the risk), every session weighted the same, classes not re-weighted (its output",

@@ -55,7 +55,9 @@ T_ESTIMATOR = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # 1.0: the classifier never raises the alarm alone (its probability stays under 1), but its half-scaled
 # probability still shows in the risk - where the estimator has nothing to go on (no step has run, a
 # workload without allocator figures, `watch` of other processes) and for a lowered --risk-threshold.
-T_CLASSIFIER = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
+# 2.0: the same at a quarter of its probability, which can neither raise an alarm nor hold one the estimator
+# raised (the alarm clears below half the threshold): held alarms count as new false alarms every horizon.
+T_CLASSIFIER = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0, 2.0)
 
 
 def make_estimator(seed: int = SEED, kind: str | None = None):
@@ -176,14 +178,20 @@ def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: li
     ok = [r for r in rows if r[2].near_fa_per_hour is not None and r[2].near_fa_per_hour <= MAX_FA_PER_HOUR]
     if ok:
         te, tc, m = max(ok, key=lambda r: (r[2].caught, -r[2].false_alarms, r[0], r[1]))
-        why = (f"the estimator alarms at p >= {te:g}, the classifier at p >= {tc:g}" if tc < 1.0 else
-               f"the estimator alarms at p >= {te:g}; the classifier never alarms on its own (no threshold of its kept "
-               "the near-limit false alarms within budget while catching more) but shows in the risk at half its probability")
-        return te, tc, m, (why + f": the most OOMs caught with at most {MAX_FA_PER_HOUR:g} false alarms per healthy hour "
+        return te, tc, m, (_parts(te, tc) + f": the most OOMs caught with at most {MAX_FA_PER_HOUR:g} false alarms per healthy hour "
                            f"at >= {E.NEAR_FRAC:.0%} of the limit, on out-of-fold scores")
     te, tc, m = min(rows, key=lambda r: (r[2].near_false_alarms, -r[2].caught, r[2].false_alarms, -r[0], -r[1]))
     return te, tc, m, (f"no operating point kept the near-limit false alarms within {MAX_FA_PER_HOUR:g} per healthy "
-                       f"hour; this one has the fewest (estimator p >= {te:g}, classifier p >= {tc:g})")
+                       f"hour; this one has the fewest, then catches the most, then raises the fewest false alarms in "
+                       f"all ({_parts(te, tc)})")
+
+
+def _parts(te: float, tc: float) -> str:
+    if tc < 1.0:
+        return f"the estimator alarms at p >= {te:g}, the classifier at p >= {tc:g}"
+    return (f"the estimator alarms at p >= {te:g}; the classifier never alarms on its own (no threshold of its kept "
+            f"the near-limit false alarms within budget while catching more) but shows in the risk at "
+            f"{0.5 / tc:.0%} of its probability" + ("" if tc <= 1.0 else ", too little to hold an alarm either"))
 
 
 def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
