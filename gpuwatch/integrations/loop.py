@@ -167,21 +167,23 @@ class GuardedLoop:
         they are due, so the risk sees the largest of them coming (predict/ahead.py) - not for batches
         that live on the GPU already (holding them early would cost the memory it guards)."""
         it = iter(loader)
-        buf: collections.deque = collections.deque()
+        buf: collections.deque = collections.deque()  # (batch, its shape): each batch's shape read once
         while not self.should_stop:
             want = 1 + (min(MAX_AHEAD, A.steps_within(self._ends)) if lookahead and self._ahead_ok else 0)
             while len(buf) < want:
                 try:
-                    buf.append(next(it))
+                    b = next(it)
                 except StopIteration:
                     break
+                buf.append((b, (batch_size_of(b), seq_len_of(b)) if lookahead and self._ahead_ok else None))
             if not buf:
                 return
-            batch = buf.popleft()
+            batch, _shape = buf.popleft()
             if self._ahead_ok and lookahead:
                 t = _first_tensor(batch)
                 self._ahead_ok = t is None or t.device.type == "cpu"
-            self._shapes = [(batch_size_of(b), seq_len_of(b)) for b in (batch, *buf)] if self._ahead_ok and lookahead else []
+            ok = self._ahead_ok and lookahead and _shape is not None
+            self._shapes = [_shape, *(sh for _b, sh in buf if sh is not None)] if ok else []
             yield batch
 
     def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
