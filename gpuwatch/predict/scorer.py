@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.predict.dataset import plan_changes
-from gpuwatch.predict.evaluate import alarm_next, alarm_state
+from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.predict.model import RiskModel
 from gpuwatch.recording import schema
@@ -73,8 +73,8 @@ class Scorer:
         """The risk of the next step: `r` without the lookahead's part (predict/ahead.py) - what the
         guard acts on. `r` itself where the lookahead adds nothing (one prediction more only where it does)."""
         a, p = x[_AHEAD], x[_PEAK]
-        if a != a or a <= (p if p == p else 0.0):
-            return r
+        if a != a or a <= (p if p == p else 0.0) or r < self.model.threshold * CLEAR_RATIO:
+            return r  # (under the alarm's clearing level the guard decides the same on r as on anything lower)
         y = list(x)
         y[_AHEAD] = float("nan")
         return self.score_vector(y)
