@@ -136,6 +136,33 @@ def step_train(model, ids, optimizer, scaler: LossScaler | None):
         model.eval()
 
 
+def step_train_accumulated(model, chunks, optimizer, scaler) -> tuple[float, float]:
+    """One optimizer step over micro-batches: each micro-batch's loss / k is backpropagated, the
+    gradients add up, one update at the end (the same update as the whole batch, up to rounding)."""
+    model.train()
+    try:
+        k = len(chunks)
+        losses, max_logit = [], 0.0
+        for ids in chunks:
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            loss = out.loss
+            max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
+            del out
+            losses.append(loss.item())
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=True)
+                return losses[-1], max_logit
+            ((loss / k) * (scaler.scale if scaler else 1.0)).backward()
+            del loss
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if scaler is None or scaler.unscale_and_check(params):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sum(losses) / k, max_logit
+    finally:
+        model.eval()
+
+
 def memory(device: torch.device) -> dict[str, int | None]:
     if device.type != "cuda":
         return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}

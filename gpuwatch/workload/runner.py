@@ -450,7 +450,7 @@ class Workload:
         if lim and (micro or batch) * seq > lim:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {(micro or batch) * seq} tokens > {lim})")
         if mode == "train" and k > 1:
-            loss, max_logit = _train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler)
+            loss, max_logit = M.step_train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler)
         elif mode == "train":
             loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler)
         elif self.decoder is not None:
@@ -567,33 +567,6 @@ class Workload:
 
 
 WHO = ("user", "guard", "schedule", "recovery")
-
-
-def _train_accumulated(model, chunks, optimizer, scaler) -> tuple[float, float]:
-    """One optimizer step over micro-batches: each micro-batch's loss / k is backpropagated, the
-    gradients add up, one update at the end (the same update as the whole batch, up to rounding)."""
-    model.train()
-    try:
-        k = len(chunks)
-        losses, max_logit = [], 0.0
-        for ids in chunks:
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-            loss = out.loss
-            max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
-            del out
-            losses.append(loss.item())
-            if not torch.isfinite(loss):
-                optimizer.zero_grad(set_to_none=True)
-                return losses[-1], max_logit
-            ((loss / k) * (scaler.scale if scaler else 1.0)).backward()
-            del loss
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if scaler is None or scaler.unscale_and_check(params):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return sum(losses) / k, max_logit
-    finally:
-        model.eval()
 
 
 def _finite(x: float | None) -> bool:
