@@ -41,8 +41,10 @@ class RiskComposite:
         self.classes_ = np.array([0, 1])
 
     def _combine(self, p_est: np.ndarray, p_clf: np.ndarray) -> np.ndarray:
-        a = np.nan_to_num(p_est, nan=0.0) * (ALARM / self.t_estimator if math.isfinite(self.t_estimator) else 0.0)
-        b = np.nan_to_num(p_clf, nan=0.0) * (ALARM / self.t_classifier if math.isfinite(self.t_classifier) else 0.0)
+        # np.where, not np.nan_to_num: the live scorer calls this for one row five times a second, and
+        # nan_to_num costs ~65 us a call there (a profile of the live round: 3 of them were 0.2 ms)
+        a = np.where(p_est == p_est, p_est, 0.0) * (ALARM / self.t_estimator if math.isfinite(self.t_estimator) else 0.0)
+        b = np.where(p_clf == p_clf, p_clf, 0.0) * (ALARM / self.t_classifier if math.isfinite(self.t_classifier) else 0.0)
         r = np.clip(np.maximum(a, b), 0.0, 1.0)
         return np.stack([1.0 - r, r], axis=1)
 
@@ -55,7 +57,7 @@ class RiskComposite:
         """The estimator's part per row: the next step's (and the growth trend's) probability, or the
         lookahead's where it is higher (predict/ahead.py; missing = the next step's)."""
         nxt, ahead = X[:, self.est_index], X[:, self.ahead_index]
-        return np.where(np.isfinite(ahead) & (ahead > np.nan_to_num(nxt, nan=0.0)), ahead, nxt)
+        return np.where((ahead == ahead) & (ahead > np.where(nxt == nxt, nxt, 0.0)), ahead, nxt)
 
     def fast(self, classifier_proba):
         """predict_proba with the classifier's own fast path (the scorer's tree walker)."""

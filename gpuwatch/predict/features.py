@@ -104,7 +104,8 @@ def limits(w: Window) -> Limits:
         return Limits(empty, empty, cap, cap, 0.0, None)
     t = (_us(s["ts"]) - w.end_us) / 1e6
     whole = _f64(s["gpu_mem_used_bytes"])
-    drv = np.nan_to_num(_f64(s["gpu_mem_reserved_bytes"]), nan=0.0)
+    drv = _f64(s["gpu_mem_reserved_bytes"])
+    drv = np.where(np.isnan(drv), 0.0, drv)  # not np.nan_to_num: ~65 us a call, per window
     tot = _f64(s["gpu_mem_total_bytes"])
     tot = tot[np.isfinite(tot)]
     total = float(tot[-1]) if tot.size else (float(w.meta.mem_total_bytes) if w.meta and w.meta.mem_total_bytes else None)
