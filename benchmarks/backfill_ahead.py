@@ -34,7 +34,7 @@ from gpuwatch.cli import _fix_negative_values, build_parser  # noqa: E402
 from gpuwatch.predict import ahead as A  # noqa: E402
 from gpuwatch.recording import schema  # noqa: E402
 from gpuwatch.recording.recorded import fill_plans  # noqa: E402
-from gpuwatch.resume import _history_rows, _replay_event  # noqa: E402
+from gpuwatch.resume import workload_history  # noqa: E402
 from gpuwatch.workload.config import WorkloadConfig  # noqa: E402
 from gpuwatch.workload.presets import defaults  # noqa: E402
 from gpuwatch.workload.schedule import Schedule  # noqa: E402
@@ -68,41 +68,29 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
              ) -> tuple[pl.DataFrame, dict]:
     """The steps of one workload with the ahead columns filled, and the check's figures (`seq_random`:
     --fragment drew each step's length at random below the schedule's, so only batches compare where
-    the step that ran next stands for the plan)."""
+    the step that ran next stands for the plan). The history is `stress --resume`'s (resume.workload_history:
+    one ("done",) per step row in time order, the OOMs and controls between them), replayed one entry
+    at a time so that the schedule is, after each step, where the live run's was."""
     same = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
-    st = steps.filter(same).with_row_index("_i")
-    ev = events.filter(same)
-    rows = {r["ts"]: r for r in st.select("_i", "ts", "next_batch", "next_seq_len").iter_rows(named=True)}
-    out: dict[int, dict] = {}
+    st = steps.filter(same).sort("ts", maintain_order=True)
+    plans = iter(st.select("ts", "next_batch", "next_seq_len").rows())
+    history = workload_history({"gpu_index": gpu}, steps, events, [])["history"]
+    cols: list[dict] = []
     ends: list[float] = []
-    history: list[tuple] = []
-    state = {"precision": None, "ooms": 0, "recovered": 0, "nonfinite": 0, "integrity_failures": 0,
-             "retries": 0, "lost_steps": 0}
-    oom_batch = None
     agree = compared = 0
-    for kind, r in _history_rows(st, ev):
-        if kind == "step":
-            sched.done()
-            row = rows[r["ts"]]
-            ends = (ends + [r["ts"].timestamp()])[-(A.PACE_STEPS + 1):]
-            out[row["_i"]] = A.columns(sched, ends)
-            p = sched.plan()
-            if row["next_batch"] is not None and p is not None:
-                compared += 1
-                agree += p[0] == row["next_batch"] and (seq_random or p[1] == row["next_seq_len"])
+    for op in history:
+        sched.replay([op])
+        if op[0] != "done":
             continue
-        if kind == "workload_error":
-            continue
-        try:
-            d = json.loads(r["detail"] or "{}")
-        except ValueError:
-            d = {}
-        n = len(history)
-        oom_batch = _replay_event(kind, d, state, history, oom_batch)
-        sched.replay(history[n:])
-    filled = st.with_columns(*(pl.Series(c, [out.get(i, {}).get(c) for i in st["_i"].to_list()],
-                                         dtype=schema.STEPS[c]) for c in COLS))
-    return filled.drop("_i"), {"steps": st.height, "compared": compared, "agree": agree}
+        ts, nb, ns = next(plans)
+        ends = (ends + [ts.timestamp()])[-(A.PACE_STEPS + 1):]
+        cols.append(A.columns(sched, ends))
+        p = sched.plan()
+        if nb is not None and p is not None:
+            compared += 1
+            agree += p[0] == nb and (seq_random or p[1] == ns)
+    filled = st.with_columns(*(pl.Series(c, [x[c] for x in cols], dtype=schema.STEPS[c]) for c in COLS))
+    return filled, {"steps": st.height, "compared": compared, "agree": agree}
 
 
 def run(folder: Path, check: bool, compare: bool = False) -> str:
@@ -137,7 +125,7 @@ def run(folder: Path, check: bool, compare: bool = False) -> str:
     if has:  # recorded live: do the replayed lookahead columns equal what the workload wrote?
         replayed = pl.concat(parts).sort("ts", maintain_order=True)
         live = steps.sort("ts", maintain_order=True)
-        same = sum(int((replayed[c] == live[c]).fill_null(False).sum()) for c in COLS)
+        same = sum(int(replayed[c].eq_missing(live[c]).sum()) for c in COLS)  # null = null: nothing planned ahead
         return line + f"; lookahead recorded live: the replay equals it in {same}/{len(COLS) * live.height} cells"
     if check:
         return line

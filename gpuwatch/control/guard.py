@@ -25,6 +25,7 @@ from typing import Any, Callable
 from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.peak import usable_limit
+from gpuwatch.predict.ahead import RISK_NEXT
 
 
 class Guard:
@@ -75,7 +76,7 @@ class Guard:
     def on_risk(self, gpu: int | None, risk: float, reasons: list, feats: dict[str, float],
                 plan: dict | None, onset: bool) -> None:
         with self._lock:  # the next step's risk: a step planned further ahead is refused when it is next
-            self._latest[gpu] = {"risk": feats.get("risk_next", risk), "reasons": reasons, "features": feats, "plan": plan}
+            self._latest[gpu] = {"risk": feats.get(RISK_NEXT, risk), "reasons": reasons, "features": feats, "plan": plan}
         w = self.workloads.get(gpu)
         if onset and w is not None:
             w.request_snapshot(self.snapshot_dir(), f"risk {risk:.2f}")
@@ -118,7 +119,7 @@ class Guard:
         score_gpu = gpu if rank is None else worst.get("gpu")
         if self.rescore is not None and (rank is None or score_gpu is not None) and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(score_gpu, plan.scored())  # the plan stepped up since it was scored
-            latest.update(risk=feats.get("risk_next", risk), reasons=reasons, features=feats, plan=plan.scored())
+            latest.update(risk=feats.get(RISK_NEXT, risk), reasons=reasons, features=feats, plan=plan.scored())
             rescored = True
         obs = self._observe(w, plan, view, latest)
         obs.fresh = rescored or latest.get("plan") == plan.scored()

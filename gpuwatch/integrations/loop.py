@@ -169,21 +169,21 @@ class GuardedLoop:
         it = iter(loader)
         buf: collections.deque = collections.deque()  # (batch, its shape): each batch's shape read once
         while not self.should_stop:
-            want = 1 + (min(MAX_AHEAD, A.steps_within(self._ends)) if lookahead and self._ahead_ok else 0)
+            look = lookahead and self._ahead_ok
+            want = 1 + (min(MAX_AHEAD, A.steps_within(self._ends)) if look else 0)
             while len(buf) < want:
                 try:
                     b = next(it)
                 except StopIteration:
                     break
-                buf.append((b, (batch_size_of(b), seq_len_of(b)) if lookahead and self._ahead_ok else None))
+                buf.append((b, (batch_size_of(b), seq_len_of(b)) if look else None))
             if not buf:
                 return
-            batch, _shape = buf.popleft()
-            if self._ahead_ok and lookahead:
+            batch, shape = buf.popleft()
+            if look:  # a batch already on the GPU ends the lookahead
                 t = _first_tensor(batch)
-                self._ahead_ok = t is None or t.device.type == "cpu"
-            ok = self._ahead_ok and lookahead and _shape is not None
-            self._shapes = [_shape, *(sh for _b, sh in buf if sh is not None)] if ok else []
+                self._ahead_ok = look = t is None or t.device.type == "cpu"
+            self._shapes = [shape, *(sh for _b, sh in buf if sh is not None)] if look and shape is not None else []
             yield batch
 
     def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
@@ -308,7 +308,7 @@ class GuardedLoop:
                "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
                "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
                "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
-               "next_precision": self.precision, **self._ahead_columns(self._shapes[1:])}
+               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.ceiling)}
         if len(self._shapes) > 1:  # wrap knows the next batch: that is the plan
             nb, ns = self._shapes[1]
             row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
@@ -390,18 +390,10 @@ class GuardedLoop:
             return None
         n, s = w
         micro = min(n, self.ceiling) if self.ceiling else n
-        ah = self._ahead_columns(self._shapes)  # this step first
+        ah = A.capped(A.pick(self._shapes), self.ceiling)  # this step first
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
                         micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n,
                         ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"])
-
-    def _ahead_columns(self, shapes: list[tuple[int, int]]) -> dict[str, int | None]:
-        """The lookahead of the batches `wrap` drew ahead ((batch, seq_len), the first one next), under the
-        guard's ceiling."""
-        ah = A.pick(shapes)
-        if ah["ahead_batch"] and self.ceiling:
-            ah["ahead_batch"] = min(ah["ahead_batch"], self.ceiling)
-        return ah
 
     def guard_view(self) -> WorkloadView:
         last = self._last

@@ -26,6 +26,9 @@ from typing import Sequence
 LOOKAHEAD_S = 4.0
 MAX_STEPS = 64  # at most this many steps ahead, whatever the pace
 PACE_STEPS = 5  # the pace: the median gap between the last this many step ends
+# Not a model feature: the key under which the scorer hands the guard, with the features, the next step's
+# risk without the lookahead (what the guard acts on).
+RISK_NEXT = "risk_next"
 
 
 def steps_within(ends_s: Sequence[float], lookahead_s: float = LOOKAHEAD_S) -> int:
@@ -50,6 +53,13 @@ def pick(plans: Sequence[tuple[int, int]]) -> dict[str, int | None]:
     if best is None:
         return {"ahead_batch": None, "ahead_seq_len": None, "ahead_steps": None}
     return {"ahead_batch": best[0], "ahead_seq_len": best[1], "ahead_steps": k}
+
+
+def capped(cols: dict[str, int | None], ceiling: int | None) -> dict[str, int | None]:
+    """The ahead columns under a micro-batch ceiling (a batch over it runs as micro-batches of at most it)."""
+    ab = cols.get("ahead_batch")
+    return {"ahead_batch": min(ab, ceiling) if ab and ceiling else ab, "ahead_seq_len": cols.get("ahead_seq_len"),
+            "ahead_steps": cols.get("ahead_steps")}
 
 
 def columns(schedule, ends_s: Sequence[float]) -> dict[str, int | None]:

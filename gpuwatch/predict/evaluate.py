@@ -209,7 +209,14 @@ BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
                        lambda tl: np.nan_to_num(_col(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
 }
 ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon, or the largest step planned within the lookahead, peaks over the usable limit) >= 0.5 (predict/peak.py, predict/ahead.py; no learning)",
-                  lambda tl: np.nan_to_num(np.fmax(_col(tl, "peak_cross_p"), _col(tl, "ahead_cross_p")), nan=0.0))
+                  lambda tl: _estimator_part(tl))
+
+
+def _estimator_part(tl: Timeline) -> np.ndarray:
+    """The composite's own estimator part (one rule: RiskComposite.p_estimator), missing as 0."""
+    from gpuwatch.predict.composite import RiskComposite
+
+    return np.nan_to_num(RiskComposite(None, 1.0, 1.0).p_estimator(tl.X), nan=0.0)
 
 
 def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) -> dict[str, Metrics]:

@@ -265,7 +265,6 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
     if not oom.size:
         return []
     details = events["detail"].to_list()
-    ts = _us(events["ts"])
     out = []
     for i in oom:
         x = event_detail({"detail": details[i]})
@@ -275,7 +274,7 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
             continue
         ab = x.get("allocated_before")
         out.append(Failed(b * q, q, PRECISION_BYTES.get(str(x.get("precision")), 2.0),
-                          float(ab) if isinstance(ab, (int, float)) else float("nan"), float(ts[i])))
+                          float(ab) if isinstance(ab, (int, float)) else float("nan")))
     return out
 
 

@@ -73,7 +73,6 @@ class Failed:
     seq: float
     elem_bytes: float  # bytes per element of its precision
     alloc_before: float  # bytes allocated when it began (NaN where not recorded)
-    ts_us: float = float("nan")  # when it failed (epoch microseconds)
 
 
 @dataclass(frozen=True)

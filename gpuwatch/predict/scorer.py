@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
+from gpuwatch.predict.ahead import RISK_NEXT
 from gpuwatch.predict.dataset import plan_changes
 from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
@@ -26,9 +27,6 @@ from gpuwatch.recording.source import ReplaySource, Window, event_detail
 from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
-# Not a model feature: the key under which `score` hands the next step's risk (without the lookahead) to
-# the guard with the features.
-RISK_NEXT = "risk_next"
 _AHEAD, _PEAK = NAMES.index("ahead_cross_p"), NAMES.index("peak_cross_p")
 
 

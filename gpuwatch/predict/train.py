@@ -149,11 +149,8 @@ def fit(tls: list[Timeline], seed: int = SEED, kind: str = "hgb-context", balanc
 def estimator_scores(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarray]:
     """The estimator's own probability per window (no learning): the composite's estimator part
     (`peak_cross_p`, or `ahead_cross_p` where higher); with `lookahead` False, the next step's only."""
-    from gpuwatch.predict.composite import RiskComposite
-
-    c = RiskComposite(None, 1.0, 1.0)
     i = NAMES.index("peak_cross_p")
-    return [np.nan_to_num(c.p_estimator(t.X) if lookahead else t.X[:, i], nan=0.0) for t in tls]
+    return [E.ESTIMATOR_RULE[2](t) if lookahead else np.nan_to_num(t.X[:, i], nan=0.0) for t in tls]
 
 
 def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float) -> list[np.ndarray]:

@@ -141,10 +141,8 @@ class Workload:
         prec = pend["precision"][0] if "precision" in pend else self.precision
         seq = pend["seq_len"][0] if "seq_len" in pend else p[1]
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
-        ab = self._ahead.get("ahead_batch")  # the lookahead of the last step, under today's ceiling
         return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff,
-                "ahead_batch": min(ab, ceiling) if ab and ceiling else ab,
-                "ahead_seq_len": self._ahead.get("ahead_seq_len"), "ahead_steps": self._ahead.get("ahead_steps")}
+                **A.capped(self._ahead, ceiling)}  # the lookahead of the last step, under today's ceiling
 
     # -- the guard's contract (gpuwatch.contract.GuardedWorkload) -----------------------------------
     @property
