@@ -244,3 +244,5 @@ def test_after_an_oom_the_replay_scores_the_recovered_plan_not_the_stale_one():
                                               "detail": [detail]}).cast({"ts": w.events["ts"].dtype})],
                     how="diagonal_relaxed")
     assert _plan_after_oom(ev2, last_us) == {"batch": 16, "seq_len": 512, "precision": "bf16"}
+    bad = ev2.with_columns(pl.col("detail").str.replace('"next_batch": 16', '"next_batch": "sixteen"'))
+    assert _plan_after_oom(bad, last_us) == {"batch": None, "seq_len": None}  # a corrupt detail: no plan, no error

@@ -294,8 +294,9 @@ def _plan_after_oom(events: pl.DataFrame, last_step_us: float) -> dict[str, Any]
     rec = np.flatnonzero((kind == "oom_recovered") & (ets >= ets[oom[-1]]))
     if rec.size:
         d = event_detail({"detail": events["detail"][int(rec[0])]})
-        if d.get("next_batch") and d.get("next_seq_len"):
-            return {"batch": d["next_batch"], "seq_len": d["next_seq_len"], "precision": d.get("next_precision")}
+        nb, ns = d.get("next_batch"), d.get("next_seq_len")
+        if isinstance(nb, (int, float)) and isinstance(ns, (int, float)) and nb > 0 and ns > 0:  # a corrupt detail: no plan
+            return {"batch": nb, "seq_len": ns, "precision": d.get("next_precision")}
     return {"batch": None, "seq_len": None}
 
 
