@@ -251,33 +251,76 @@ def test_stress_stops_cleanly_on_a_leak_with_the_summary():
 
 
 # -- the loop guarded on real telemetry, recorded as a normal session ---------------------------------------
+def recorded_allocator(path):
+    """The allocator's figures of a recorded session's steps as a function of the micro-batch: the median
+    peak and allocated bytes and the largest reserved bytes of each recorded batch, linear between them and
+    extended past the largest by its last two points (the DeepSeek ramp's peak is linear in the batch)."""
+    import numpy as np
+    import polars as pl
+    from gpuwatch.recording.reader import open_recording
+
+    t = (open_recording(path).steps.group_by("batch")
+         .agg(pl.col("torch_peak_bytes").median(), pl.col("torch_allocated_bytes").median(),
+              pl.col("torch_reserved_bytes").max()).sort("batch"))
+    b = t["batch"].to_numpy().astype(float)
+
+    def at(col: str, n: float) -> int:
+        y = t[col].to_numpy().astype(float)
+        if n <= b[-1]:
+            return int(np.interp(n, b, y))
+        return int(y[-1] + (y[-1] - y[-2]) / (b[-1] - b[-2]) * (n - b[-1]))
+
+    def figures(n: int | None) -> dict:
+        if not n:
+            return {"torch_allocated_bytes": at("torch_allocated_bytes", b[0]), "torch_reserved_bytes": None,
+                    "torch_peak_bytes": None}
+        peak = at("torch_peak_bytes", n)
+        return {"torch_allocated_bytes": at("torch_allocated_bytes", n), "torch_peak_bytes": peak,
+                "torch_reserved_bytes": max(peak, at("torch_reserved_bytes", n))}
+    return figures
+
+
 def test_the_user_loop_is_guarded_and_recorded_as_a_normal_session(tmp_path):
-    """A user's loop with variable sequence lengths stands in for GPU 0 of a real H200 ramp-to-OOM
-    recording replayed as live; the real scorer and guard split its steps into micro-batches (the
-    effective batch holds) and the session opens in score, report and the training data builder. The
-    CPU loop's steps carry no allocator figures, so the risk is the context classifier's half
-    probability (under 0.35 on this ramp): the alarm threshold is lowered to 0.1."""
+    """A user's loop stands in for GPU 0 of a real H200 ramp-to-OOM recording, replayed as live: its
+    data loader ramps the batch as that run did (2 up to 16, held), and its allocator reads what the
+    recorded run's allocator read at the same micro-batch (a CPU has no allocator figures). The real
+    scorer sees batch 16 coming (over the card at about 138 of 140 GiB) and the real guard splits those
+    steps into micro-batches; the effective batch holds, and the session opens in score, report and the
+    training data builder."""
     from gpuwatch.predict.model import DEFAULT_MODEL
     from gpuwatch.recording.reader import open_recording
 
     if not DEFAULT_MODEL.exists():
         pytest.skip("no shipped model")
+    import itertools
     import time
+
+    sizes = [n for n in range(2, 16, 2) for _ in range(4)]
+
+    def loader():
+        gen = torch.Generator().manual_seed(0)
+        for n in itertools.chain(sizes, itertools.repeat(16)):
+            yield torch.randint(0, 64, (n, 32), generator=gen)
 
     model = tiny_lm()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(0)
+    figures = recorded_allocator(RAMP)
     with GuardedLoop(model, opt, record_dir=tmp_path, name="lib", source=str(RAMP), gpu_index=0, sampler="thread",
-                     threshold=0.1, guard_config=GuardConfig(cooldown_s=0.5, restore_after_s=3.0)) as g:
+                     guard_config=GuardConfig(cooldown_s=0.5)) as g:
+        g._mem = lambda: figures(g.last_ok_batch)
         t0 = time.monotonic()  # 20 s of the replayed ramp and at least 60 steps, however loaded the machine
-        while (time.monotonic() - t0 < 20 or g.steps < 60) and time.monotonic() - t0 < 90:
-            ids = torch.randint(0, 64, (16, int(torch.randint(8, 33, (1,), generator=gen))), generator=gen)
+        for ids in g.wrap(loader()):
             g.step(ids, lm_loss(model))
             time.sleep(0.02)
+            if (time.monotonic() - t0 >= 20 and g.steps >= 60) or time.monotonic() - t0 > 90:
+                break
         folder = g.session_dir
     rec = open_recording(folder)
-    assert rec.steps.height >= 60 and set(rec.steps["batch"].to_list()) == {16}  # the effective batch held
-    assert rec.steps["micro_batches"].max() > 1  # the guard split steps
+    st = rec.steps
+    assert st.height >= 60 and st["batch"].to_list() == (sizes + [16] * st.height)[:st.height]  # the effective batch held
+    at16 = st.filter(st["batch"] == 16)
+    assert at16.height > 0 and at16["micro_batches"].min() > 1  # the guard split every step of 16, the first too
+    assert st.filter(st["batch"] <= 12)["micro_batches"].max() == 1  # and none well under the card
     acts = rec.events.filter(rec.events["kind"] == "guard_action")
     assert acts.height >= 1 and rec.risk.height > 20
     who = [json.loads(x)["who"] for x in rec.events.filter(rec.events["kind"] == "control")["detail"]]
