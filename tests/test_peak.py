@@ -85,6 +85,63 @@ def test_the_estimator_warns_one_step_before_each_real_capped_oom():
     assert max(ps) < 0.01
 
 
+def test_the_kept_forecasts_change_no_feature(tmp_path):
+    """Forecasts kept between windows (features._FORECASTS, for the live rounds that bring no step) give
+    every feature the same as computing each window afresh: over real sessions with OOMs, recoveries and
+    a lookahead, and a counterfactual copy that shares its source's steps under another cap."""
+    from gpuwatch.predict.dataset import session_timelines
+
+    copy = CF.derive(CAPPED, tmp_path)[0].path
+    sessions = [CAPPED, NEAR / "nc3-small-prefill-rampmax-b256", ROOT / "recordings" / "sample-h200-guard-fragment"]
+    calls = {"n": 0}
+    real = F.forecast
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    F.forecast = counted
+    F._FORECASTS.clear()
+    try:
+        for path in [*sessions, copy]:  # not cleared between sessions: the copy's windows meet its source's
+            kept = session_timelines(path, stride=1)
+            kept_calls, calls["n"] = calls["n"], 0
+
+            def fresh(w, plan=None):
+                F._FORECASTS.clear()
+                return F.features(w, plan)
+            afresh = session_timelines(path, stride=1, feature_fn=fresh)
+            for a, b in zip(kept, afresh):
+                assert np.array_equal(a.X, b.X, equal_nan=True), path
+            assert kept_calls < calls["n"] * 0.7, (path, kept_calls, calls["n"])  # and most windows reuse them
+            calls["n"] = 0
+    finally:
+        F.forecast = real
+    # the same steps under another plan (the guard lowered the ceiling between two steps), another
+    # lookahead, another cap (the copy's window beside its source's), one OOM more in the events
+    src, cp = ReplaySource(CAPPED), ReplaySource(copy)
+    t = int(cp.steps_df["ts"].dt.epoch("us").to_numpy()[cp.steps_df.height // 2])  # calm: each input shows
+    w, wc = src.window_at(0, t), cp.window_at(0, t)
+    assert w.steps.height == wc.steps.height and w.meta.mem_limit_bytes != wc.meta.mem_limit_bytes
+    last = w.steps.row(w.steps.height - 1, named=True)
+    plans = [None, {"batch": 4, "seq_len": last["seq_len"]}, {"batch": 40, "seq_len": last["seq_len"]},
+             {"batch": last["batch"], "seq_len": last["seq_len"], "ahead_batch": 40, "ahead_seq_len": last["seq_len"],
+              "ahead_steps": 3}]
+    oom = w.events.head(1).with_columns(kind=pl.lit("oom"), detail=pl.lit(json.dumps(
+        {"batch": last["batch"], "seq_len": last["seq_len"], "precision": last["precision"]})))
+    w_oom = type(w)(w.gpu, w.end_us, w.interval_s, w.samples, w.steps, pl.concat([w.events, oom]), w.meta, w.own)
+    same = {"batch": last["batch"], "seq_len": last["seq_len"]}
+    cases = [(w, p) for p in plans] + [(wc, p) for p in plans] + [(w, same), (w_oom, same)]
+    F._FORECASTS.clear()
+    got = [F.vector(F.features(x, p)) for x, p in cases]
+    want = []
+    for x, p in cases:
+        F._FORECASTS.clear()
+        want.append(F.vector(F.features(x, p)))
+    assert np.array_equal(np.array(got), np.array(want), equal_nan=True)
+    assert len({tuple(np.nan_to_num(v)) for v in want}) >= 6  # the cases do differ
+
+
 def test_a_shared_gpu_counts_the_process_own_memory():
     """Recorded beside 7 other capped workloads and alone: the same command, the same memory basis."""
     shared = ReplaySource(NEAR / "sbs-small-prefill-cap20")
