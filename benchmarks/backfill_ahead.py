@@ -16,6 +16,10 @@ sessions that already have the columns are skipped.
     python3 benchmarks/backfill_ahead.py recordings/*/ recordings/h200-*/*/   # rewrites steps.parquet
     python3 benchmarks/backfill_ahead.py --check recordings/...               # only prints the agreement
     python3 benchmarks/backfill_ahead.py --compare recordings/heldout-h200-*/*/  # live columns vs the replay
+    python3 benchmarks/backfill_ahead.py --refill recordings/...              # again, where the rule changed
+
+The lookahead ends where the run did (`--steps`, `--duration` from the session's start: `run_end`), as the
+live workload's does since the rule came in (call 29's held-out sessions recorded it without).
 """
 
 from __future__ import annotations
@@ -64,13 +68,38 @@ def gpu_of(rec: dict):
     return rec.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
 
 
-def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, seq_random: bool = False
-             ) -> tuple[pl.DataFrame, dict]:
+def run_end(argv: list[str], meta: dict, events: pl.DataFrame) -> tuple[int | None, float | None]:
+    """(max steps, the deadline in epoch s) of a `gpuwatch stress` run: its `--steps`, and the `deadline`
+    event's ends_at where the run recorded one (what `Workload.ends_at` was set to), else its
+    `--duration` counted from the session's start (its `session_start` event, else meta's start), as the
+    live run set it right after the session started; (None, None) where unknown (benchmark scripts'
+    sessions, resumed runs that recorded no deadline)."""
+    if "stress" not in argv[1:2]:
+        return None, None
+    args = build_parser().parse_args(_fix_negative_values(argv[1:]))
+    dl = events.filter(pl.col("kind") == "deadline")["detail"].to_list() if events.height else []
+    if dl:
+        return args.steps, float(json.loads(dl[-1])["ends_at"])
+    if args.duration is None or "--resume" in argv:
+        return args.steps, None
+    st = events.filter(pl.col("kind") == "session_start")["ts"] if events.height else None
+    if st is not None and st.len():
+        t0 = st[0].timestamp()
+    elif meta.get("start"):
+        t0 = datetime.fromisoformat(meta["start"]).timestamp()
+    else:
+        return args.steps, None
+    return args.steps, t0 + float(args.duration)
+
+
+def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, seq_random: bool = False,
+             max_steps: int | None = None, ends_at: float | None = None) -> tuple[pl.DataFrame, dict]:
     """The steps of one workload with the ahead columns filled, and the check's figures (`seq_random`:
     --fragment drew each step's length at random below the schedule's, so only batches compare where
     the step that ran next stands for the plan). The history is `stress --resume`'s (resume.workload_history:
     one ("done",) per step row in time order, the OOMs and controls between them), replayed one entry
-    at a time so that the schedule is, after each step, where the live run's was."""
+    at a time so that the schedule is, after each step, where the live run's was. `max_steps` and
+    `ends_at` end the lookahead where the run ended (`run_end`), as `Workload._plan_columns` does."""
     same = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
     st = steps.filter(same).sort("ts", maintain_order=True)
     plans = iter(st.select("ts", "next_batch", "next_seq_len").rows())
@@ -84,7 +113,8 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
             continue
         ts, nb, ns = next(plans)
         ends = (ends + [ts.timestamp()])[-(A.PACE_STEPS + 1):]
-        cols.append(A.columns(sched, ends))
+        cols.append(A.columns(sched, ends, ends_at - ends[-1] if ends_at is not None else None,
+                              max_steps - len(cols) - 1 if max_steps else None))
         p = sched.plan()
         if nb is not None and p is not None:
             compared += 1
@@ -93,7 +123,7 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
     return filled, {"steps": st.height, "compared": compared, "agree": agree}
 
 
-def run(folder: Path, check: bool, compare: bool = False) -> str:
+def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) -> str:
     meta_p, steps_p, events_p = folder / "meta.json", folder / "steps.parquet", folder / "events.parquet"
     if not (meta_p.is_file() and steps_p.is_file()):
         return f"{folder}: skipped (no meta.json / steps.parquet)"
@@ -104,7 +134,7 @@ def run(folder: Path, check: bool, compare: bool = False) -> str:
         return f"{folder}: skipped (no workload schedule recorded)"
     steps = pl.read_parquet(steps_p)
     has = all(c in steps.columns for c in COLS) and steps["ahead_batch"].null_count() < steps.height
-    if has and not compare:
+    if has and not (compare or refill):
         return f"{folder}: skipped (has the columns)"
     if "world_size" in steps.columns and (steps["world_size"].fill_null(1) > 1).any():
         return f"{folder}: skipped (data-parallel)"
@@ -114,15 +144,16 @@ def run(folder: Path, check: bool, compare: bool = False) -> str:
     # v1 sessions recorded no plan: compare with what ran next instead (the recording layer's fill_plans)
     steps = fill_plans(schema.conform(steps, "steps"), events)
     parts, figs = [], {"steps": 0, "compared": 0, "agree": 0}
+    max_steps, ends_at = run_end(argv, meta, events)
     for rec in loads:
         part, f = backfill(steps, events, schedule_of(argv, rec), gpu_of(rec),
-                           v1 and bool((rec.get("faults") or {}).get("fragment")))
+                           v1 and bool((rec.get("faults") or {}).get("fragment")), max_steps, ends_at)
         parts.append(part)
         figs = {k: figs[k] + f[k] for k in figs}
     share = figs["agree"] / figs["compared"] if figs["compared"] else None
     line = (f"{folder}: {figs['steps']} steps, the replayed plan equals the recorded next step on "
             f"{figs['agree']}/{figs['compared']}" + (f" ({share:.1%})" if share is not None else ""))
-    if has:  # recorded live: do the replayed lookahead columns equal what the workload wrote?
+    if has and not refill:  # recorded live: do the replayed lookahead columns equal what the workload wrote?
         replayed = pl.concat(parts).sort("ts", maintain_order=True)
         live = steps.sort("ts", maintain_order=True)
         same = sum(int(replayed[c].eq_missing(live[c]).sum()) for c in COLS)  # null = null: nothing planned ahead
@@ -154,9 +185,11 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="print the agreement only; write nothing")
     ap.add_argument("--compare", action="store_true",
                     help="sessions recorded with the columns (live): compare them with the replay; write nothing")
+    ap.add_argument("--refill", action="store_true",
+                    help="rewrite the columns of sessions that have them too (after a change of the lookahead's rule)")
     a = ap.parse_args()
     for s in a.sessions:
-        print(run(s, a.check or a.compare, a.compare), flush=True)
+        print(run(s, a.check or a.compare, a.compare, a.refill), flush=True)
     return 0
 
 

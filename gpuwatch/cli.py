@@ -432,6 +432,7 @@ def cmd_stress(args) -> int:
         elif s.recorder:
             _status(f"recording to {s.recorder.dir}")
         left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
+        s.ends_in(left)
         progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
         t0 = time.monotonic()
         why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))

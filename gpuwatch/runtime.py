@@ -295,6 +295,17 @@ class Session:
         if self.gpu is not None:
             self.gpu.close()
 
+    def ends_in(self, seconds: float | None) -> None:
+        """The run ends `seconds` from now (`--duration`): each workload's lookahead stops there
+        (predict/ahead.py) - no warning about a ramp's steps the run will not live to take."""
+        if seconds is None:
+            return
+        at = time.time() + seconds
+        for w in self.workloads:
+            if hasattr(w, "ends_at"):
+                w.ends_at = at
+        self.bus.emit("deadline", f"the run ends in {seconds:.0f} s", ends_at=round(at, 3))
+
     def wait(self, duration_s: float | None = None, until_done: bool = False, poll_s: float = 0.5,
              on_tick: Callable[[], None] | None = None, tick_s: float = 0.0,
              on_hup: Callable[[], None] | None = None) -> str:

@@ -49,6 +49,48 @@ def test_how_far_ahead_follows_the_pace():
     assert A.pick([]) == {"ahead_batch": None, "ahead_seq_len": None, "ahead_steps": None}
 
 
+def test_the_lookahead_ends_where_the_run_does():
+    """A timed run (--duration) or one of --steps N: no step planned past its end is looked at - a ramp's
+    next level, 2 s after a deadline 1 s away, is not the run's to take (5 of the 7 false alarms of the
+    held-out H200 sessions were such warnings in a timed run's last 6 s)."""
+    s = Schedule("ramp", 16, 32)  # levels of six steps: 4 x 6, then 5 ...
+    ends = [0.0, 0.5, 1.0, 1.5]  # a step every 0.5 s: 8 steps in the 4 s lookahead
+    assert A.columns(s, ends) == {"ahead_batch": 5, "ahead_seq_len": 32, "ahead_steps": 7}
+    assert A.columns(s, ends, left_s=1.0) == {"ahead_batch": 4, "ahead_seq_len": 32, "ahead_steps": 1}
+    assert A.columns(s, ends, left_s=3.4)["ahead_batch"] == 5  # 7 steps start before the end
+    assert A.columns(s, ends, left_s=-2.0)["ahead_steps"] == 1  # past it: the step that may still start
+    assert A.columns(s, ends, left_steps=6)["ahead_batch"] == 4
+    assert A.columns(s, ends, left_steps=0) == A.pick([])
+
+
+def test_a_timed_stress_run_tells_its_workload_where_it_ends(tmp_path, py, env):
+    """`stress --duration`: the run records its deadline (a `deadline` event) and its workload's lookahead
+    stops there: the backfill's replay of the run through its command's schedule, ended at that deadline,
+    equals every lookahead cell the run wrote - and the same replay without the deadline does not (the
+    ramp's next levels past the end)."""
+    import re
+    import subprocess
+
+    out = tmp_path / "run"
+    r = subprocess.run([py, "-m", "gpuwatch", "stress", "--preset", "tiny", "--device", "cpu", "--mode", "prefill",
+                        "--schedule", "ramp", "--batch", "64", "--seq-len", "16", "--duration", "6s", "--progress", "0",
+                        "--guard", "off", "-o", str(out)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    folder = out if (out / "meta.json").exists() else next(p for p in out.iterdir() if (p / "meta.json").exists())
+    assert open_recording(folder).events.filter(pl.col("kind") == "deadline").height == 1
+    bf = _backfill_module()
+
+    def cells(line: str) -> tuple[int, int]:
+        m = re.search(r"equals it in (\d+)/(\d+) cells", line)
+        assert m, line
+        return int(m.group(1)), int(m.group(2))
+    same, n = cells(bf.run(folder, True, True))
+    assert n > 30 and same == n
+    bf.run_end = lambda *a: (None, None)  # the replay as before the rule: the lookahead runs past the end
+    uncut, _ = cells(bf.run(folder, True, True))
+    assert uncut < n
+
+
 @pytest.mark.parametrize("name", ["nc3-small-prefill-rampmax-b256", "nc-small-train-rampmax-b16"])
 def test_recorded_lookahead_holds_the_next_step_and_stops_at_the_max(name):
     """On real sessions (filled by benchmarks/backfill_ahead.py, whose replayed plans equalled every
@@ -80,15 +122,16 @@ def test_live_rows_equal_what_the_backfill_replays():
     w.start()
     w.join(timeout=120)
     rows = bus.steps.since(0)[0]
-    assert len(rows) == 20 and all(r["ahead_batch"] for r in rows)
+    assert len(rows) == 20 and all(r["ahead_batch"] for r in rows[:-1])
+    assert rows[-1]["ahead_batch"] is None and rows[-2]["ahead_steps"] == 1  # --steps 20: nothing past the end
     live = to_frame(rows, "steps")
     bf = _backfill_module()
     replayed, figs = bf.backfill(live.drop("ahead_batch", "ahead_seq_len", "ahead_steps"), schema.empty("events"),
-                                 Schedule("ramp", 8, 8), None)
+                                 Schedule("ramp", 8, 8), None, max_steps=20)
     assert figs["agree"] == figs["compared"] == 20
     for c in bf.COLS:
         assert replayed[c].to_list() == live[c].to_list(), c
-    assert max(live["ahead_batch"]) > min(live["next_batch"])  # it saw the ramp's next levels
+    assert live["ahead_batch"].max() > live["next_batch"].min()  # it saw the ramp's next levels
 
 
 def test_the_estimator_part_takes_the_lookahead_where_higher():

@@ -120,7 +120,7 @@ EVENT_KINDS = (
     "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
     "risk_alarm", "risk_clear", "guard_override", "guard_miss", "memory_snapshot", "compile",
     "recorder_resumed", "sampler_error", "session_resumed", "detached", "guard_unable", "guard_remedy",
-    "collective", "dp_engine", "control_refused",
+    "collective", "dp_engine", "control_refused", "deadline",
 )
 
 

@@ -75,6 +75,7 @@ class Workload:
         self._ooms_in_row = 0  # OOMs since the last step that ran (OOM_LOOP of them: stop)
         self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
         self._ahead: dict[str, Any] = {}  # the step columns ahead_* of the last step (predict/ahead.py)
+        self.ends_at: float | None = None  # when the run ends (epoch s; --duration): the lookahead ends there
         self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
@@ -424,7 +425,9 @@ class Workload:
         """The plan of the next step and the largest step planned within the lookahead (predict/ahead.py)
         on a finished step's row; the lookahead is kept for `plan_info` until the next step."""
         self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
-        self._ahead = A.columns(self.schedule, self._ends)
+        left_s = self.ends_at - self._ends[-1] if self.ends_at is not None else None
+        left_steps = self.cfg.max_steps - self._step if self.cfg.max_steps else None
+        self._ahead = A.columns(self.schedule, self._ends, left_s, left_steps)
         nxt = self.plan_info() or {}
         row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"),
                    **self._ahead)
