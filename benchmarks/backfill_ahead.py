@@ -45,6 +45,7 @@ from gpuwatch.workload.schedule import Schedule  # noqa: E402
 
 MIN_AGREEMENT = 0.99
 COLS = ("ahead_batch", "ahead_seq_len", "ahead_steps")
+NEXT = ("next_batch", "next_seq_len", "next_precision")  # emptied on a run's last step (its end: nothing planned)
 
 
 def schedule_of(argv: list[str], rec: dict) -> Schedule:
@@ -120,6 +121,12 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
             compared += 1
             agree += p[0] == nb and (seq_random or p[1] == ns)
     filled = st.with_columns(*(pl.Series(c, [x[c] for x in cols], dtype=schema.STEPS[c]) for c in COLS))
+    if ends_at is not None or max_steps:  # the run's last step plans no next one (Workload._plan_columns)
+        t = filled["ts"].dt.epoch("us").to_numpy() / 1e6
+        last = (t >= ends_at) if ends_at is not None else t < 0
+        if max_steps:
+            last[max_steps - 1:] = True
+        filled = filled.with_columns(*(pl.when(pl.Series(last)).then(None).otherwise(pl.col(c)).alias(c) for c in NEXT))
     return filled, {"steps": st.height, "compared": compared, "agree": agree}
 
 
@@ -156,8 +163,8 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     if has and not refill:  # recorded live: do the replayed lookahead columns equal what the workload wrote?
         replayed = pl.concat(parts).sort("ts", maintain_order=True)
         live = steps.sort("ts", maintain_order=True)
-        same = sum(int(replayed[c].eq_missing(live[c]).sum()) for c in COLS)  # null = null: nothing planned ahead
-        return line + f"; lookahead recorded live: the replay equals it in {same}/{len(COLS) * live.height} cells"
+        same = sum(int(replayed[c].eq_missing(live[c]).sum()) for c in COLS + NEXT)  # null = null: nothing planned
+        return line + f"; lookahead recorded live: the replay equals it in {same}/{len(COLS + NEXT) * live.height} cells"
     if check:
         return line
     if share is not None and share < MIN_AGREEMENT:
@@ -167,13 +174,15 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     merged = pl.concat(parts).sort("ts", maintain_order=True)
     if merged.height != steps.height:
         return line + f" - {steps.height - merged.height} step rows of no recorded workload: left unchanged"
+    merged = merged.with_columns(*(merged[c].cast(steps.schema[c]) for c in NEXT if c in original))
     cols = [c for c in original if c not in COLS] + list(COLS)
     md = pl.read_parquet_metadata(steps_p)
     tmp = steps_p.with_suffix(".tmp")
     merged.select(cols).write_parquet(tmp, compression="zstd", compression_level=19, statistics=True, metadata=md)
     tmp.replace(steps_p)
     meta.setdefault("backfilled", []).append({
-        "columns": list(COLS), "by": "benchmarks/backfill_ahead.py",
+        "columns": list(COLS) + ([c for c in NEXT if c in original] if ends_at is not None or max_steps else []),
+        "run_end": {"ends_at": ends_at, "max_steps": max_steps}, "by": "benchmarks/backfill_ahead.py",
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "plan_agreement": round(share, 4)})
     meta_p.write_text(json.dumps(meta, indent=2) + "\n")
     return line + " - filled"

@@ -128,9 +128,10 @@ def test_live_rows_equal_what_the_backfill_replays():
     bf = _backfill_module()
     replayed, figs = bf.backfill(live.drop("ahead_batch", "ahead_seq_len", "ahead_steps"), schema.empty("events"),
                                  Schedule("ramp", 8, 8), None, max_steps=20)
-    assert figs["agree"] == figs["compared"] == 20
-    for c in bf.COLS:
+    assert figs["agree"] == figs["compared"] == 19  # the 20th step, the run's last, plans no next one
+    for c in bf.COLS + bf.NEXT:
         assert replayed[c].to_list() == live[c].to_list(), c
+    assert live["next_batch"][-1] is None and live["next_batch"][-2] is not None  # the 20th step plans none
     assert live["ahead_batch"].max() > live["next_batch"].min()  # it saw the ramp's next levels
 
 

@@ -132,8 +132,8 @@ class Workload:
         """The next step as the risk model scores it: the micro-batch (what memory sees), its
         sequence length and precision, and the effective batch. Read from any thread."""
         p = self.schedule.wanted()
-        if p is None:
-            return None
+        if p is None or (self.ends_at is not None and time.time() >= self.ends_at):
+            return None  # (past the run's deadline no step starts)
         with self._lock:
             pend = dict(self._pending)
         ceiling = pend["ceiling"][0] if "ceiling" in pend else self.schedule.ceiling
@@ -280,6 +280,9 @@ class Workload:
                         break
                 self._apply_controls()
                 self._maybe_snapshot()
+                if self.ends_at is not None and time.time() >= self.ends_at:
+                    self._stop.wait()  # past the run's deadline: no step more (the session stops it now)
+                    break
                 plan = self.schedule.wanted()
                 if plan is None or (self.cfg.max_steps and self._step >= self.cfg.max_steps):
                     self.state = "finished"
@@ -428,7 +431,8 @@ class Workload:
         left_s = self.ends_at - self._ends[-1] if self.ends_at is not None else None
         left_steps = self.cfg.max_steps - self._step if self.cfg.max_steps else None
         self._ahead = A.columns(self.schedule, self._ends, left_s, left_steps)
-        nxt = self.plan_info() or {}
+        last = (left_s is not None and left_s <= 0) or left_steps == 0  # the run's last step: nothing planned
+        nxt = (self.plan_info() or {}) if not last else {}
         row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"),
                    **self._ahead)
 
