@@ -140,6 +140,8 @@ stage_fragment() {  # issue 16: the fragment scenario alone (benchmarks/guard_fr
 stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's effect on the workload (ABBA)
   stage risk_scorer 60 python3 benchmarks/bench_scorer.py --rounds 300 --session "${RISK_SESSION:-recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48}"
   cat $R/risk_scorer.json; echo
+  stage risk_scorer_steps 60 python3 benchmarks/bench_scorer.py --rounds 300 --steps --session "${RISK_SESSION:-recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48}"
+  cat $R/risk_scorer_steps.json; echo
   stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides "${RISK_STRIDES:-5,1}"
   cat $R/risk_score_hour.json; echo
   stage risk_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window 6

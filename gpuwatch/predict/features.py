@@ -236,11 +236,12 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
         reserved = float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None
         ab, asq = _ahead_of(last, plan)
         ev = w.events
-        key = (st.height, int(ts[0]), int(ts[-1]), float(np.nansum(peak)), float(np.nansum(alloc)),
-               float(np.nansum(tokens)), nb, ns, npr, ab, asq, limit, reserved, ev.height,
-               int(_us(ev["ts"][:1])[0]) if ev.height else 0, int(_us(ev["ts"][-1:])[0]) if ev.height else 0)
-        fc, ahead_p = _FORECASTS.get(key) or _forecasts(st, batch, seq, alloc, peak, times, nb, ns, npr, ab, asq,
-                                                        limit, reserved, ev, key)
+        micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
+        prec = tuple(st["precision"].to_list())
+        key = (ts.tobytes(), seq.tobytes(), tokens.tobytes(), micro.tobytes(), prec, peak.tobytes(), alloc.tobytes(), times.tobytes(),
+               nb, ns, npr, ab, asq, limit, reserved, _us(ev["ts"]).tobytes() if ev.height else b"", ev.height)
+        fc, ahead_p = _FORECASTS.get(key) or _forecasts(batch, seq, micro, list(prec), alloc, peak, times, nb, ns, npr,
+                                                        ab, asq, limit, reserved, ev, key)
         if ahead_p is not None:
             out["ahead_cross_p"] = ahead_p
         if fc is not None:
@@ -257,15 +258,14 @@ _FORECASTS: dict[tuple, tuple] = {}  # the last few windows' forecasts, by what 
 _FORECASTS_KEPT = 16
 
 
-def _forecasts(st: pl.DataFrame, batch, seq, alloc, peak, times, nb, ns, npr, ab, asq, limit: float,
+def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq, limit: float,
                reserved: float | None, events: pl.DataFrame, key: tuple) -> tuple:
-    """The next step's forecast and the lookahead's probability. Kept by `key` (the window's steps by
-    count, first and last time and their peaks', allocations' and tokens' sums, the plan, the lookahead, the limit, the reserved bytes, the events by
-    count and first and last time: all they are computed from), so a live round that brought a sample
-    but no step (most of them: 10 samples a second, a step every 0.2-2 s) reuses them - two forecasts
-    were 0.7 ms of a 2.7 ms round (cProfile of the live round, dev machine)."""
-    micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
-    prec = st["precision"].to_list()
+    """The next step's forecast and the lookahead's probability. Kept by `key` - all they are computed
+    from: the window's steps (times, lengths, tokens, micro-batches, precisions, peaks, allocations and
+    step times, byte for byte), the plan, the lookahead, the limit, the reserved bytes and the events (by
+    their times) - so a live round that brought a sample but no step (most of them: 10 samples a second,
+    a step every 0.2-2 s) reuses them: two forecasts were 0.7 ms of a 2.7 ms round (cProfile of the live
+    round, dev machine)."""
     fc = forecast(batch, seq, micro, prec, alloc, peak, times, float(nb), float(ns), npr, usable_limit(limit),
                   failed=failed_shapes(events), reserved=reserved)
     ahead_p = None
