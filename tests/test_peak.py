@@ -94,13 +94,13 @@ def test_the_kept_forecasts_change_no_feature(tmp_path):
     copy = CF.derive(CAPPED, tmp_path)[0].path
     sessions = [CAPPED, NEAR / "nc3-small-prefill-rampmax-b256", ROOT / "recordings" / "sample-h200-guard-fragment"]
     calls = {"n": 0}
-    real = F.forecast
+    real = F.fit_steps
 
     def counted(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
 
-    F.forecast = counted
+    F.fit_steps = counted
     F._FORECASTS.clear()
     try:
         for path in [*sessions, copy]:  # not cleared between sessions: the copy's windows meet its source's
@@ -116,7 +116,7 @@ def test_the_kept_forecasts_change_no_feature(tmp_path):
             assert kept_calls < calls["n"] * 0.7, (path, kept_calls, calls["n"])  # and most windows reuse them
             calls["n"] = 0
     finally:
-        F.forecast = real
+        F.fit_steps = real
     # the same steps under another plan (the guard lowered the ceiling between two steps), another
     # lookahead, another cap (the copy's window beside its source's), one OOM more in the events
     src, cp = ReplaySource(CAPPED), ReplaySource(copy)

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import GROWTH_STEPS, PRECISION_BYTES, Failed, forecast, median, nanmedian, usable_limit
+from gpuwatch.predict.peak import (GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median, nanmedian,
+                                   usable_limit)
 from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import Window
@@ -266,16 +267,16 @@ def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq
     their times) - so a live round that brought a sample but no step (most of them: 10 samples a second,
     a step every 0.2-2 s) reuses them: two forecasts were 0.7 ms of a 2.7 ms round (cProfile of the live
     round, dev machine)."""
-    fc = forecast(batch, seq, micro, prec, alloc, peak, times, float(nb), float(ns), npr, usable_limit(limit),
-                  failed=failed_shapes(events), reserved=reserved)
+    fit = fit_steps(batch, seq, micro, prec, alloc, peak, times, npr)  # once for both plans
+    lim = usable_limit(limit)
+    fc = fit.at(float(nb), float(ns), lim, failed=failed_shapes(events), reserved=reserved) if fit is not None else None
     ahead_p = None
     if fc is not None and ab and asq:  # the largest step planned within the lookahead (predict/ahead.py):
         # its estimate and the outgrown-segments rule, not the failed-shape rule - a shape that failed
         # under the allocator's state of now may fit after the steps on the way reshaped the cache (call
         # 24's decode ramp failed at batch 77, then ran it on the next climb: 3 near-limit false alarms)
-        fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else forecast(
-            batch, seq, micro, prec, alloc, peak, times, float(ab), float(asq), npr, usable_limit(limit),
-            reserved=reserved)
+        fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else fit.at(float(ab), float(asq), lim,
+                                                                                reserved=reserved)
         ahead_p = max(fc.p_horizon, fa.p_horizon) if fa is not None else fc.p_horizon
     if len(_FORECASTS) >= _FORECASTS_KEPT:
         _FORECASTS.pop(next(iter(_FORECASTS)), None)

@@ -106,6 +106,57 @@ def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, 
     figures, e.g. on a CPU): those steps are skipped."""
     if not (limit > 0) or not (plan_batch and plan_seq) or batch.size == 0:
         return None
+    fit = fit_steps(batch, seq, micro, prec, alloc, peak, step_s, plan_prec)
+    return fit.at(plan_batch, plan_seq, limit, horizon_s, failed, reserved) if fit is not None else None
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """What a window's finished steps say before any plan is asked about: each shape's activations (in
+    the plan's precision), their spread, what stays allocated and its growth, the pace. `at` forecasts
+    one plan; a second plan (the lookahead's) costs only its own lookup."""
+
+    T: np.ndarray  # tokens per (micro-)batch of each usable step
+    S: np.ndarray
+    act: np.ndarray  # activations in the plan's precision
+    uk: np.ndarray  # the distinct shapes (T x 1e6 + S), their median activations, tokens, residual scale
+    med: np.ndarray
+    ut: np.ndarray
+    resid: float
+    alloc_now: float
+    growth: float
+    target_bytes: float
+    peak: np.ndarray
+    pace_s: float | None  # median of the last 5 step times
+    steps_seen: int
+
+    def at(self, plan_batch: float, plan_seq: float, limit: float, horizon_s: float = 5.0,
+           failed: list[Failed] | None = None, reserved: float | None = None) -> Forecast | None:
+        if not (limit > 0) or not (plan_batch and plan_seq):
+            return None
+        Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
+        a_hat, resid_scale, extrap = _activation_at(self, Tp, Sp)
+        a_hat = max(a_hat, 0.0)
+        growth = self.growth
+        mean = self.alloc_now + a_hat + max(0.0, growth)
+        sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2)
+        p_next = _ncdf_upper((limit - mean) / sigma)
+        k = max(1, int(math.ceil(horizon_s / self.pace_s))) if self.pace_s else 1
+        mean_h = mean + max(0.0, growth) * (k - 1)
+        p_h = max(p_next, _ncdf_upper((limit - mean_h) / sigma))
+        hit = _failed_before(failed, Tp, Sp, self.target_bytes, self.alloc_now, limit)
+        if hit:
+            mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
+        elif _outgrows_segments(mean, self.peak, reserved, limit):
+            p_next, p_h = max(p_next, FRAG_P), max(p_h, FRAG_P)
+        return Forecast(mean, sigma, float(limit), p_next, p_h, growth, self.steps_seen, hit)
+
+
+def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
+              peak: np.ndarray, step_s: np.ndarray, plan_prec: str | None) -> StepFit | None:
+    """The plan-free part of `forecast` (None where no step has torch figures)."""
+    if batch.size == 0:
+        return None
     mb = np.where(np.isfinite(micro) & (micro >= 1), micro, 1.0)
     T = np.ceil(batch / mb) * seq
     S = seq.astype(np.float64)
@@ -119,24 +170,11 @@ def forecast(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, 
     target_bytes = PRECISION_BYTES.get(str(plan_prec or last_prec), 2.0)
     act_n = act / pscale * target_bytes  # activations in the plan's precision
     T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
-    Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
-    a_hat, resid_scale, extrap = _predict_activation(T, S, act_n, Tp, Sp)
-    a_hat = max(a_hat, 0.0)
+    uk, med, ut, resid = _shapes(T, S, act_n)
     al = alloc[np.isfinite(alloc)]
-    growth = _growth(al)
-    mean = float(al[-1]) + a_hat + max(0.0, growth)
-    sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2)
-    p_next = _ncdf_upper((limit - mean) / sigma)
     st = step_s[np.isfinite(step_s) & (step_s > 0)]
-    k = max(1, int(math.ceil(horizon_s / median(st[-5:])))) if st.size else 1
-    mean_h = mean + max(0.0, growth) * (k - 1)
-    p_h = max(p_next, _ncdf_upper((limit - mean_h) / sigma))
-    hit = _failed_before(failed, Tp, Sp, target_bytes, float(al[-1]), limit)
-    if hit:
-        mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
-    elif _outgrows_segments(mean, peak, reserved, limit):
-        p_next, p_h = max(p_next, FRAG_P), max(p_h, FRAG_P)
-    return Forecast(mean, sigma, float(limit), p_next, p_h, growth, int(ok.sum()), hit)
+    return StepFit(T, S, act_n, uk, med, ut, resid, float(al[-1]), _growth(al), target_bytes, peak,
+                   median(st[-5:]) if st.size else None, int(ok.sum()))
 
 
 def _outgrows_segments(mean: float, peak: np.ndarray, reserved: float | None, limit: float) -> bool:
@@ -199,19 +237,32 @@ def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float
     over all shapes would miss that bend). Above them -> the slope of the two largest shapes, or
     proportional to tokens where there is one shape or the slope is not positive. Below them -> the
     smallest shape's (a smaller step does not need more)."""
+    uk, med, ut, resid = _shapes(T, S, act)
+    fit = StepFit(T, S, act, uk, med, ut, resid, 0.0, 0.0, 2.0, act, None, int(T.size))
+    return _activation_at(fit, Tp, Sp)
+
+
+def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The distinct shapes (keys in time-free order), the median activation of each, its tokens, and the
+    pooled residual scale of the shapes seen at least 3 times."""
     keys = T * 1e6 + S
     uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
     med = _group_medians(inv, act, uk.size)
     dev = np.abs(act - med[inv])
     counts = np.bincount(inv)
     resid = 1.4826 * median(dev[counts[inv] >= 3]) if (counts >= 3).any() else 0.0
-    key_p = Tp * 1e6 + Sp
-    hit = np.where(uk == key_p)[0]
+    return uk, med, T[first], resid
+
+
+def _activation_at(fit: StepFit, Tp: float, Sp: float) -> tuple[float, float, float]:
+    """(activation estimate, residual scale, extrapolation spread) at the planned shape (see
+    `_predict_activation`)."""
+    uk, med, resid = fit.uk, fit.med, fit.resid
+    hit = np.where(uk == Tp * 1e6 + Sp)[0]
     if hit.size:
         return float(med[hit[0]]), resid, 0.0
-    ut = T[first]  # a shape's tokens (one value per key)
-    order = np.argsort(ut, kind="stable")
-    ut, med = ut[order], med[order]
+    order = np.argsort(fit.ut, kind="stable")
+    ut, med = fit.ut[order], med[order]
     if Tp <= ut[0]:
         return float(med[0]), resid, 0.0
     if Tp >= ut[-1]:
