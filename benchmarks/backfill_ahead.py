@@ -30,6 +30,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,38 +70,51 @@ def gpu_of(rec: dict):
     return rec.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
 
 
-def run_end(argv: list[str], meta: dict, events: pl.DataFrame) -> tuple[int | None, float | None]:
-    """(max steps, the deadline in epoch s) of a `gpuwatch stress` run: its `--steps`, and the `deadline`
-    event's ends_at where the run recorded one (what `Workload.ends_at` was set to), else its
-    `--duration` counted from the session's start (its `session_start` event, else meta's start), as the
-    live run set it right after the session started; (None, None) where unknown (benchmark scripts'
-    sessions, resumed runs that recorded no deadline)."""
+def run_end(argv: list[str], meta: dict, events: pl.DataFrame) -> tuple[int | None, list[tuple[float, float]]]:
+    """(max steps, deadlines) of a `gpuwatch stress` run. Deadlines are (when it was set, the deadline),
+    both epoch s: each `deadline` event's ends_at where the run recorded them (one per run of a resumed
+    session: a row takes the latest set before it), else `--duration` counted from the session's start
+    (its `session_start` event, else meta's start), as the live run set `Workload.ends_at` right after the
+    session started. (None, []) where unknown: benchmark scripts' sessions, and resumed sessions' flags
+    (meta's argv is the first run's) unless they recorded their deadlines."""
     if "stress" not in argv[1:2]:
-        return None, None
+        return None, []
     args = build_parser().parse_args(_fix_negative_values(argv[1:]))
-    dl = events.filter(pl.col("kind") == "deadline")["detail"].to_list() if events.height else []
-    if dl:
-        return args.steps, float(json.loads(dl[-1])["ends_at"])
-    if args.duration is None or "--resume" in argv:
-        return args.steps, None
+    resumed = bool(meta.get("resumed"))
+    ev = events.filter(pl.col("kind") == "deadline") if events.height else events
+    if ev.height:
+        return (None if resumed else args.steps), sorted(
+            (t.timestamp(), float(json.loads(d)["ends_at"])) for t, d in zip(ev["ts"], ev["detail"]))
+    if resumed or args.duration is None:
+        return (None if resumed else args.steps), []
     st = events.filter(pl.col("kind") == "session_start")["ts"] if events.height else None
     if st is not None and st.len():
         t0 = st[0].timestamp()
     elif meta.get("start"):
         t0 = datetime.fromisoformat(meta["start"]).timestamp()
     else:
-        return args.steps, None
-    return args.steps, t0 + float(args.duration)
+        return args.steps, []
+    return args.steps, [(t0, t0 + float(args.duration))]
+
+
+def _deadline_at(deadlines: list[tuple[float, float]], t: float) -> float | None:
+    """The deadline in force at `t`: the latest one set at or before it."""
+    got = None
+    for set_at, end in deadlines:
+        if set_at <= t:
+            got = end
+    return got
 
 
 def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, seq_random: bool = False,
-             max_steps: int | None = None, ends_at: float | None = None) -> tuple[pl.DataFrame, dict]:
+             max_steps: int | None = None, deadlines: list[tuple[float, float]] | None = None
+             ) -> tuple[pl.DataFrame, dict]:
     """The steps of one workload with the ahead columns filled, and the check's figures (`seq_random`:
     --fragment drew each step's length at random below the schedule's, so only batches compare where
     the step that ran next stands for the plan). The history is `stress --resume`'s (resume.workload_history:
     one ("done",) per step row in time order, the OOMs and controls between them), replayed one entry
     at a time so that the schedule is, after each step, where the live run's was. `max_steps` and
-    `ends_at` end the lookahead where the run ended (`run_end`), as `Workload._plan_columns` does."""
+    `deadlines` end the lookahead where the run ended (`run_end`), as `Workload._plan_columns` does."""
     same = pl.col("gpu").is_null() if gpu is None else pl.col("gpu") == gpu
     st = steps.filter(same).sort("ts", maintain_order=True)
     plans = iter(st.select("ts", "next_batch", "next_seq_len").rows())
@@ -114,16 +128,18 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
             continue
         ts, nb, ns = next(plans)
         ends = (ends + [ts.timestamp()])[-(A.PACE_STEPS + 1):]
-        cols.append(A.columns(sched, ends, ends_at - ends[-1] if ends_at is not None else None,
+        end = _deadline_at(deadlines or [], ends[-1])
+        cols.append(A.columns(sched, ends, end - ends[-1] if end is not None else None,
                               max_steps - len(cols) - 1 if max_steps else None))
         p = sched.plan()
         if nb is not None and p is not None:
             compared += 1
             agree += p[0] == nb and (seq_random or p[1] == ns)
     filled = st.with_columns(*(pl.Series(c, [x[c] for x in cols], dtype=schema.STEPS[c]) for c in COLS))
-    if ends_at is not None or max_steps:  # the run's last step plans no next one (Workload._plan_columns)
+    if deadlines or max_steps:  # the run's last step plans no next one (Workload._plan_columns)
         t = filled["ts"].dt.epoch("us").to_numpy() / 1e6
-        last = (t >= ends_at) if ends_at is not None else t < 0
+        due = [_deadline_at(deadlines or [], x) for x in t]
+        last = np.array([d is not None and x >= d for x, d in zip(t, due)], dtype=bool)
         if max_steps:
             last[max_steps - 1:] = True
         filled = filled.with_columns(*(pl.when(pl.Series(last)).then(None).otherwise(pl.col(c)).alias(c) for c in NEXT))
@@ -151,10 +167,10 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     # v1 sessions recorded no plan: compare with what ran next instead (the recording layer's fill_plans)
     steps = fill_plans(schema.conform(steps, "steps"), events)
     parts, figs = [], {"steps": 0, "compared": 0, "agree": 0}
-    max_steps, ends_at = run_end(argv, meta, events)
+    max_steps, deadlines = run_end(argv, meta, events)
     for rec in loads:
         part, f = backfill(steps, events, schedule_of(argv, rec), gpu_of(rec),
-                           v1 and bool((rec.get("faults") or {}).get("fragment")), max_steps, ends_at)
+                           v1 and bool((rec.get("faults") or {}).get("fragment")), max_steps, deadlines)
         parts.append(part)
         figs = {k: figs[k] + f[k] for k in figs}
     share = figs["agree"] / figs["compared"] if figs["compared"] else None
@@ -181,8 +197,8 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     merged.select(cols).write_parquet(tmp, compression="zstd", compression_level=19, statistics=True, metadata=md)
     tmp.replace(steps_p)
     meta.setdefault("backfilled", []).append({
-        "columns": list(COLS) + ([c for c in NEXT if c in original] if ends_at is not None or max_steps else []),
-        "run_end": {"ends_at": ends_at, "max_steps": max_steps}, "by": "benchmarks/backfill_ahead.py",
+        "columns": list(COLS) + ([c for c in NEXT if c in original] if deadlines or max_steps else []),
+        "run_end": {"deadlines": [d for _t, d in deadlines], "max_steps": max_steps}, "by": "benchmarks/backfill_ahead.py",
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "plan_agreement": round(share, 4)})
     meta_p.write_text(json.dumps(meta, indent=2) + "\n")
     return line + " - filled"

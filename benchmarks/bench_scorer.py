@@ -50,6 +50,8 @@ def main() -> int:
         s = shown.get("last")
         if s is None:
             return None
+        if s.get("next_batch") is None and "next_batch" in s:  # the run's last step: nothing planned (runtime._plan)
+            return {"batch": None, "seq_len": None}
         out = {"batch": s.get("next_batch") or s["batch"], "seq_len": s.get("next_seq_len") or s["seq_len"],
                "precision": s.get("next_precision") or s["precision"], "mode": s["mode"]}
         if s.get("ahead_batch"):

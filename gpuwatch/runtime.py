@@ -203,6 +203,9 @@ class Session:
         """The next step a GPU's workload will run (what the model scores), or None."""
         for w in self.workloads:
             if w.gpu_index == gpu:
+                end = getattr(w, "ends_at", None)
+                if end is not None and time.time() >= end:  # past the run's deadline: no step more, and
+                    return {"batch": None, "seq_len": None}   # not the last row's plan either (features)
                 p = w.next_plan()
                 return None if p is None else p.scored()
         return None
@@ -302,9 +305,9 @@ class Session:
             return
         at = time.time() + seconds
         for w in self.workloads:
-            if hasattr(w, "ends_at"):
+            if getattr(w, "honours_deadline", False):
                 w.ends_at = at
-        self.bus.emit("deadline", f"the run ends in {seconds:.0f} s", ends_at=round(at, 3))
+        self.bus.emit("deadline", f"the run ends in {seconds:.0f} s", ends_at=at)  # exact: rows compare with it
 
     def wait(self, duration_s: float | None = None, until_done: bool = False, poll_s: float = 0.5,
              on_tick: Callable[[], None] | None = None, tick_s: float = 0.0,

@@ -58,7 +58,8 @@ def test_the_lookahead_ends_where_the_run_does():
     assert A.columns(s, ends) == {"ahead_batch": 5, "ahead_seq_len": 32, "ahead_steps": 7}
     assert A.columns(s, ends, left_s=1.0) == {"ahead_batch": 4, "ahead_seq_len": 32, "ahead_steps": 1}
     assert A.columns(s, ends, left_s=3.4)["ahead_batch"] == 5  # 7 steps start before the end
-    assert A.columns(s, ends, left_s=-2.0)["ahead_steps"] == 1  # past it: the step that may still start
+    assert A.columns(s, ends, left_s=0.2)["ahead_steps"] == 1  # a step may still start before it
+    assert A.columns(s, ends, left_s=-2.0) == A.pick([])  # past it, none does
     assert A.columns(s, ends, left_steps=6)["ahead_batch"] == 4
     assert A.columns(s, ends, left_steps=0) == A.pick([])
 
@@ -86,7 +87,7 @@ def test_a_timed_stress_run_tells_its_workload_where_it_ends(tmp_path, py, env):
         return int(m.group(1)), int(m.group(2))
     same, n = cells(bf.run(folder, True, True))
     assert n > 30 and same == n
-    bf.run_end = lambda *a: (None, None)  # the replay as before the rule: the lookahead runs past the end
+    bf.run_end = lambda *a: (None, [])  # the replay as before the rule: the lookahead runs past the end
     uncut, _ = cells(bf.run(folder, True, True))
     assert uncut < n
 

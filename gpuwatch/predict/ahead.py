@@ -70,8 +70,8 @@ def columns(schedule, ends_s: Sequence[float], left_s: float | None = None,
     it has left (`max_steps`). A ramp's larger steps planned past its end never run: 5 of the 7 false
     alarms of the held-out H200 sessions of call 29 warned of them in a timed run's last 6 s."""
     n = steps_within(ends_s)
-    if left_s is not None:
-        n = min(n, steps_within(ends_s, max(0.0, left_s)))
+    if left_s is not None:  # (past the deadline no step starts: nothing ahead)
+        n = min(n, steps_within(ends_s, left_s)) if left_s > 0 else 0
     if left_steps is not None:
         n = min(n, max(0, int(left_steps)))
     return pick(schedule.ahead(n) if n > 0 else [])

@@ -174,9 +174,8 @@ def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
         if feed is not None:
             attach_feed(session, feed)
         app = make_app(session.source, session=session, interval_s=cfg.interval_s)
-        if duration_s:
-            session.ends_in(duration_s)
-            app.call_later(lambda: app.set_timer(duration_s, app.exit))
+        if duration_s:  # the run's end, told to the workloads when the exit timer starts
+            app.call_later(lambda: (session.ends_in(duration_s), app.set_timer(duration_s, app.exit)))
         code = _run_app(app, session.recorder.dir if session.recorder else None, status)
     if session.recorder:
         r = session.recorder

@@ -75,6 +75,8 @@ class RankFailed(RuntimeError):
 class DistributedWorkload(Workload):
     """gpuwatch's workload as one rank of a data-parallel job (see the module's docstring)."""
 
+    honours_deadline = False  # its ranks step together (_decide): a deadline would have to reach them all
+
     def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext, dp: str = "ddp") -> None:
         super().__init__(bus, cfg)
         self.ctx = ctx

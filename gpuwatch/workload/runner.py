@@ -37,6 +37,8 @@ class Workload:
     """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
 
+    honours_deadline = True  # it stops at `ends_at` (Session.ends_in); the data-parallel workload does not (yet)
+
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
 
     def __init__(self, bus: Bus, cfg: WorkloadConfig, model=None) -> None:
