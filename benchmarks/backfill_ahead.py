@@ -30,7 +30,6 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -120,6 +119,7 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
     plans = iter(st.select("ts", "next_batch", "next_seq_len").rows())
     history = workload_history({"gpu_index": gpu}, steps, events, [])["history"]
     cols: list[dict] = []
+    last: list[bool] = []  # the run's last step (at or past its deadline, or the max_steps-th): nothing planned
     ends: list[float] = []
     agree = compared = 0
     for op in history:
@@ -131,17 +131,13 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
         end = _deadline_at(deadlines or [], ends[-1])
         cols.append(A.columns(sched, ends, end - ends[-1] if end is not None else None,
                               max_steps - len(cols) - 1 if max_steps else None))
+        last.append((end is not None and ends[-1] >= end) or bool(max_steps and len(cols) >= max_steps))
         p = sched.plan()
         if nb is not None and p is not None:
             compared += 1
             agree += p[0] == nb and (seq_random or p[1] == ns)
     filled = st.with_columns(*(pl.Series(c, [x[c] for x in cols], dtype=schema.STEPS[c]) for c in COLS))
-    if deadlines or max_steps:  # the run's last step plans no next one (Workload._plan_columns)
-        t = filled["ts"].dt.epoch("us").to_numpy() / 1e6
-        due = [_deadline_at(deadlines or [], x) for x in t]
-        last = np.array([d is not None and x >= d for x, d in zip(t, due)], dtype=bool)
-        if max_steps:
-            last[max_steps - 1:] = True
+    if any(last):  # the run's last step plans no next one (Workload._plan_columns)
         filled = filled.with_columns(*(pl.when(pl.Series(last)).then(None).otherwise(pl.col(c)).alias(c) for c in NEXT))
     return filled, {"steps": st.height, "compared": compared, "agree": agree}
 

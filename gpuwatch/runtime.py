@@ -203,9 +203,8 @@ class Session:
         """The next step a GPU's workload will run (what the model scores), or None."""
         for w in self.workloads:
             if w.gpu_index == gpu:
-                end = getattr(w, "ends_at", None)
-                if end is not None and time.time() >= end:  # past the run's deadline: no step more, and
-                    return {"batch": None, "seq_len": None}   # not the last row's plan either (features)
+                if getattr(w, "past_end", lambda: False)():  # no step more, and not the last row's
+                    return {"batch": None, "seq_len": None}      # plan either (features)
                 p = w.next_plan()
                 return None if p is None else p.scored()
         return None

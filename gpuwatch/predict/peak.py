@@ -12,7 +12,7 @@ allocated after it. So, from the steps in the window:
 - a step's shape: tokens T = micro-batch x sequence length, and T x S (attention's quadratic part);
 - the planned shape seen already -> its activations' median (robust to a stray step); between shapes
   seen -> interpolated in tokens between its neighbours; beyond them -> extrapolated with the slope of
-  the two largest (or in proportion to tokens, with one shape); see `_predict_activation`;
+  the two largest (or in proportion to tokens, with one shape); see `_activation_at`;
 - precision: activations scale by the bytes per element (bf16 -> fp32 doubles them);
 - growth: what stays allocated after each step rising (a leak, a growing cache): the median per-step
   increase of the last 10 steps, carried forward over the steps that fit in the horizon;
@@ -116,13 +116,10 @@ class StepFit:
     the plan's precision), their spread, what stays allocated and its growth, the pace. `at` forecasts
     one plan; a second plan (the lookahead's) costs only its own lookup."""
 
-    T: np.ndarray  # tokens per (micro-)batch of each usable step
-    S: np.ndarray
-    act: np.ndarray  # activations in the plan's precision
-    uk: np.ndarray  # the distinct shapes (T x 1e6 + S), their median activations, tokens, residual scale
-    med: np.ndarray
-    ut: np.ndarray
-    resid: float
+    uk: np.ndarray  # the distinct shapes (tokens x 1e6 + length), in order of tokens (`_shapes`)
+    med: np.ndarray  # their median activations in the plan's precision
+    ut: np.ndarray  # their tokens per (micro-)batch
+    resid: float  # the pooled residual scale
     alloc_now: float
     growth: float
     target_bytes: float
@@ -135,7 +132,7 @@ class StepFit:
         if not (limit > 0) or not (plan_batch and plan_seq):
             return None
         Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
-        a_hat, resid_scale, extrap = _activation_at(self, Tp, Sp)
+        a_hat, resid_scale, extrap = _activation_at(self.uk, self.med, self.ut, self.resid, Tp, Sp)
         a_hat = max(a_hat, 0.0)
         growth = self.growth
         mean = self.alloc_now + a_hat + max(0.0, growth)
@@ -170,10 +167,9 @@ def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list,
     target_bytes = PRECISION_BYTES.get(str(plan_prec or last_prec), 2.0)
     act_n = act / pscale * target_bytes  # activations in the plan's precision
     T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
-    uk, med, ut, resid = _shapes(T, S, act_n)
     al = alloc[np.isfinite(alloc)]
     st = step_s[np.isfinite(step_s) & (step_s > 0)]
-    return StepFit(T, S, act_n, uk, med, ut, resid, float(al[-1]), _growth(al), target_bytes, peak,
+    return StepFit(*_shapes(T, S, act_n), float(al[-1]), _growth(al), target_bytes, peak,
                    median(st[-5:]) if st.size else None, int(ok.sum()))
 
 
@@ -226,9 +222,23 @@ def _group_medians(inv: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
     return 0.5 * (xs[start + (counts - 1) // 2] + xs[start + counts // 2])
 
 
-def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float, Sp: float
-                        ) -> tuple[float, float, float]:
-    """(activation estimate, residual scale, extrapolation spread) at the planned shape.
+def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The distinct shapes (keys tokens x 1e6 + length), the median activation of each and its tokens,
+    in order of tokens, and the pooled residual scale of the shapes seen at least 3 times."""
+    keys = T * 1e6 + S
+    uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    med = _group_medians(inv, act, uk.size)
+    dev = np.abs(act - med[inv])
+    counts = np.bincount(inv)
+    resid = 1.4826 * median(dev[counts[inv] >= 3]) if (counts >= 3).any() else 0.0
+    ut = T[first]  # a shape's tokens (one value per key)
+    order = np.argsort(ut, kind="stable")
+    return uk[order], med[order], ut[order], resid
+
+
+def _activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float, Tp: float, Sp: float
+                   ) -> tuple[float, float, float]:
+    """(activation estimate, residual scale, extrapolation spread) at the planned shape, from `_shapes`.
 
     Each shape seen gives the median of its activations (robust to a stray step); the spread within
     shapes, pooled, is the residual scale. The plan's shape seen -> its median. Between shapes seen ->
@@ -237,32 +247,9 @@ def _predict_activation(T: np.ndarray, S: np.ndarray, act: np.ndarray, Tp: float
     over all shapes would miss that bend). Above them -> the slope of the two largest shapes, or
     proportional to tokens where there is one shape or the slope is not positive. Below them -> the
     smallest shape's (a smaller step does not need more)."""
-    uk, med, ut, resid = _shapes(T, S, act)
-    fit = StepFit(T, S, act, uk, med, ut, resid, 0.0, 0.0, 2.0, act, None, int(T.size))
-    return _activation_at(fit, Tp, Sp)
-
-
-def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """The distinct shapes (keys in time-free order), the median activation of each, its tokens, and the
-    pooled residual scale of the shapes seen at least 3 times."""
-    keys = T * 1e6 + S
-    uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
-    med = _group_medians(inv, act, uk.size)
-    dev = np.abs(act - med[inv])
-    counts = np.bincount(inv)
-    resid = 1.4826 * median(dev[counts[inv] >= 3]) if (counts >= 3).any() else 0.0
-    return uk, med, T[first], resid
-
-
-def _activation_at(fit: StepFit, Tp: float, Sp: float) -> tuple[float, float, float]:
-    """(activation estimate, residual scale, extrapolation spread) at the planned shape (see
-    `_predict_activation`)."""
-    uk, med, resid = fit.uk, fit.med, fit.resid
     hit = np.where(uk == Tp * 1e6 + Sp)[0]
     if hit.size:
         return float(med[hit[0]]), resid, 0.0
-    order = np.argsort(fit.ut, kind="stable")
-    ut, med = fit.ut[order], med[order]
     if Tp <= ut[0]:
         return float(med[0]), resid, 0.0
     if Tp >= ut[-1]:

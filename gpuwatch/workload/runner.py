@@ -134,8 +134,8 @@ class Workload:
         """The next step as the risk model scores it: the micro-batch (what memory sees), its
         sequence length and precision, and the effective batch. Read from any thread."""
         p = self.schedule.wanted()
-        if p is None or (self.ends_at is not None and time.time() >= self.ends_at):
-            return None  # (past the run's deadline no step starts)
+        if p is None or self.past_end():
+            return None
         with self._lock:
             pend = dict(self._pending)
         ceiling = pend["ceiling"][0] if "ceiling" in pend else self.schedule.ceiling
@@ -146,6 +146,10 @@ class Workload:
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
         return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff,
                 **A.capped(self._ahead, ceiling)}  # the lookahead of the last step, under today's ceiling
+
+    def past_end(self) -> bool:
+        """Past the run's deadline (`ends_at`): no step starts, nothing is planned."""
+        return self.ends_at is not None and time.time() >= self.ends_at
 
     # -- the guard's contract (gpuwatch.contract.GuardedWorkload) -----------------------------------
     @property
@@ -282,8 +286,8 @@ class Workload:
                         break
                 self._apply_controls()
                 self._maybe_snapshot()
-                if self.ends_at is not None and time.time() >= self.ends_at:
-                    self._stop.wait()  # past the run's deadline: no step more (the session stops it now)
+                if self.past_end():
+                    self._stop.wait()  # no step more (the session stops it now)
                     break
                 plan = self.schedule.wanted()
                 if plan is None or (self.cfg.max_steps and self._step >= self.cfg.max_steps):
