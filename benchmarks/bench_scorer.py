@@ -42,7 +42,8 @@ def main() -> int:
     for s in steps:
         s["ts"] = int(s["ts"].timestamp() * 1e6)
     bus = Bus()
-    src = LiveSource(bus, rec.gpus, interval_s=rec.interval_s)
+    cols = getattr(sys.modules["gpuwatch.predict.features"], "SAMPLE_COLUMNS", None)  # as the session's source
+    src = LiveSource(bus, rec.gpus, interval_s=rec.interval_s, **({"sample_columns": cols} if cols else {}))
     model = load_model()
     shown: dict = {}
 

@@ -124,8 +124,10 @@ class Session:
         self.resumed_after_s = 0.0  # run time before this process (a resumed session), for --duration
         if cfg.resume is not None:
             self._restore(cfg.resume)
+        from gpuwatch.predict.features import SAMPLE_COLUMNS
+
         self.source = LiveSource(self.bus, self.gpu_meta(), getattr(self.gpu, "label", None) or "CPU-only",
-                                 interval_s=cfg.interval_s)
+                                 interval_s=cfg.interval_s, sample_columns=SAMPLE_COLUMNS)
         if cfg.record_dir is not None:
             from gpuwatch.recording.writer import Recorder
 

@@ -389,3 +389,21 @@ def test_own_memory_from_row_dicts_is_the_same_as_from_the_frame():
         own, listed = own_of_rows(s.to_dicts(), pid)
         ref_own, ref_listed = own_used(s["gpu_procs"], pid)
         assert np.array_equal(own, ref_own, equal_nan=True) and np.array_equal(listed, ref_listed), p
+
+
+def test_the_plain_python_shapes_equal_numpys_to_the_bit():
+    """`_shapes` below SMALL_N steps runs in plain Python (a tenth of np.unique's cost at a live window's
+    size); it must give numpy's arrays and residual exactly: repeated shapes, ties in tokens with other
+    lengths, one step per shape, a single shape."""
+    from gpuwatch.predict import peak as P
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 9, 40, 64):
+        for _ in range(30):
+            T = rng.choice([512.0, 1024.0, 2048.0, 4096.0], size=n)
+            S = rng.choice([128.0, 256.0, 512.0], size=n)
+            act = rng.normal(3e9, 2e8, size=n).round() * rng.choice([1.0, 1.0 + 1e-9], size=n)
+            a, b = P._shapes(T, S, act), P._shapes_np(T, S, act)
+            for x, y in zip(a[:3], b[:3]):
+                assert x.dtype == y.dtype and np.array_equal(x, y)
+            assert a[3] == b[3]

@@ -58,11 +58,15 @@ def test_plans_of_old_sessions_come_from_the_next_attempt():
     assert before["next_batch"][0] == json.loads(oom["detail"])["batch"]  # the plan was the failing batch
 
 
-def test_live_and_replay_cut_the_same_window():
-    """Feed a live bus with a recording's rows; its window and features equal replay's at that moment."""
-    rec = ReplaySource(LEAK)
+@pytest.mark.parametrize("session", [LEAK, ROOT / "recordings" / "h200-nearcap-2026-12-01" / "nc-v2lite-prefill-b48"],
+                         ids=["no-pid", "pid"])
+def test_live_and_replay_cut_the_same_window(session):
+    """Feed a live bus with a recording's rows; its window and features equal replay's at that moment -
+    and a live source that keeps only the feature function's sample columns (the session's scorer)
+    gives the very same features as one that keeps them all."""
+    rec = ReplaySource(session)
     g = rec.gpus[0].index
-    end = int(rec._ts[g][300])
+    end = int(rec._ts[g][min(300, len(rec._ts[g]) - 1)])
     bus = Bus()
     samples = rec._by_gpu[g]
     for row in samples.filter(pl.col("ts").dt.epoch("us") <= end).to_dicts():
@@ -85,6 +89,12 @@ def test_live_and_replay_cut_the_same_window():
     assert lf.keys() == rf.keys() and len(lf) == len(F.NAMES)
     for k in F.NAMES:
         assert (np.isnan(lf[k]) and np.isnan(rf[k])) or lf[k] == pytest.approx(rf[k]), k
+    assert sum(not np.isnan(v) for v in lf.values()) >= 20  # a window with steps, memory and health
+    few = LiveSource(bus, rec.gpus, interval_s=rec.interval_s, sample_columns=F.SAMPLE_COLUMNS)
+    fw = few.window(g)
+    assert fw.samples.width < lw.samples.width and ("gpu_procs" in fw.samples.columns) == (rec.gpus[0].pid is None)
+    sf = F.features(fw)
+    assert [sf[k] for k in F.NAMES] == pytest.approx([lf[k] for k in F.NAMES], rel=0, abs=0, nan_ok=True)
 
 
 def test_one_feature_function_everywhere():
