@@ -144,7 +144,7 @@ stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's
   cat $R/risk_scorer_steps.json; echo
   stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides "${RISK_STRIDES:-5,1}"
   cat $R/risk_score_hour.json; echo
-  stage risk_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window 6
+  stage risk_overhead 240 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window "${RISK_WINDOW:-6}"
   cat $R/risk_overhead.json; tail -8 $R/risk_overhead.err
 }
 stage_decode() {
