@@ -66,7 +66,7 @@ OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 R=/tmp/gpu-results; mkdir -p $R
 S=/tmp/gpu-sessions; mkdir -p $S
 . benchmarks/device_env.sh
-echo "tree $(git rev-parse --short HEAD 2>/dev/null || cat REV 2>/dev/null)" | tee $R/tree.txt
+echo "tree $(cat REV 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" | tee $R/tree.txt  # REV: written here before a call and carried (the copy's .git can be stale: calls 34-36 printed the session's first HEAD)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 NG=$(nvidia-smi -L | wc -l)
 
