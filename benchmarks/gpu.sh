@@ -55,7 +55,7 @@
 #   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
 #               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
-#               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1..5 picks the scenario table,
+#               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1..6 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
 #   library     the guard in users' loops: plain PyTorch and HF Trainer ramps, healthy, fragment and leak,
 #               unguarded vs guarded under a calibrated cap (benchmarks/guard_library.py; <= 4 minutes;

@@ -10,6 +10,7 @@ without the lookahead (predict/ahead.py: the feature ahead_cross_p blanked, the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpuwatch.predict import evaluate as E  # noqa: E402
 from gpuwatch.predict.dataset import load_sessions  # noqa: E402
-from gpuwatch.predict.features import NAMES  # noqa: E402
+from gpuwatch.predict.features import NAMES, features  # noqa: E402
 from gpuwatch.predict.model import load_model  # noqa: E402
 
 
@@ -39,15 +40,18 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "risk.joblib")
     ap.add_argument("--stride", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-prior", action="store_true", help="without the model's shape library (a session's first step unseen)")
     a = ap.parse_args()
     paths = a.sessions or sorted(p for d in (ROOT / "recordings").glob("heldout-h200-*") for p in d.iterdir()
                                  if p.is_dir() and (p / "meta.json").exists())
     model = load_model(a.model)
-    tls, warnings = load_sessions(paths, stride=a.stride)
+    ff = None if a.no_prior or model.prior is None else functools.partial(features, prior=model.prior)
+    tls, warnings = load_sessions(paths, stride=a.stride, feature_fn=ff)
     for w in warnings:
         print("warning:", w)
     j = NAMES.index("ahead_cross_p")
-    out: dict = {"model": model.label, "threshold": model.threshold, "stride": a.stride, "sessions": {}}
+    out: dict = {"model": model.label, "threshold": model.threshold, "stride": a.stride, "sessions": {},
+                 "shape_library": ff is not None}
     scores, blind = [], []
     for t in tls:
         s = model.estimator.predict_proba(t.X)[:, 1]

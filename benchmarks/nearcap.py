@@ -8,7 +8,7 @@ per-process cap, so the workloads do not limit each other; the physical card mus
 at once, which `--budget-gib` checks before anything starts. A background `nvidia-smi` log shows
 what the card held.
 
-    python3 benchmarks/nearcap.py --seconds 520 --out /tmp/nearcap [--set 1|2|3|4|5] [--only NAME ...]
+    python3 benchmarks/nearcap.py --seconds 520 --out /tmp/nearcap [--set 1..6] [--only NAME ...]
 
 Writes one session folder per scenario under OUT/sessions/NAME, its log as OUT/logs/NAME.log, and
 OUT/nearcap.json (each scenario: command, calibrated peak, cap, target, exit code).
@@ -96,6 +96,19 @@ SCENARIOS_5: dict[str, tuple[list[str], float, float, int, float]] = {
     "nc5-small-train-fp16-frag-b12": (["--preset", "small", "--mode", "train", "--precision", "fp16", "--batch", "12", "--fragment"], 0.93, 14, 10, 9),
     "nc5-small-prefill-b192": (["--preset", "small", "--mode", "prefill", "--batch", "192"], 0.96, 10, 4, 7),
 }
+# The sixth set (2026-12-02, after the shape library): first steps of inference under caps around the edge
+# the library draws (room above the weights of 1.0-1.5 x the activations), shapes no set holds - held out,
+# to test the first-step estimate blind (benchmarks/first_step_eval.py). Short runs: the first step is the point.
+SCENARIOS_6: dict[str, tuple[list[str], float, float, int, float]] = {
+    "nc6-v3slice-prefill-b10": (["--preset", "v3-slice", "--mode", "prefill", "--batch", "10", "--seq-len", "512"], 0.955, 62, 3, 54),
+    "nc6-v2lite-prefill-b56": (["--preset", "v2-lite", "--mode", "prefill", "--batch", "56", "--seq-len", "512"], 0.93, 44, 3, 37),
+    "nc6-small-prefill-b160": (["--preset", "small", "--mode", "prefill", "--batch", "160"], 0.88, 10, 3, 7),
+    "nc6-small-prefill-b64-seq1024": (["--preset", "small", "--mode", "prefill", "--batch", "64", "--seq-len", "1024"], 0.82, 10, 3, 6),
+    "nc6-small-decode-b40": (["--preset", "small", "--mode", "decode", "--batch", "40"], 0.85, 6, 3, 3.5),
+    "nc6-small-decode-b56": (["--preset", "small", "--mode", "decode", "--batch", "56"], 0.80, 7, 3, 4),
+    "nc6-small-prefill-b224": (["--preset", "small", "--mode", "prefill", "--batch", "224"], 0.78, 12, 3, 9.5),
+    "nc6-small-prefill-b112": (["--preset", "small", "--mode", "prefill", "--batch", "112"], 0.92, 8, 3, 5),
+}
 CALIBRATE_ARGS = {
     "nc2-small-prefill-rampmax-b192": ["--preset", "small", "--mode", "prefill", "--batch", "192"],  # what calibration runs at: the steady peak of the shape the scenario reaches
     "nc-small-train-rampmax-b16": ["--preset", "small", "--mode", "train", "--batch", "16"],
@@ -133,7 +146,7 @@ def run(cmd: list[str], log: Path, timeout: float) -> int:
 
 
 def scenario(name: str, out: Path, deadline: float, result: dict) -> None:
-    args, target, calib_gib, calib_steps, _ = {**SCENARIOS, **SCENARIOS_2, **SCENARIOS_3, **SCENARIOS_4, **SCENARIOS_5}[name]
+    args, target, calib_gib, calib_steps, _ = {**SCENARIOS, **SCENARIOS_2, **SCENARIOS_3, **SCENARIOS_4, **SCENARIOS_5, **SCENARIOS_6}[name]
     py = [sys.executable, "-m", "gpuwatch", "stress"]
     log = out / "logs" / f"{name}.log"
     r = result[name] = {"args": args, "target": target}
@@ -186,10 +199,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=520, help="wall time for everything")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5), default=1, help="which scenario table (default 1)")
+    ap.add_argument("--set", type=int, choices=(1, 2, 3, 4, 5, 6), default=1, help="which scenario table (default 1)")
     ap.add_argument("--budget-gib", type=float, default=134.0, help="what the caps may add up to on the card")
     a = ap.parse_args()
-    table = {1: SCENARIOS, 2: SCENARIOS_2, 3: SCENARIOS_3, 4: SCENARIOS_4, 5: SCENARIOS_5}[a.set]
+    table = {1: SCENARIOS, 2: SCENARIOS_2, 3: SCENARIOS_3, 4: SCENARIOS_4, 5: SCENARIOS_5, 6: SCENARIOS_6}[a.set]
     names = a.only or list(table)
     total = sum(table[n][4] for n in names)
     print(f"{len(names)} scenarios, expected caps {total:.0f} GiB of a {a.budget_gib:.0f} GiB budget", flush=True)

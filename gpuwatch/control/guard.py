@@ -104,6 +104,11 @@ class Guard:
             latest = {k: worst.get(k) for k in ("risk", "reasons", "features", "plan")}
         plan = w.next_plan()
         self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
+        if plan is not None and not latest and rank is None and self.rescore is not None:
+            # nothing scored on this GPU yet - the first step can start before the scorer's first round, and
+            # the first step is where the shape library speaks (predict/prior.py): score its plan now
+            risk, reasons, feats = self.rescore(gpu, plan.scored())
+            latest = {"risk": feats.get(RISK_NEXT, risk), "reasons": reasons, "features": feats, "plan": plan.scored()}
         if plan is None or not latest:
             d["why_none"] = "no plan" if plan is None else "no risk scored yet"
             return NONE

@@ -146,17 +146,19 @@ def default_sessions(root: Path) -> list[Path]:
 
 
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
-                  horizon_s: float = HORIZON_S, counterfactual: Path | None = None
-                  ) -> tuple[list[Timeline], list[str]]:
+                  horizon_s: float = HORIZON_S, counterfactual: Path | None = None,
+                  feature_fn: Callable | None = None) -> tuple[list[Timeline], list[str]]:
     """Timelines of every readable session; unreadable ones are skipped with a one-line warning. With
     `counterfactual` (a folder), each session's counterfactual-cap copies are derived there and
-    loaded too, marked `derived` (predict/counterfactual.py)."""
+    loaded too, marked `derived` (predict/counterfactual.py). `feature_fn`: the feature function's stand-in
+    (evaluation with a model's shape library: `functools.partial(features, prior=...)`)."""
     from gpuwatch.predict.counterfactual import derive
 
+    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
     out, warnings = [], []
     for p in paths:
         try:
-            tls = session_timelines(p, stride, horizon_s)
+            tls = session_timelines(p, stride, horizon_s, **ff)
         except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
             warnings.append(_why_unreadable(p, e))
             continue
@@ -165,7 +167,7 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
         if counterfactual is not None and tls:
             try:
                 for r in derive(Path(p), counterfactual, tls[0].scenario):
-                    d = session_timelines(r.path, stride, horizon_s)
+                    d = session_timelines(r.path, stride, horizon_s, **ff)
                     n_derived += len(d)
                     out += d
             except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:

@@ -82,13 +82,18 @@ class Limits:
     ts_us: np.ndarray | None = None  # every sample's time (the health features read it too)
 
 
-def features(w: Window, plan: dict[str, Any] | None = None) -> dict[str, float]:
+def features(w: Window, plan: dict[str, Any] | None = None, prior: Any = None) -> dict[str, float]:
     """The features of one window. `plan` (batch, seq_len, precision) is the workload's plan for its
-    next step when it is known live; otherwise the last step row's `next_*` columns say it."""
+    next step when it is known live; otherwise the last step row's `next_*` columns say it. `prior`: a
+    model's shape library (predict/prior.py) - before the GPU's first step it gives the estimator's
+    figures from earlier runs of the same model; training passes none (the library is built from the
+    sessions it trains on)."""
     out = dict.fromkeys(NAMES, NAN)
     lim = limits(w)
     _memory(out, lim)
     last = _steps(out, w, lim, plan)
+    if last is None and prior is not None:
+        _first_step(out, w, lim, plan, prior)
     _events(out, w)
     _health(out, w, lim.ts_us)
     out["train_mode"] = 1.0 if last is not None and last.get("mode") == "train" else 0.0 if last is not None else NAN
@@ -266,6 +271,24 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
     return last
+
+
+def _first_step(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] | None, prior: Any) -> None:
+    """No step has run on this GPU: the estimator's figures for the first one, from the shape library
+    (earlier runs of the same model at that shape; predict/prior.py)."""
+    wl = w.meta.workload if w.meta is not None else None
+    p = plan or w.first_plan
+    if not wl or not p or not lim.alloc_limit:
+        return
+    from gpuwatch.predict.prior import identity
+
+    fc = prior.first_step(identity(wl), wl.get("mode"), p.get("precision") or wl.get("precision"),
+                          p.get("batch"), p.get("seq_len"), lim.alloc_limit)
+    if fc is None:
+        return
+    out["next_peak_est_frac"] = fc.mean / fc.limit
+    out["peak_margin_sigmas"] = _clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0)
+    out["peak_cross_p"] = fc.p_horizon
 
 
 _FORECASTS: dict[tuple, tuple] = {}  # the last few windows' forecasts, by what they were computed from

@@ -91,6 +91,7 @@ class RiskModel:
     manifest: dict[str, Any]
     path: Path | None = None
     reference: list[float] = field(default_factory=list)
+    prior: Any = None  # predict/prior.ShapeLibrary from the manifest's "first_step" (None: older models)
 
     @property
     def threshold(self) -> float:
@@ -196,4 +197,7 @@ def load_model(path: Path | str | None = None, trust: bool = False, threshold: f
         raise ModelError(f"{path}: not a classifier with predict_proba")
     if threshold is not None:
         man = {**man, "threshold": threshold}
-    return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)))
+    from gpuwatch.predict.prior import ShapeLibrary
+
+    return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)),
+                     ShapeLibrary.from_json(man.get("first_step")))

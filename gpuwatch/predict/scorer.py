@@ -60,7 +60,7 @@ class Scorer:
         return [(NAMES[i], round(float(drops[i]), 3)) for i in order[:top] if drops[i] > 0.01]
 
     def score(self, w: Window, plan: dict | None = None) -> tuple[float, list, dict[str, float]]:
-        f = features(w, plan)
+        f = features(w, plan, self.model.prior)
         x = vector(f)
         r = self.score_vector(x)
         why = self.reasons(x, r) if r >= self.model.threshold * REASONS_FROM else []
@@ -191,7 +191,7 @@ class LiveScorer:
                 if self._seen.get(g) == seen:  # nothing new since the last round (ticks come a second at a
                     continue                   # time to a headless recorder): no second, identical risk row
                 self._seen[g] = seen
-                f = features(w, plan)
+                f = features(w, plan, self.model.prior)
                 x = vector(f)
                 r = self.scorer.score_vector(x)
                 why = self._reasons(g, x, r)
@@ -283,7 +283,7 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
             continue
         steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df
         moments = np.union1d(ts[::stride], plan_changes(steps))  # and where the guard rescores, live
-        X = np.array([vector(features(src.window_at(g, int(t)))) for t in moments], dtype=np.float64)
+        X = np.array([vector(features(src.window_at(g, int(t)), prior=model.prior)) for t in moments], dtype=np.float64)
         if not X.size:
             continue
         risk = sc._predict(X)[:, 1]

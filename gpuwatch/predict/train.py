@@ -269,13 +269,19 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
     cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
+    from gpuwatch.predict.prior import build
+
+    read = {t.session for t in tls if not t.derived}
+    library = build(p for p in sessions if Path(p).name in read)  # the first step's a-priori estimate
+    progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries")
     with one_thread():
-        rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command)
+        rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
+                     library)
     return rep
 
 
 def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
-           cfv: dict | None = None, command: str | None = None) -> Report:
+           cfv: dict | None = None, command: str | None = None, library=None) -> Report:
     by_session = by_scenario = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
@@ -340,6 +346,8 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
         "metrics": {"by_session": by_session.row() if by_session else None,
                     "by_scenario": by_scenario.row() if by_scenario else None},
     }
+    if library is not None and len(library):
+        manifest["first_step"] = library.to_json()
     path = save_model(est, manifest, out)
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
                  per_scen, ablation, cfv or {}, folds if evaluate else 0,

@@ -29,11 +29,21 @@ def recorded_caps(meta: dict[str, Any]) -> dict[int | None, int]:
         if not isinstance(w, dict):
             continue
         cap = (w.get("faults") or {}).get("memory_limit_bytes") if isinstance(w.get("faults"), dict) else None
-        dev = str(w.get("device") or "")
-        gpu = w.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
         if cap:
-            out[gpu] = int(cap)
+            out[workload_gpu(w)] = int(cap)
     return out
+
+
+def workload_gpu(w: dict[str, Any]) -> int | None:
+    """The GPU a meta.json workload entry ran on: its `gpu_index`, else (older sessions) its device's."""
+    dev = str(w.get("device") or "")
+    return w.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
+
+
+def recorded_workload(meta: dict[str, Any], gpu: int | None) -> dict[str, Any] | None:
+    """The meta.json description of the workload that ran on `gpu`, if one did."""
+    loads = (meta.get("config") or {}).get("workloads") if isinstance(meta.get("config"), dict) else None
+    return next((w for w in loads or [] if isinstance(w, dict) and workload_gpu(w) == gpu), None)
 
 
 def fill_plans(steps: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
@@ -61,6 +71,42 @@ def fill_plans(steps: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
         pl.coalesce("next_batch", "_nb").cast(pl.UInt32).alias("next_batch"),
         pl.coalesce("next_seq_len", "_ns").cast(pl.UInt32).alias("next_seq_len"),
         pl.coalesce("next_precision", "_np").alias("next_precision")).drop("_nb", "_ns", "_np")
+
+
+def first_plan(steps: pl.DataFrame, events: pl.DataFrame, end_us: int) -> dict[str, Any] | None:
+    """Before a GPU's first step row, the step its workload was about to run at `end_us` (a replay has no
+    live plan to ask): after an OOM of a first step, the plan its `oom_recovered` event recorded (None
+    between the two); before any OOM, the first shape attempted - an OOM event's, else the first row's
+    micro-batch. None once a step row exists at `end_us` or where nothing was attempted. `steps` and
+    `events`: the whole session's, of this GPU."""
+    first_us = int(steps["ts"].dt.epoch("us")[0]) if steps.height else None
+    if first_us is not None and first_us <= end_us:
+        return None
+    ev = events.filter(pl.col("kind").is_in(["oom", "oom_recovered"])) if events.height else events
+    rows = [(int(t), k, event_detail({"detail": d})) for t, k, d in
+            zip(ev["ts"].dt.epoch("us").to_list(), ev["kind"].to_list(), ev["detail"].to_list())] if ev.height else []
+    rows = [r for r in rows if first_us is None or r[0] < first_us]
+    ooms = [r for r in rows if r[1] == "oom"]
+    before = [r for r in ooms if r[0] <= end_us]
+    if before:
+        rec = [r for r in rows if r[1] == "oom_recovered" and before[-1][0] <= r[0] <= end_us]
+        d = rec[0][2] if rec else {}
+        nb, ns = d.get("next_batch"), d.get("next_seq_len")
+        if not (isinstance(nb, (int, float)) and isinstance(ns, (int, float)) and nb > 0 and ns > 0):
+            return None
+        return {"batch": nb, "seq_len": ns, "precision": d.get("next_precision") or before[-1][2].get("precision")}
+    if ooms:
+        d = ooms[0][2]
+        if isinstance(d.get("batch"), (int, float)) and isinstance(d.get("seq_len"), (int, float)):
+            return {"batch": d["batch"], "seq_len": d["seq_len"], "precision": d.get("precision")}
+        return None
+    if first_us is None:
+        return None
+    r = steps.row(0, named=True)
+    micro = max(1, int(r.get("micro_batches") or 1))
+    if not r.get("batch") or not r.get("seq_len"):
+        return None
+    return {"batch": -(-int(r["batch"]) // micro), "seq_len": r["seq_len"], "precision": r.get("precision")}
 
 
 def sorted_by_time(df: pl.DataFrame) -> pl.DataFrame:

@@ -18,8 +18,8 @@ import polars as pl
 from gpuwatch.recording import schema
 from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
-from gpuwatch.recording.recorded import (event_detail, fill_plans, recorded_caps,  # noqa: F401 - re-exported
-                                         recorded_interval, sorted_by_time)
+from gpuwatch.recording.recorded import (event_detail, fill_plans, first_plan, recorded_caps,  # noqa: F401 - re-exported
+                                         recorded_interval, recorded_workload, sorted_by_time)
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -34,6 +34,7 @@ class GpuMeta:
     temp_slowdown_c: int | None = None
     mem_limit_bytes: int | None = None  # a workload's --gpu-memory-limit on this GPU (NVML does not know it)
     pid: int | None = None  # the process whose workload runs on this GPU: its own memory is in gpu_procs
+    workload: dict[str, Any] | None = None  # that workload's description (meta.json's config.workloads entry)
 
     @property
     def effective_limit_bytes(self) -> int | None:
@@ -67,6 +68,9 @@ class Window:
     # the workload process's own memory per sample row and whether the row listed processes
     # (frames.own_used), where the source computed it once for the whole recording; else None
     own: tuple[np.ndarray, np.ndarray] | None = None
+    # replay, before the GPU's first step row: the step the workload was about to run (recorded.first_plan);
+    # live, the workload says it (the scorer's plan)
+    first_plan: dict[str, Any] | None = None
 
 
 WINDOW_S = 30.0  # the default window: the feature function looks back this far
@@ -274,7 +278,8 @@ class ReplaySource:
         caps = recorded_caps(self.reader.meta)
         self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
                              gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"),
-                             mem_limit_bytes=caps.get(i), pid=_recorded_pid(self.reader.meta, i))
+                             mem_limit_bytes=caps.get(i), pid=_recorded_pid(self.reader.meta, i),
+                             workload=recorded_workload(self.reader.meta, i))
                      for i in gpu_ids]
 
     # -- data ----------------------------------------------------------------------------------------
@@ -369,8 +374,13 @@ class ReplaySource:
         ev = of_gpu(ev, gpu, keep_null=True) if gpu is not None else ev
         meta = _meta_of(self.gpus, gpu)
         own = self._own_of(gpu, body, meta)
+        first = None
+        if not steps.height and meta is not None and meta.workload is not None:
+            evg = of_gpu(self.events_df, gpu, keep_null=True) if gpu is not None else self.events_df
+            first = first_plan(self.steps_df.filter(pl.col("gpu") == gpu) if gpu is not None else self.steps_df,
+                               evg, end_us)
         return Window(gpu, end_us, self.interval_s, samples, steps, ev, meta,
-                      (own[0][lo:hi], own[1][lo:hi]) if own is not None else None)
+                      (own[0][lo:hi], own[1][lo:hi]) if own is not None else None, first)
 
     def _own_of(self, gpu: int | None, body: pl.DataFrame, meta: GpuMeta | None) -> tuple[np.ndarray, np.ndarray] | None:
         """The workload's own memory per sample of this GPU, computed once (not once per window)."""

@@ -1,0 +1,167 @@
+"""What the first step will need, before any step has run: an a-priori estimate from earlier runs of the
+same model (the shape library), for the one moment the online estimator (predict/peak.py) is blind.
+
+Why: the online estimator fits the steps that ran in the window; before a session's first step there are
+none. 9 of the 381 OOMs in the shipped H200 recordings are a session's very first step under a fresh cap,
+and none was warned (models/risk.md; docs/BENCHMARKS.md, set 5). The same model at the same shape needs the
+same memory on the next run, so the runs a fleet already recorded say it.
+
+The library: per model (preset and parameter count), mode and precision, each shape's median activation
+(peak - allocated when the step began, exactly as peak.py measures it) over every recorded step of the
+training sessions, and the median allocated after a step (the weights, for inference). It lives in the
+model's manifest (plain JSON, written by `gpuwatch train`; no pickle). Inference modes only (prefill,
+decode): a training run's first step allocates the gradients and the optimizer's states as well, which the
+recordings do not separate from its activations - not estimated, said so.
+
+The first step's need: weights + FIRST_STEP_OVERHEAD x the activations at the planned shape (looked up,
+interpolated or extrapolated in tokens as peak.py does), against the usable limit (peak.usable_limit). The
+overhead: a first step under a cap cuts a fresh segment for every activation, so it needs more room than
+its steady peak - measured on the training sessions, leave-one-session-out (`python3
+benchmarks/first_step_eval.py`): every first step that failed had room above the weights of at most 1.13 x
+its activations, every one that ran at least 1.38 x; FIRST_STEP_OVERHEAD is the middle, 1.25. The spread:
+the library's residual and extrapolation spread (as peak.py) and FIRST_STEP_REL of the activations (the
+overhead's own uncertainty). P(need > usable limit) is the `peak_cross_p` of a window with no step
+(features.py), so the shipped risk's estimator part alarms on it and the guard can size the first step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from gpuwatch.recording.recorded import workload_gpu
+
+from gpuwatch.predict.peak import (FLOOR_BYTES, FLOOR_REL, Forecast, _activation_at, _ncdf_upper,
+                                   _shapes, usable_limit)
+
+FIRST_STEP_OVERHEAD = 1.25
+FIRST_STEP_REL = 0.10
+INFERENCE = ("prefill", "decode")
+
+
+def identity(workload: dict[str, Any] | None) -> str | None:
+    """A model's name in the library: its preset and parameter count (a workload's `describe()`, or its
+    entry in a session's meta.json); None for a workload that is not a known model (a user's loop)."""
+    if not isinstance(workload, dict) or not workload.get("preset") or not isinstance(workload.get("params"), int):
+        return None
+    ov = workload.get("overrides") or {}
+    return f"{workload['preset']}:{workload['params']}" + (":" + json.dumps(ov, sort_keys=True) if ov else "")
+
+
+def _key(model: str, mode: str, precision: str) -> str:
+    return f"{model}|{mode}|{precision}"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One model/mode/precision: its shapes (peak._shapes' arrays) and what stays allocated after a step."""
+
+    uk: np.ndarray
+    med: np.ndarray
+    ut: np.ndarray
+    resid: float
+    weights: float
+    steps: int
+    sessions: int
+
+
+class ShapeLibrary:
+    def __init__(self, entries: dict[str, Shapes]) -> None:
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def first_step(self, model: str | None, mode: str | None, precision: str | None, batch: float | None,
+                   seq: float | None, alloc_limit: float | None) -> Forecast | None:
+        """The forecast of a session's first step at (batch, seq), or None where the library cannot say
+        (an unknown model, a training run, no plan, no limit)."""
+        if not (model and mode in INFERENCE and batch and seq and alloc_limit and alloc_limit > 0):
+            return None
+        e = self.entries.get(_key(model, mode, str(precision or "bf16")))
+        if e is None:
+            return None
+        tp, sp = float(batch) * float(seq), float(seq)
+        a_hat, resid, extrap = _activation_at(e.uk, e.med, e.ut, e.resid, tp, sp)
+        a_hat = max(a_hat, 0.0)
+        mean = e.weights + FIRST_STEP_OVERHEAD * a_hat
+        sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
+        limit = usable_limit(float(alloc_limit))
+        p = _ncdf_upper((limit - mean) / sigma)
+        return Forecast(mean, sigma, limit, p, p, 0.0, 0)
+
+    # -- the manifest's form ----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"overhead": FIRST_STEP_OVERHEAD, "rel": FIRST_STEP_REL, "entries": {
+            k: {"keys": e.uk.tolist(), "act": e.med.tolist(), "tokens": e.ut.tolist(), "resid": e.resid,
+                "weights": e.weights, "steps": e.steps, "sessions": e.sessions} for k, e in sorted(self.entries.items())}}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "ShapeLibrary | None":
+        """None for a manifest without a library (older models) or a malformed one."""
+        try:
+            out = {}
+            for k, e in (d or {}).get("entries", {}).items():
+                uk, med, ut = (np.asarray(e[n], dtype=np.float64) for n in ("keys", "act", "tokens"))
+                if not (uk.size and uk.size == med.size == ut.size):
+                    continue
+                out[str(k)] = Shapes(uk, med, ut, float(e["resid"]), float(e["weights"]), int(e["steps"]), int(e["sessions"]))
+            return cls(out) if out else None
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+
+
+def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(library key, tokens per micro-batch, sequence lengths, activations, allocated) of each GPU's steps
+    of one recorded session whose workload is a known model in an inference mode."""
+    import polars as pl
+
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    st = pl.read_parquet(path / "steps.parquet")
+    out = []
+    for w in (meta.get("config") or {}).get("workloads") or []:
+        model = identity(w)
+        if model is None or w.get("mode") not in INFERENCE or not st.height:
+            continue
+        g = workload_gpu(w)
+        s = st.filter(pl.col("gpu") == g) if g is not None else st
+        for prec in s["precision"].unique().to_list():
+            p = s.filter(pl.col("precision") == prec)
+            if not p.height:
+                continue
+            b, q = (p[c].cast(pl.Float64).to_numpy() for c in ("batch", "seq_len"))
+            mb = (p["micro_batches"].cast(pl.Float64).fill_null(1.0).to_numpy() if "micro_batches" in p.columns
+                  else np.ones(p.height))
+            al, pk = (p[c].cast(pl.Float64).to_numpy() for c in ("torch_allocated_bytes", "torch_peak_bytes"))
+            base = np.concatenate((al[:1], al[:-1]))  # as peak.fit_steps: the step before's allocated
+            act = pk - base
+            T = np.ceil(b / np.maximum(mb, 1.0)) * q
+            ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(al)
+            if ok.any():
+                out.append((_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok]))
+    return out
+
+
+def build(paths: Iterable[Path]) -> ShapeLibrary:
+    """The library of these sessions (unreadable ones are skipped: training already said why)."""
+    pooled: dict[str, list] = {}
+    for p in paths:
+        try:
+            parts = session_steps(Path(p))
+        except Exception:  # noqa: BLE001 - a session training could not read is not in the library either
+            continue
+        for key, T, S, act, al in parts:
+            e = pooled.setdefault(key, [[], [], [], [], set()])
+            e[0].append(T), e[1].append(S), e[2].append(act), e[3].append(al), e[4].add(str(p))
+    entries = {}
+    for key, (T, S, act, al, sess) in pooled.items():
+        T, S, act, al = (np.concatenate(x) for x in (T, S, act, al))
+        uk, med, ut, resid = _shapes(T, S, act)
+        entries[key] = Shapes(uk, med, ut, float(resid), float(np.median(al)), int(T.size), len(sess))
+    return ShapeLibrary(entries)
