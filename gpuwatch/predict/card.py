@@ -101,6 +101,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
     lines += ["", "Per scenario (leave one scenario out, at the chosen threshold):", "", HEAD]
     lines += [_row(sc, m) for sc, m in rep.per_scenario.items()]
     lines += counterfactual_section(rep.counterfactual)
+    lines += first_step_section(rep)
     lines += [
         "",
         "## Targets and where it falls short",
@@ -150,6 +151,42 @@ def rep_sessions(rep) -> list[str]:
         return json.loads(manifest_path(rep.model_path).read_text())["training_sessions"]
     except (OSError, ValueError, KeyError):
         return []
+
+
+def first_step_section(rep) -> list[str]:
+    """A session's first step: the shape library's leave-one-session-out figures (predict/prior.py)."""
+    rows = getattr(rep, "first_step", None) or []
+    if not rows:
+        return []
+    t_e = rep.operating_point[0]
+    ooms = [r for r in rows if r["outcome"] == "OOM"]
+    ran = [r for r in rows if r["outcome"] == "ran"]
+    warned = sum(1 for r in ooms if r["p"] is not None and r["p"] >= t_e)
+    alarmed = sum(1 for r in ran if r["p"] is not None and r["p"] >= t_e)
+    room = lambda rs: ", ".join(f"{r['room_over_act']:.2f}" for r in rs if r["room_over_act"] is not None)  # noqa: E731
+    fail_max = max((r["room_over_act"] for r in ooms if r["room_over_act"] is not None), default=float("nan"))
+    ran_min = min((r["room_over_act"] for r in ran if r["room_over_act"] is not None), default=float("nan"))
+    from gpuwatch.predict.prior import FIRST_STEP_OVERHEAD
+    return [
+        "",
+        "## A session's first step (the shape library)",
+        "",
+        "Before a GPU's first step no step has run, so the estimator has nothing to fit. The manifest holds a",
+        f"shape library ({rep.library_entries} model/mode/precision entries, inference only: `predict/prior.py`): each",
+        "shape's median activation over the training sessions' steps, and the weights. Before the first step,",
+        f"`peak_cross_p` is P(weights + {FIRST_STEP_OVERHEAD:g} x the activations at the planned shape > the usable limit). Not in the",
+        "tables above (they score the sessions with features made without a library: each session's own steps",
+        "would speak for it). Judged here leave one session out (each session's first attempt against the",
+        f"library of all the others), alarm at p >= t_e = {t_e:g}:",
+        "",
+        f"- first steps that ran out of memory: **{warned}/{len(ooms)} warned** (room above the weights / activations: {room(ooms)});",
+        f"- first steps that ran: **{alarmed}/{len(ran)} alarmed** (room / activations from {ran_min:.2f} up);",
+        f"- {sum(r['p'] is None for r in rows)} with no estimate (a model or precision the library does not hold).",
+        "",
+        f"The overhead {FIRST_STEP_OVERHEAD:g} was chosen as the middle of that gap (every failure at <= {fail_max:.2f}, every",
+        f"success at >= {ran_min:.2f}) on these sessions; sessions no choice saw are in docs/BENCHMARKS.md",
+        "(`python3 benchmarks/first_step_eval.py`).",
+    ]
 
 
 def shortfalls(rep, max_fa_per_hour: float) -> str:

@@ -10,7 +10,7 @@ scores and then applied unchanged to the scenario folds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -245,6 +245,8 @@ class Report:
     warnings: list[str]
     horizon_s: float = HORIZON_S
     stride: int = 1
+    first_step: list = field(default_factory=list)  # prior.leave_one_out's rows (p of each first attempt)
+    library_entries: int = 0
 
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
@@ -269,19 +271,21 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
     cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
-    from gpuwatch.predict.prior import build
+    from gpuwatch.predict.prior import build, leave_one_out
 
-    read = {t.session for t in tls if not t.derived}
-    library = build(p for p in sessions if Path(p).name in read)  # the first step's a-priori estimate
-    progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries")
+    read = [Path(p) for p in sessions if Path(p).name in {t.session for t in tls if not t.derived}]
+    library = build(read)  # the first step's a-priori estimate (predict/prior.py)
+    progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries"
+             + ("; each session's first step judged by the others' library..." if evaluate else ""))
+    first = leave_one_out(read, 1.0) if evaluate else []  # p only: the alarm is counted at the operating point
     with one_thread():
         rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
-                     library)
+                     library, first)
     return rep
 
 
 def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
-           cfv: dict | None = None, command: str | None = None, library=None) -> Report:
+           cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None) -> Report:
     by_session = by_scenario = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
@@ -352,7 +356,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
     rep = Report(path, path.with_suffix(".md"), data, threshold, why, by_session, by_scenario, baselines, at_fa,
                  per_scen, ablation, cfv or {}, folds if evaluate else 0,
                  (t_e, None if t_c == float("inf") else t_c), time.perf_counter() - t0, warnings,
-                 horizon_s, stride)
+                 horizon_s, stride, first or [], len(library) if library is not None else 0)
     write_card(rep, MAX_FA_PER_HOUR, command or f"gpuwatch train -o {out}")
     progress(f"wrote {path} and {rep.card_path} in {rep.seconds:.0f} s")
     return rep

@@ -77,12 +77,17 @@ def first_plan(steps: pl.DataFrame, events: pl.DataFrame, end_us: int) -> dict[s
     """Before a GPU's first step row, the step its workload was about to run at `end_us` (a replay has no
     live plan to ask): after an OOM of a first step, the plan its `oom_recovered` event recorded (None
     between the two); before any OOM, the first shape attempted - an OOM event's, else the first row's
-    micro-batch. None once a step row exists at `end_us` or where nothing was attempted. `steps` and
-    `events`: the whole session's, of this GPU."""
+    micro-batch. None once a step row exists at `end_us`, where nothing was attempted, and before the
+    session started (its `session_start` or `workload_start` event: live, the scorer asks the workload for
+    its plan from then on; the sampler's first seconds before it are no moment anyone could act in).
+    `steps` and `events`: the whole session's, of this GPU (and its GPU-less events)."""
     first_us = int(steps["ts"].dt.epoch("us")[0]) if steps.height else None
-    if first_us is not None and first_us <= end_us:
+    if first_us is not None and first_us <= end_us or not events.height:
         return None
-    ev = events.filter(pl.col("kind").is_in(["oom", "oom_recovered"])) if events.height else events
+    started = events.filter(pl.col("kind").is_in(["session_start", "workload_start"]))["ts"].dt.epoch("us")
+    if not started.len() or int(started.min()) > end_us:
+        return None
+    ev = events.filter(pl.col("kind").is_in(["oom", "oom_recovered"]))
     rows = [(int(t), k, event_detail({"detail": d})) for t, k, d in
             zip(ev["ts"].dt.epoch("us").to_list(), ev["kind"].to_list(), ev["detail"].to_list())] if ev.height else []
     rows = [r for r in rows if first_us is None or r[0] < first_us]
