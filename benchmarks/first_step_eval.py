@@ -26,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpuwatch.predict import first_step as J  # noqa: E402
 from gpuwatch.predict import prior as P  # noqa: E402
 from gpuwatch.predict.dataset import default_sessions  # noqa: E402
 from gpuwatch.predict.model import read_manifest  # noqa: E402
@@ -38,7 +39,7 @@ def show(title: str, rows: list[dict]) -> None:
         p = "-" if r["p"] is None else f"{r['p']:.2f}"
         print(f"  {r['session'][:40]:40s} {r['mode']:7s} {r['shape']:>10s} room/act {room:>6s}  p {p:>5s}  "
               f"{'ALARM' if r['alarm'] else '     '}  {r['outcome']}")
-    print("  ", P.summary(rows))
+    print("  ", J.summary(rows))
 
 
 def main() -> int:
@@ -49,18 +50,18 @@ def main() -> int:
     t_e = float((read_manifest(ROOT / "models" / "risk.joblib").get("operating_point") or {}).get("estimator") or 0.5)
     train = default_sessions(ROOT)
     out = {"estimator_operating_point": t_e, "overhead": P.FIRST_STEP_OVERHEAD, "rel": P.FIRST_STEP_REL}
-    rows = P.leave_one_out(train, t_e)
+    rows = J.leave_one_out(train, t_e)
     show("training sessions, leave one session out", rows)
-    out["training"] = {"rows": rows, "summary": P.summary(rows)}
+    out["training"] = {"rows": rows, "summary": J.summary(rows)}
     lib = P.build(train)
     held = []
     for s in sorted(Path(p) for p in glob.glob(a.heldout) if (Path(p) / "meta.json").exists()):
-        for att in P.first_attempts(s):
-            r = P.judge(att, lib, t_e)
+        for att in J.first_attempts(s):
+            r = J.judge(att, lib, t_e)
             if r:
                 held.append(r)
     show("held-out sessions, the library of every training session", held)
-    out["heldout"] = {"rows": held, "summary": P.summary(held)}
+    out["heldout"] = {"rows": held, "summary": J.summary(held)}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1, default=float))
     return 0

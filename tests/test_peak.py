@@ -392,7 +392,7 @@ def test_own_memory_from_row_dicts_is_the_same_as_from_the_frame():
 
 
 def test_the_plain_python_shapes_equal_numpys_to_the_bit():
-    """`_shapes` below SMALL_N steps runs in plain Python (a tenth of np.unique's cost at a live window's
+    """`shapes` below SMALL_N steps runs in plain Python (a tenth of np.unique's cost at a live window's
     size); it must give numpy's arrays and residual exactly: repeated shapes, ties in tokens with other
     lengths, one step per shape, a single shape."""
     from gpuwatch.predict import peak as P
@@ -403,7 +403,7 @@ def test_the_plain_python_shapes_equal_numpys_to_the_bit():
             T = rng.choice([512.0, 1024.0, 2048.0, 4096.0], size=n)
             S = rng.choice([128.0, 256.0, 512.0], size=n)
             act = rng.normal(3e9, 2e8, size=n).round() * rng.choice([1.0, 1.0 + 1e-9], size=n)
-            a, b = P._shapes(T, S, act), P._shapes_np(T, S, act)
+            a, b = P.shapes(T, S, act), P.shapes_np(T, S, act)
             for x, y in zip(a[:3], b[:3]):
                 assert x.dtype == y.dtype and np.array_equal(x, y)
             assert a[3] == b[3]

@@ -1,4 +1,4 @@
-"""The first step's a-priori estimate (predict/prior.py) on real H200 recordings: a session's first step,
+"""The first step's a-priori estimate (predict/prior.py, judged by predict/first_step.py) on real H200 recordings: a session's first step,
 before anything has run, judged from earlier runs of the same model."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from gpuwatch.control.guard import Guard
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import features as F
+from gpuwatch.predict import first_step as J
 from gpuwatch.predict import prior as P
 from gpuwatch.predict.dataset import session_timelines
 from gpuwatch.recording.source import ReplaySource
@@ -35,24 +36,24 @@ def _only(rows: list[dict], name: str) -> dict:
 
 
 def test_a_first_step_that_cannot_fit_is_warned_and_one_that_fits_is_not():
-    failed = P.judge(P.first_attempts(DECODE_FAILED)[0], P.build(DECODE_OTHERS), ALARM_P)
+    failed = J.judge(J.first_attempts(DECODE_FAILED)[0], P.build(DECODE_OTHERS), ALARM_P)
     assert failed["outcome"] == "OOM" and failed["shape"] == "32x512"
     assert failed["alarm"] and failed["p"] >= 0.9 and failed["room_over_act"] < 1.0
-    ran = P.judge(P.first_attempts(V2_RAN)[0], P.build(V2_OTHERS), ALARM_P)
+    ran = J.judge(J.first_attempts(V2_RAN)[0], P.build(V2_OTHERS), ALARM_P)
     assert ran["outcome"] == "ran" and not ran["alarm"] and ran["room_over_act"] > 1.3
     # no library entry for the model: no estimate, no alarm (a v2-lite library says nothing of the small preset)
-    none = P.judge(P.first_attempts(DECODE_FAILED)[0], P.build(V2_OTHERS), ALARM_P)
+    none = J.judge(J.first_attempts(DECODE_FAILED)[0], P.build(V2_OTHERS), ALARM_P)
     assert none["p"] is None and not none["alarm"]
 
 
 def test_leave_one_out_never_lets_a_session_speak_for_itself():
-    rows = P.leave_one_out([DECODE_FAILED, *DECODE_OTHERS], ALARM_P)
+    rows = J.leave_one_out([DECODE_FAILED, *DECODE_OTHERS], ALARM_P)
     # nc2-small-decode-b64 also failed its first step (64 under 3.7 GiB): the others' library warns it too
     assert _only(rows, "nc2-small-decode-b64")["alarm"] and _only(rows, "nc2-small-decode-b64")["outcome"] == "OOM"
     assert _only(rows, DECODE_FAILED.name)["alarm"]
     ramp = _only(rows, "nc3-small-decode-rampmax-b128")  # a ramp starts at a quarter of its batch: room enough
     assert ramp["outcome"] == "ran" and not ramp["alarm"]
-    s = P.summary(rows)
+    s = J.summary(rows)
     assert s == {"first_steps": 3, "oom": 2, "oom_warned": 2, "ran": 1, "ran_alarmed": 0, "no_estimate": 0}
 
 

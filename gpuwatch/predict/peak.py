@@ -12,7 +12,7 @@ allocated after it. So, from the steps in the window:
 - a step's shape: tokens T = micro-batch x sequence length, and T x S (attention's quadratic part);
 - the planned shape seen already -> its activations' median (robust to a stray step); between shapes
   seen -> interpolated in tokens between its neighbours; beyond them -> extrapolated with the slope of
-  the two largest (or in proportion to tokens, with one shape); see `_activation_at`;
+  the two largest (or in proportion to tokens, with one shape); see `activation_at`;
 - precision: activations scale by the bytes per element (bf16 -> fp32 doubles them);
 - growth: what stays allocated after each step rising (a leak, a growing cache): the median per-step
   increase of the last 10 steps, carried forward over the steps that fit in the horizon;
@@ -62,7 +62,7 @@ GROWTH_STEPS = 10
 FAILED_P = 0.99  # P(the plan fails) where a shape no larger failed before with no less allocated
 FRAG_STEP = 0.05  # of the limit: a plan whose peak is this much above any step's peak that ran...
 FRAG_P = 0.9  # ...and more than the room left outside the allocator's segments: P(it fails)
-SMALL_N = 256  # `_shapes` in plain Python up to this many steps
+SMALL_N = 256  # `shapes` in plain Python up to this many steps
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
 
 
@@ -93,7 +93,7 @@ def usable_limit(alloc_limit: float) -> float:
     return alloc_limit - max(MARGIN_MIN_BYTES, FRAGMENT_MARGIN * alloc_limit)
 
 
-def _ncdf_upper(z: float) -> float:
+def ncdf_upper(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
@@ -117,7 +117,7 @@ class StepFit:
     the plan's precision), their spread, what stays allocated and its growth, the pace. `at` forecasts
     one plan; a second plan (the lookahead's) costs only its own lookup."""
 
-    uk: np.ndarray  # the distinct shapes (tokens x 1e6 + length), in order of tokens (`_shapes`)
+    uk: np.ndarray  # the distinct shapes (tokens x 1e6 + length), in order of tokens (`shapes`)
     med: np.ndarray  # their median activations in the plan's precision
     ut: np.ndarray  # their tokens per (micro-)batch
     resid: float  # the pooled residual scale
@@ -133,15 +133,15 @@ class StepFit:
         if not (limit > 0) or not (plan_batch and plan_seq):
             return None
         Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
-        a_hat, resid_scale, extrap = _activation_at(self.uk, self.med, self.ut, self.resid, Tp, Sp)
+        a_hat, resid_scale, extrap = activation_at(self.uk, self.med, self.ut, self.resid, Tp, Sp)
         a_hat = max(a_hat, 0.0)
         growth = self.growth
         mean = self.alloc_now + a_hat + max(0.0, growth)
         sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2)
-        p_next = _ncdf_upper((limit - mean) / sigma)
+        p_next = ncdf_upper((limit - mean) / sigma)
         k = max(1, int(math.ceil(horizon_s / self.pace_s))) if self.pace_s else 1
         mean_h = mean + max(0.0, growth) * (k - 1)
-        p_h = max(p_next, _ncdf_upper((limit - mean_h) / sigma))
+        p_h = max(p_next, ncdf_upper((limit - mean_h) / sigma))
         hit = _failed_before(failed, Tp, Sp, self.target_bytes, self.alloc_now, limit)
         if hit:
             mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
@@ -174,7 +174,7 @@ def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list,
     T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
     al = alloc[np.isfinite(alloc)]
     st = step_s[np.isfinite(step_s) & (step_s > 0)]
-    return StepFit(*_shapes(T, S, act_n), float(al[-1]), _growth(al), target_bytes, peak,
+    return StepFit(*shapes(T, S, act_n), float(al[-1]), _growth(al), target_bytes, peak,
                    median(st[-5:]) if st.size else None, int(ok.sum()))
 
 
@@ -227,7 +227,7 @@ def _group_medians(inv: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
     return 0.5 * (xs[start + (counts - 1) // 2] + xs[start + counts // 2])
 
 
-def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+def shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """The distinct shapes (keys tokens x 1e6 + length), the median activation of each and its tokens,
     in order of tokens, and the pooled residual scale of the shapes seen at least 3 times.
 
@@ -235,7 +235,7 @@ def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, 
     cost ~0.15 ms at these sizes, a dict of lists a tenth of it; the figures are the same to the bit
     (the same float operations: tests/test_peak.py checks both paths against each other)."""
     if T.size > SMALL_N:
-        return _shapes_np(T, S, act)
+        return shapes_np(T, S, act)
     groups: dict[float, tuple[float, list[float]]] = {}
     for t, s, a in zip(T.tolist(), S.tolist(), act.tolist()):
         k = t * 1e6 + s
@@ -264,8 +264,8 @@ def _shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, 
             np.array([ut[i] for i in order]), resid)
 
 
-def _shapes_np(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """`_shapes` in numpy (long windows: training's and `score`'s are no longer than live ones, but a
+def shapes_np(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """`shapes` in numpy (long windows: training's and `score`'s are no longer than live ones, but a
     caller may pass more)."""
     keys = T * 1e6 + S
     uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
@@ -278,9 +278,9 @@ def _shapes_np(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarra
     return uk[order], med[order], ut[order], resid
 
 
-def _activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float, Tp: float, Sp: float
+def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float, Tp: float, Sp: float
                    ) -> tuple[float, float, float]:
-    """(activation estimate, residual scale, extrapolation spread) at the planned shape, from `_shapes`.
+    """(activation estimate, residual scale, extrapolation spread) at the planned shape, from `shapes`.
 
     Each shape seen gives the median of its activations (robust to a stray step); the spread within
     shapes, pooled, is the residual scale. The plan's shape seen -> its median. Between shapes seen ->

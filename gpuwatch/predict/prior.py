@@ -36,8 +36,7 @@ import numpy as np
 
 from gpuwatch.recording.recorded import workload_gpu
 
-from gpuwatch.predict.peak import (FLOOR_BYTES, FLOOR_REL, Forecast, _activation_at, _ncdf_upper,
-                                   _shapes, usable_limit)
+from gpuwatch.predict.peak import FLOOR_BYTES, FLOOR_REL, Forecast, activation_at, ncdf_upper, shapes, usable_limit
 
 FIRST_STEP_OVERHEAD = 1.25
 FIRST_STEP_REL = 0.10
@@ -53,13 +52,13 @@ def identity(workload: dict[str, Any] | None) -> str | None:
     return f"{workload['preset']}:{workload['params']}" + (":" + json.dumps(ov, sort_keys=True) if ov else "")
 
 
-def _key(model: str, mode: str, precision: str) -> str:
+def library_key(model: str, mode: str, precision: str) -> str:
     return f"{model}|{mode}|{precision}"
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """One model/mode/precision: its shapes (peak._shapes' arrays) and what stays allocated after a step."""
+    """One model/mode/precision: its shapes (peak.shapes' arrays) and what stays allocated after a step."""
 
     uk: np.ndarray
     med: np.ndarray
@@ -83,16 +82,16 @@ class ShapeLibrary:
         (an unknown model, a training run, no plan, no limit)."""
         if not (model and mode in INFERENCE and batch and seq and alloc_limit and alloc_limit > 0):
             return None
-        e = self.entries.get(_key(model, mode, str(precision or "bf16")))
+        e = self.entries.get(library_key(model, mode, str(precision or "bf16")))
         if e is None:
             return None
         tp, sp = float(batch) * float(seq), float(seq)
-        a_hat, resid, extrap = _activation_at(e.uk, e.med, e.ut, e.resid, tp, sp)
+        a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp)
         a_hat = max(a_hat, 0.0)
         mean = e.weights + FIRST_STEP_OVERHEAD * a_hat
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
         limit = usable_limit(float(alloc_limit))
-        p = _ncdf_upper((limit - mean) / sigma)
+        p = ncdf_upper((limit - mean) / sigma)
         return Forecast(mean, sigma, limit, p, p, 0.0, 0)
 
     # -- the manifest's form ----------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndar
             T = np.ceil(b / np.maximum(mb, 1.0)) * q
             ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(al)
             if ok.any():
-                out.append((_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok]))
+                out.append((library_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok]))
     return out
 
 
@@ -162,81 +161,6 @@ def build(paths: Iterable[Path]) -> ShapeLibrary:
     entries = {}
     for key, (T, S, act, al, sess) in pooled.items():
         T, S, act, al = (np.concatenate(x) for x in (T, S, act, al))
-        uk, med, ut, resid = _shapes(T, S, act)
+        uk, med, ut, resid = shapes(T, S, act)
         entries[key] = Shapes(uk, med, ut, float(resid), float(np.median(al)), int(T.size), len(sess))
     return ShapeLibrary(entries)
-
-
-# -- how well it says it: a session's first attempted step, against what happened ----------------------
-def first_attempts(path: Path) -> list[dict[str, Any]]:
-    """Per GPU whose workload is a known model in an inference mode: the moment just before its first
-    attempted step (the last sample before it), and whether that step ran or ran out of memory (an OOM
-    event before any step row)."""
-    import polars as pl
-
-    from gpuwatch.recording.source import ReplaySource
-
-    src = ReplaySource(path)
-    out = []
-    for m in src.gpus:
-        wl = m.workload
-        if wl is None or identity(wl) is None or wl.get("mode") not in INFERENCE:
-            continue
-        st = src.steps_df.filter(pl.col("gpu") == m.index)
-        ev = src.events_df.filter((pl.col("gpu") == m.index) & (pl.col("kind") == "oom"))
-        first_us = int(st["ts"].dt.epoch("us")[0]) if st.height else None
-        oom = ev.filter(pl.col("ts").dt.epoch("us") < first_us) if first_us is not None else ev
-        if oom.height:
-            t, outcome = int(oom["ts"].dt.epoch("us")[0]), "OOM"
-        elif first_us is not None:  # the step began a step's time before its row
-            t, outcome = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6), "ran"
-        else:
-            continue
-        ts = src._ts.get(m.index)
-        before = ts[ts < t] if ts is not None else np.empty(0)
-        if before.size:
-            out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "outcome": outcome, "workload": wl,
-                        "cap": m.mem_limit_bytes})
-    return out
-
-
-def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dict[str, Any] | None:
-    """The library's word on one first attempt (`first_attempts`): the window's peak_cross_p, as replay
-    and live scoring compute it, and the room the usable limit leaves above the weights / the activations."""
-    from gpuwatch.predict.features import features
-
-    w = attempt["src"].window_at(attempt["gpu"], attempt["end_us"])
-    if w.steps.height or not w.first_plan:
-        return None
-    p = features(w, None, library)["peak_cross_p"]
-    wl, plan = attempt["workload"], w.first_plan
-    e = library.entries.get(_key(identity(wl), wl["mode"], str(plan.get("precision") or wl.get("precision"))))
-    room = None
-    if e is not None and attempt["cap"]:
-        act, _, _ = _activation_at(e.uk, e.med, e.ut, e.resid, float(plan["batch"]) * float(plan["seq_len"]),
-                                   float(plan["seq_len"]))
-        room = (usable_limit(attempt["cap"]) - e.weights) / act if act > 0 else None
-    return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
-            "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,
-            "p": None if p != p else float(p), "alarm": bool(p == p and p >= alarm_p), "outcome": attempt["outcome"]}
-
-
-def leave_one_out(paths: list[Path], alarm_p: float) -> list[dict[str, Any]]:
-    """Every first attempt of these sessions judged by the library of all the others."""
-    rows = []
-    for s in paths:
-        try:
-            attempts = first_attempts(Path(s))
-        except Exception:  # noqa: BLE001 - unreadable here is unreadable for training too (said there)
-            continue
-        if attempts:
-            lib = build(p for p in paths if p != s)
-            rows += [r for r in (judge(a, lib, alarm_p) for a in attempts) if r]
-    return rows
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
-    ooms = [r for r in rows if r["outcome"] == "OOM"]
-    ran = [r for r in rows if r["outcome"] == "ran"]
-    return {"first_steps": len(rows), "oom": len(ooms), "oom_warned": sum(r["alarm"] for r in ooms),
-            "ran": len(ran), "ran_alarmed": sum(r["alarm"] for r in ran), "no_estimate": sum(r["p"] is None for r in rows)}

@@ -271,7 +271,8 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
     cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
-    from gpuwatch.predict.prior import build, leave_one_out
+    from gpuwatch.predict.first_step import leave_one_out
+    from gpuwatch.predict.prior import build
 
     read = [Path(p) for p in sessions if Path(p).name in {t.session for t in tls if not t.derived}]
     library = build(read)  # the first step's a-priori estimate (predict/prior.py)

@@ -124,3 +124,12 @@ def event_detail(row: dict[str, Any]) -> dict[str, Any]:
         return json.loads(row.get("detail") or "{}")
     except ValueError:
         return {}
+
+
+def recorded_pid(meta: dict[str, Any], gpu: int) -> int | None:
+    """The recording process's PID where a workload of that process ran on `gpu` (meta.json `pid`)."""
+    pid = meta.get("pid")
+    loads = (meta.get("config") or {}).get("workloads") or []
+    if not isinstance(pid, int) or not any(isinstance(w, dict) and w.get("gpu_index") == gpu for w in loads):
+        return None
+    return pid

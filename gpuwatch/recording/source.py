@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,63 +18,13 @@ from gpuwatch.recording import schema
 from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (event_detail, fill_plans, first_plan, recorded_caps,  # noqa: F401 - re-exported
-                                         recorded_interval, recorded_workload, sorted_by_time)
+                                         recorded_interval, recorded_pid, recorded_workload, sorted_by_time)
+from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window  # noqa: F401 - re-exported
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-@dataclass(frozen=True)
-class GpuMeta:
-    index: int
-    name: str
-    mem_total_bytes: int | None = None
-    power_limit_w: float | None = None
-    temp_slowdown_c: int | None = None
-    mem_limit_bytes: int | None = None  # a workload's --gpu-memory-limit on this GPU (NVML does not know it)
-    pid: int | None = None  # the process whose workload runs on this GPU: its own memory is in gpu_procs
-    workload: dict[str, Any] | None = None  # that workload's description (meta.json's config.workloads entry)
-
-    @property
-    def effective_limit_bytes(self) -> int | None:
-        """What an OOM is measured against: the workload's cap where one is set, else the card."""
-        caps = [v for v in (self.mem_total_bytes, self.mem_limit_bytes) if v]
-        return min(caps) if caps else None
-
-
-def _recorded_pid(meta: dict[str, Any], gpu: int) -> int | None:
-    """The recording process's PID where a workload of that process ran on `gpu` (meta.json `pid`)."""
-    pid = meta.get("pid")
-    loads = (meta.get("config") or {}).get("workloads") or []
-    if not isinstance(pid, int) or not any(isinstance(w, dict) and w.get("gpu_index") == gpu for w in loads):
-        return None
-    return pid
-
-
-@dataclass(frozen=True)
-class Window:
-    """The last `seconds` of one GPU, identical live, in replay, in follow and over a recording in
-    training: samples in the samples schema (this GPU's rows, `ts` as Datetime(us, UTC), time order),
-    the GPU's last steps (steps schema) and its recent events (events schema; GPU-less events too)."""
-
-    gpu: int | None
-    end_us: int  # the moment the window is taken at (the cursor); rows are at or before it
-    interval_s: float  # the sampling interval the session was recorded with
-    samples: pl.DataFrame
-    steps: pl.DataFrame
-    events: pl.DataFrame
-    meta: GpuMeta | None = None
-    # the workload process's own memory per sample row and whether the row listed processes
-    # (frames.own_used), where the source computed it once for the whole recording; else None
-    own: tuple[np.ndarray, np.ndarray] | None = None
-    # replay, before the GPU's first step row: the step the workload was about to run (recorded.first_plan);
-    # live, the workload says it (the scorer's plan)
-    first_plan: dict[str, Any] | None = None
-
-
-WINDOW_S = 30.0  # the default window: the feature function looks back this far
-WINDOW_STEPS = 64
-WINDOW_EVENTS_S = 600.0
 
 
 class TelemetrySource(Protocol):
@@ -278,7 +227,7 @@ class ReplaySource:
         caps = recorded_caps(self.reader.meta)
         self.gpus = [GpuMeta(i, gm.get(i, {}).get("name", f"GPU {i}"), gm.get(i, {}).get("mem_total_bytes"),
                              gm.get(i, {}).get("power_limit_w"), gm.get(i, {}).get("temp_slowdown_c"),
-                             mem_limit_bytes=caps.get(i), pid=_recorded_pid(self.reader.meta, i),
+                             mem_limit_bytes=caps.get(i), pid=recorded_pid(self.reader.meta, i),
                              workload=recorded_workload(self.reader.meta, i))
                      for i in gpu_ids]
 

@@ -1,0 +1,87 @@
+"""How well the shape library (predict/prior.py) says a session's first step: each recorded session's first
+attempted step - the window just before it, cut and scored as replay and live scoring do - against what
+happened (it ran, or it ran out of memory). `gpuwatch train` judges the training sessions leave one session
+out for the card; `benchmarks/first_step_eval.py` prints these and the held-out sessions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuwatch.predict.features import features
+from gpuwatch.predict.peak import activation_at, usable_limit
+from gpuwatch.predict.prior import INFERENCE, ShapeLibrary, build, identity, library_key
+
+
+def first_attempts(path: Path) -> list[dict[str, Any]]:
+    """Per GPU whose workload is a known model in an inference mode: the moment just before its first
+    attempted step (the last sample before it), and whether that step ran or ran out of memory (an OOM
+    event before any step row)."""
+    import polars as pl
+
+    from gpuwatch.recording.source import ReplaySource
+
+    src = ReplaySource(path)
+    out = []
+    for m in src.gpus:
+        wl = m.workload
+        if wl is None or identity(wl) is None or wl.get("mode") not in INFERENCE:
+            continue
+        st = src.steps_df.filter(pl.col("gpu") == m.index)
+        ev = src.events_df.filter((pl.col("gpu") == m.index) & (pl.col("kind") == "oom"))
+        first_us = int(st["ts"].dt.epoch("us")[0]) if st.height else None
+        oom = ev.filter(pl.col("ts").dt.epoch("us") < first_us) if first_us is not None else ev
+        if oom.height:
+            t, outcome = int(oom["ts"].dt.epoch("us")[0]), "OOM"
+        elif first_us is not None:  # the step began a step's time before its row
+            t, outcome = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6), "ran"
+        else:
+            continue
+        ts = src._ts.get(m.index)
+        before = ts[ts < t] if ts is not None else np.empty(0)
+        if before.size:
+            out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "outcome": outcome, "workload": wl,
+                        "cap": m.mem_limit_bytes})
+    return out
+
+
+def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dict[str, Any] | None:
+    """The library's word on one first attempt (`first_attempts`): the window's peak_cross_p, as replay
+    and live scoring compute it, and the room the usable limit leaves above the weights / the activations."""
+    w = attempt["src"].window_at(attempt["gpu"], attempt["end_us"])
+    if w.steps.height or not w.first_plan:
+        return None
+    p = features(w, None, library)["peak_cross_p"]
+    wl, plan = attempt["workload"], w.first_plan
+    e = library.entries.get(library_key(identity(wl), wl["mode"], str(plan.get("precision") or wl.get("precision"))))
+    room = None
+    if e is not None and attempt["cap"]:
+        act, _, _ = activation_at(e.uk, e.med, e.ut, e.resid, float(plan["batch"]) * float(plan["seq_len"]),
+                                   float(plan["seq_len"]))
+        room = (usable_limit(attempt["cap"]) - e.weights) / act if act > 0 else None
+    return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
+            "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,
+            "p": None if p != p else float(p), "alarm": bool(p == p and p >= alarm_p), "outcome": attempt["outcome"]}
+
+
+def leave_one_out(paths: list[Path], alarm_p: float) -> list[dict[str, Any]]:
+    """Every first attempt of these sessions judged by the library of all the others."""
+    rows = []
+    for s in paths:
+        try:
+            attempts = first_attempts(Path(s))
+        except Exception:  # noqa: BLE001 - unreadable here is unreadable for training too (said there)
+            continue
+        if attempts:
+            lib = build(p for p in paths if p != s)
+            rows += [r for r in (judge(a, lib, alarm_p) for a in attempts) if r]
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
+    ooms = [r for r in rows if r["outcome"] == "OOM"]
+    ran = [r for r in rows if r["outcome"] == "ran"]
+    return {"first_steps": len(rows), "oom": len(ooms), "oom_warned": sum(r["alarm"] for r in ooms),
+            "ran": len(ran), "ran_alarmed": sum(r["alarm"] for r in ran), "no_estimate": sum(r["p"] is None for r in rows)}
