@@ -57,6 +57,8 @@
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
 #               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1..6 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
+#   firststep   the guard before a session's first step: five held-out first steps (three that ran out of memory
+#               under --guard observe) re-run at their caps with --guard on (benchmarks/first_step_guard.py; FIRST_S s)
 #   library     the guard in users' loops: plain PyTorch and HF Trainer ramps, healthy, fragment and leak,
 #               unguarded vs guarded under a calibrated cap (benchmarks/guard_library.py; <= 4 minutes;
 #               the HF Trainer needs accelerate: ../shared/tools/device-wheels.sh accelerate==1.15.0)
@@ -232,6 +234,11 @@ stage_multigpu() {
   echo "multigpu: rc=$? (0 = both targets met)"; head -c 1500 $R/multigpu.json
 }
 stage_nccl1() { bash benchmarks/nccl_smoke.sh; head -c 1500 $R/nccl_smoke.json; echo; }
+stage_firststep() {  # the guard before a session's first step: held-out first-step OOMs re-run with --guard on
+  python3 benchmarks/first_step_guard.py --out /tmp/firststep --seconds "${FIRST_S:-40}" 2>&1 | tee $R/firststep.txt
+  cp /tmp/firststep/first_step_guard.json $R/ 2>/dev/null
+  tar czf "$OUT/firststep-sessions.tgz" -C /tmp/firststep . 2>/dev/null
+}
 stage_nearcap() {
   python3 benchmarks/nearcap.py --set "${NEARCAP_SET:-1}" --seconds "${NEARCAP_S:-520}" --out /tmp/nearcap 2>&1 | tee $R/nearcap.txt
   cp /tmp/nearcap/nearcap.json /tmp/nearcap/nvidia-smi.csv $R/ 2>/dev/null
