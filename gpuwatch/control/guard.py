@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
-from gpuwatch.predict.peak import usable_limit
 from gpuwatch.predict.ahead import RISK_NEXT
+from gpuwatch.predict.peak import FIRST_STEP_BASE, usable_limit
 
 
 class Guard:
@@ -184,6 +184,10 @@ class Guard:
             alloc = view.last_allocated_bytes / usable_limit(limit)
             if view.last_reserved_bytes is not None:
                 frag = max(0.0, view.last_reserved_bytes - view.last_peak_bytes) / limit
+        elif (latest.get("features") or {}).get(FIRST_STEP_BASE) is not None:
+            # no step has run: what stays allocated is the shape library's weights (features._first_step), so
+            # a lowered ceiling is sized to the estimate, not cut by a fixed 20 % (call 38: 192 -> 153 still failed)
+            alloc = float(latest["features"][FIRST_STEP_BASE])
         return Observation(frag_frac=frag, alloc_frac=alloc,
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
             planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import (GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median, nanmedian,
-                                   usable_limit)
+from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
+                                   nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import Window
@@ -289,6 +289,7 @@ def _first_step(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, A
     out["next_peak_est_frac"] = fc.mean / fc.limit
     out["peak_margin_sigmas"] = _clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0)
     out["peak_cross_p"] = fc.p_horizon
+    out[FIRST_STEP_BASE] = fc.base / fc.limit  # not a model input: the guard sizes the first step with it
 
 
 _FORECASTS: dict[tuple, tuple] = {}  # the last few windows' forecasts, by what they were computed from

@@ -62,6 +62,8 @@ GROWTH_STEPS = 10
 FAILED_P = 0.99  # P(the plan fails) where a shape no larger failed before with no less allocated
 FRAG_STEP = 0.05  # of the limit: a plan whose peak is this much above any step's peak that ran...
 FRAG_P = 0.9  # ...and more than the room left outside the allocator's segments: P(it fails)
+FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a model input): before a GPU's
+# first step, the shape library's weights / the usable limit (predict/prior.py), what the guard sizes that step with
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
 
@@ -86,6 +88,7 @@ class Forecast:
     growth: float  # bytes per step that stay allocated (a leak)
     steps_seen: int
     failed_before: bool = False  # the plan is no smaller than a shape that failed in this session
+    base: float = float("nan")  # bytes that stay allocated under the step (the weights), where known apart
 
 
 def usable_limit(alloc_limit: float) -> float:

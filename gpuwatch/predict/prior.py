@@ -92,7 +92,7 @@ class ShapeLibrary:
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
         limit = usable_limit(float(alloc_limit))
         p = ncdf_upper((limit - mean) / sigma)
-        return Forecast(mean, sigma, limit, p, p, 0.0, 0)
+        return Forecast(mean, sigma, limit, p, p, 0.0, 0, base=e.weights)
 
     # -- the manifest's form ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
