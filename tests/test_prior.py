@@ -118,3 +118,23 @@ def test_the_guard_scores_the_first_step_itself_when_nothing_was_scored_yet():
     assert act.kind != "none" and w.next_plan().batch < 32  # acted before the first step ran
     quiet = Guard(Bus(), GuardConfig(cooldown_s=0.0), {None: w}, threshold=0.5)  # no scorer to ask: as before
     assert quiet.before_step(w).kind == "none" and quiet.last_decision[None]["why_none"] == "no risk scored yet"
+
+
+def test_a_first_step_is_sized_to_the_library_not_cut_by_a_fifth():
+    """On the H200 (calls 38-39), a 20 % cut left two of three first-step OOMs (192 -> 153, 96 -> 76 still
+    failed); sized to the estimate they ran (135, 70). Sizing to 90 % of the whole limit cut a v2-lite step,
+    weights 88 % of it, from 40 to 5 where 40 fitted: a first step keeps 90 % of the room above the weights."""
+    from gpuwatch.control.policy import Observation, Policy
+
+    def sized(est, a, batch):
+        f = {"next_peak_est_frac": est, "peak_cross_p": 0.99}
+        o = Observation(now_s=0.0, risk=0.9, threshold=0.5, planned_batch=batch, last_batch=None, ceiling=None,
+                        floor=1, precision="bf16", alloc_frac=a, first_step=True, features=f, fresh=True)
+        act = Policy(GuardConfig(cooldown_s=0.0)).decide(o)
+        assert act.kind == "lower_ceiling", act
+        return act.value
+    # the shipped library's figures for the held-out first steps (est, weights / the usable limit)
+    assert 28 <= sized(1.189, 0.414, 48) <= 33  # decode b48 under 2.93 GiB: 30 ran, 38 ran, 48 failed
+    assert 125 <= sized(1.212, 0.148, 192) <= 140  # prefill b192: 135 ran, 153 failed
+    assert 64 <= sized(1.173, 0.143, 96) <= 72  # prefill 96 x 1024: 70 ran, 76 failed
+    assert sized(1.003, 0.885, 40) >= 30  # v2-lite b40: a false alarm; it fitted at 40

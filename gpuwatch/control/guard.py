@@ -179,6 +179,7 @@ class Guard:
         limit = self.limits.get(view.gpu)
         act_frac = 0.0
         frag = alloc = None
+        first = False
         if limit and view.last_peak_bytes is not None and view.last_allocated_bytes is not None:
             act_frac = max(0.0, view.last_peak_bytes - view.last_allocated_bytes) / limit
             alloc = view.last_allocated_bytes / usable_limit(limit)
@@ -187,8 +188,8 @@ class Guard:
         elif (latest.get("features") or {}).get(FIRST_STEP_BASE) is not None:
             # no step has run: what stays allocated is the shape library's weights (features._first_step), so
             # a lowered ceiling is sized to the estimate, not cut by a fixed 20 % (call 38: 192 -> 153 still failed)
-            alloc = float(latest["features"][FIRST_STEP_BASE])
-        return Observation(frag_frac=frag, alloc_frac=alloc,
+            alloc, first = float(latest["features"][FIRST_STEP_BASE]), True
+        return Observation(frag_frac=frag, alloc_frac=alloc, first_step=first,
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
             planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,
             floor=view.floor, precision=plan.precision, bf16_ok="bf16" in view.lower_precisions,

@@ -76,6 +76,7 @@ class Observation:
     # (reserved - allocated: that also counts the cache a step's activations leave, which the next step reuses)
     frag_frac: float | None = None
     alloc_frac: float | None = None  # the last step's allocated after it / the usable limit for a peak
+    first_step: bool = False  # no step has run: alloc_frac is the shape library's weights (predict/prior.py)
     fresh: bool = False  # the risk was scored for this very plan, now (not the plan of a round ago)
     features: dict[str, float] = field(default_factory=dict)
     reasons: list = field(default_factory=list)
@@ -235,7 +236,10 @@ class Policy:
         est, a = _f(obs, "next_peak_est_frac", float("nan")), obs.alloc_frac
         if a is None or est != est or est <= a:
             return cur
-        room = self.cfg.size_to - a
+        # a first step (the library's estimate, its 1.25 overhead a margin already): size_to of the room
+        # above the weights - size_to of the whole limit left a v2-lite step, weights 88 % of it, 1.5 % for
+        # its activations (call 39: 40 -> 5, where 40 fitted; the small preset's 48/192/96 -> 30/135/70 ran)
+        room = self.cfg.size_to * (1.0 - a) if obs.first_step else self.cfg.size_to - a
         return cur if room <= 0 else max(obs.floor, int(cur * room / (est - a)))
 
     def _precision_saves_more(self, obs: Observation) -> bool:
