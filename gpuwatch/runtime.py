@@ -215,7 +215,10 @@ class Session:
         if self.gpu is None:
             return []
         caps = {w.gpu_index: w.memory_limit_bytes for w in self.workloads}
-        desc = {w.gpu_index: w.describe() for w in self.workloads if callable(getattr(w, "describe", None))}
+        desc: dict = {}
+        for w in self.workloads:  # the first workload of a GPU, as a replay reads meta.json (recorded_workload)
+            if callable(getattr(w, "describe", None)) and w.gpu_index not in desc:
+                desc[w.gpu_index] = w.describe()
         return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
                         mem_limit_bytes=caps.get(g.index), pid=os.getpid() if g.index in caps else None,
                         workload=desc.get(g.index))

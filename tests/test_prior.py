@@ -67,6 +67,30 @@ def test_the_library_survives_the_manifest_and_a_bad_one_is_none():
     assert lib.first_step("small:476282880", "decode", "bf16", 32, 512, None) is None  # no limit
     for bad in (None, {}, {"entries": {"k": {"keys": [1.0]}}}, {"entries": []}, "x"):
         assert P.ShapeLibrary.from_json(bad) is None
+    good = lib.to_json()
+    k = next(iter(good["entries"]))
+    for field, value in (("keys", 5.0), ("act", [[1.0]] * len(good["entries"][k]["act"])), ("tokens", [float("nan")] *
+                         len(good["entries"][k]["tokens"])), ("tokens", good["entries"][k]["tokens"][::-1]), ("weights", -1.0)):
+        broken = {"entries": {k: {**good["entries"][k], field: value}}}
+        assert P.ShapeLibrary.from_json(broken) is None, field  # never taken, so never a crash at scoring time
+
+
+def test_after_a_first_step_failed_the_replay_plans_the_recovery_and_a_retry_is_certain():
+    """nc5 (held out) ran out of memory at 48 on its first step and recovered at 24: between the OOM and the
+    first row, the replay's plan is the recovery's; a first step no smaller than the one that failed is
+    forecast to fail again (peak.py's censored observation), whatever the library says."""
+    src = ReplaySource(ROOT / "recordings" / "heldout-h200-2026-12-02" / "nc5-small-decode-b48")
+    g = src.gpus[0].index
+    first_row = int(src.steps_df["ts"].dt.epoch("us")[0])
+    rec = int(src.events_df.filter(src.events_df["kind"] == "oom_recovered")["ts"].dt.epoch("us")[0])
+    ts = src._ts[g]
+    w = src.window_at(g, int(ts[(ts > rec) & (ts < first_row)][0]))
+    assert w.first_plan == {"batch": 24, "seq_len": 512, "precision": "bf16"}
+    lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
+    assert F.features(w, None, lib)["peak_cross_p"] < 0.6  # 24 fits by the library
+    lib_says = lib.first_step("small:476282880", "decode", "bf16", 48, 512, src.gpus[0].mem_limit_bytes).p_next
+    retry = F.features(w, {"batch": 48, "seq_len": 512, "precision": "bf16"}, lib)
+    assert retry["peak_cross_p"] >= 0.99 and retry["peak_cross_p"] >= lib_says
 
 
 def test_replay_knows_the_step_about_to_run_before_the_first_row():
@@ -79,7 +103,7 @@ def test_replay_knows_the_step_about_to_run_before_the_first_row():
     before = src.window_at(g, int(ts[ts < oom][-1]))
     assert before.first_plan["batch"] == 32 and before.first_plan["seq_len"] == 512  # the OOM's shape
     between = src.window_at(g, int(ts[(ts > oom + 500_000) & (ts < first_row)][-1]))
-    assert between.first_plan is None or between.first_plan["batch"] < 32  # the recovery's plan (or none)
+    assert between.first_plan is None  # recorded before oom_recovered carried the next plan: none, not 32 again
     after = src.window_at(g, int(ts[ts > first_row][0]))
     assert after.steps.height and after.first_plan is None
 
@@ -123,7 +147,8 @@ def test_the_guard_scores_the_first_step_itself_when_nothing_was_scored_yet():
 def test_a_first_step_is_sized_to_the_library_not_cut_by_a_fifth():
     """On the H200 (calls 38-39), a 20 % cut left two of three first-step OOMs (192 -> 153, 96 -> 76 still
     failed); sized to the estimate they ran (135, 70). Sizing to 90 % of the whole limit cut a v2-lite step,
-    weights 88 % of it, from 40 to 5 where 40 fitted: a first step keeps 90 % of the room above the weights."""
+    weights 88 % of it, from 40 to 5 where 40 fitted: a first step keeps 90 % of the room above the weights
+    (and is lowered by at least a fifth, as any step)."""
     from gpuwatch.control.policy import Observation, Policy
 
     def sized(est, a, batch):
@@ -137,4 +162,37 @@ def test_a_first_step_is_sized_to_the_library_not_cut_by_a_fifth():
     assert 28 <= sized(1.189, 0.414, 48) <= 33  # decode b48 under 2.93 GiB: 30 ran, 38 ran, 48 failed
     assert 125 <= sized(1.212, 0.148, 192) <= 140  # prefill b192: 135 ran, 153 failed
     assert 64 <= sized(1.173, 0.143, 96) <= 72  # prefill 96 x 1024: 70 ran, 76 failed
-    assert sized(1.003, 0.885, 40) >= 30  # v2-lite b40: a false alarm; it fitted at 40
+    assert sized(1.003, 0.885, 40) == 32  # v2-lite b40, a false alarm (it fitted at 40): the least cut, a fifth (was 5)
+
+
+def test_the_guard_sizes_the_first_step_from_the_scored_features():
+    """End to end through the guard: the features of a first step carry the library's weights share
+    (first_step_base_frac), and the ceiling it sets is sized with it: prefill b192's figures give 138 - not
+    a fifth's cut (153, which ran out of memory in call 38), not 90 % of the whole limit (135)."""
+    pytest.importorskip("torch")
+    from gpuwatch.predict.peak import FIRST_STEP_BASE
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    w = Workload(Bus(), WorkloadConfig(mode="prefill", batch=192, seq_len=64, overrides={"num_hidden_layers": 1}))
+    feats = {"peak_cross_p": 0.99, "next_peak_est_frac": 1.212, FIRST_STEP_BASE: 0.148}
+    g = Guard(Bus(), GuardConfig(cooldown_s=0.0), {None: w}, threshold=0.5,
+              rescore=lambda gpu, plan: (0.82, [("peak_cross_p", 0.6)], dict(feats)))
+    act = g.before_step(w)
+    assert act.kind == "lower_ceiling" and 136 <= act.value <= 140, act
+
+
+def test_a_first_step_the_guard_cannot_score_is_no_decision_not_a_crash():
+    pytest.importorskip("torch")
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(mode="prefill", batch=8, seq_len=64, overrides={"num_hidden_layers": 1}))
+    calls = []
+
+    def broken(gpu, plan):
+        calls.append(plan)
+        raise ValueError("a malformed library")
+    g = Guard(bus, GuardConfig(cooldown_s=0.0), {None: w}, threshold=0.5, rescore=broken)
+    assert g.before_step(w).kind == "none" and g.before_step(w).kind == "none"
+    assert len(calls) == 1  # tried once, not before every step
+    assert [e for e in bus.events.latest(20) if e.kind == "guard_unable" and "first step" in e.message]

@@ -42,6 +42,7 @@ class Guard:
         self.clock = clock
         self.policies = {g: Policy(cfg) for g in workloads}
         self._latest: dict[int | None, dict[str, Any]] = {}
+        self._first_scored: set[int | None] = set()  # GPUs whose first step the guard scored itself
         self._lock = threading.Lock()
         self._said: dict[int | None, set[str]] = {}
         self.unable = unable
@@ -104,11 +105,19 @@ class Guard:
             latest = {k: worst.get(k) for k in ("risk", "reasons", "features", "plan")}
         plan = w.next_plan()
         self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
-        if plan is not None and not latest and rank is None and self.rescore is not None:
+        if plan is not None and not latest and rank is None and self.rescore is not None and gpu not in self._first_scored:
             # nothing scored on this GPU yet - the first step can start before the scorer's first round, and
-            # the first step is where the shape library speaks (predict/prior.py): score its plan now
-            risk, reasons, feats = self.rescore(gpu, plan.scored())
-            latest = {"risk": feats.get(RISK_NEXT, risk), "reasons": reasons, "features": feats, "plan": plan.scored()}
+            # the first step is where the shape library speaks (predict/prior.py): score its plan now, once
+            # (kept as the latest until the scorer's own rounds replace it; a failure is no decision, not a crash)
+            self._first_scored.add(gpu)
+            try:
+                risk, reasons, feats = self.rescore(gpu, plan.scored())
+            except Exception as e:  # noqa: BLE001 - the guard must never take the run down
+                self.bus.emit("guard_unable", f"could not score the first step: {type(e).__name__}: {e}", "warning", gpu=gpu)
+            else:
+                latest = {"risk": feats.get(RISK_NEXT, risk), "reasons": reasons, "features": feats, "plan": plan.scored()}
+                with self._lock:
+                    self._latest.setdefault(gpu, latest)
         if plan is None or not latest:
             d["why_none"] = "no plan" if plan is None else "no risk scored yet"
             return NONE

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
-                                   nanmedian, usable_limit)
+from gpuwatch.predict.peak import (FAILED_P, FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps,
+                                   median, nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import Window
@@ -282,13 +282,17 @@ def _first_step(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, A
         return
     from gpuwatch.predict.prior import identity
 
-    fc = prior.first_step(identity(wl), wl.get("mode"), p.get("precision") or wl.get("precision"),
-                          p.get("batch"), p.get("seq_len"), lim.alloc_limit)
+    prec = p.get("precision") or wl.get("precision")
+    fc = prior.first_step(identity(wl), wl.get("mode"), prec, p.get("batch"), p.get("seq_len"), lim.alloc_limit)
     if fc is None:
         return
     out["next_peak_est_frac"] = fc.mean / fc.limit
     out["peak_margin_sigmas"] = _clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0)
     out["peak_cross_p"] = fc.p_horizon
+    tp, sp, elem = float(p["batch"]) * float(p["seq_len"]), float(p["seq_len"]), PRECISION_BYTES.get(str(prec), 2.0)
+    if any(tp >= f.tokens and sp >= f.seq and elem >= f.elem_bytes for f in failed_shapes(w.events)):
+        out["peak_cross_p"] = max(out["peak_cross_p"], FAILED_P)  # a first step no smaller than one that failed
+        out["next_peak_est_frac"] = max(out["next_peak_est_frac"], 1.0)  # (peak.py's censored observation)
     out[FIRST_STEP_BASE] = fc.base / fc.limit  # not a model input: the guard sizes the first step with it
 
 

@@ -107,9 +107,14 @@ class ShapeLibrary:
             out = {}
             for k, e in (d or {}).get("entries", {}).items():
                 uk, med, ut = (np.asarray(e[n], dtype=np.float64) for n in ("keys", "act", "tokens"))
-                if not (uk.size and uk.size == med.size == ut.size):
+                resid, weights = float(e["resid"]), float(e["weights"])
+                ok = (uk.ndim == med.ndim == ut.ndim == 1 and uk.size and uk.size == med.size == ut.size
+                      and np.isfinite(uk).all() and np.isfinite(med).all() and np.isfinite(ut).all()
+                      and (ut > 0).all() and (np.diff(ut) >= 0).all() and (med >= 0).all()
+                      and math.isfinite(resid) and resid >= 0 and math.isfinite(weights) and weights >= 0)
+                if not ok:  # an entry that would give nonsense (or raise) at scoring time is not taken
                     continue
-                out[str(k)] = Shapes(uk, med, ut, float(e["resid"]), float(e["weights"]), int(e["steps"]), int(e["sessions"]))
+                out[str(k)] = Shapes(uk, med, ut, resid, weights, int(e["steps"]), int(e["sessions"]))
             return cls(out) if out else None
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
