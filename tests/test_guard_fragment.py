@@ -49,6 +49,8 @@ def test_a_smaller_plan_is_rescored_only_at_an_alarm_scored_for_a_larger_one():
                 rescore=lambda gpu, plan: calls.append(plan) or (0.0, [], {}))
     loop.guard = g
     loop.step(torch.zeros(8, 1000, dtype=torch.long), lambda mb: torch.zeros(()))
+    assert [c["seq_len"] for c in calls] == [1000]  # the first step: nothing scored yet, the guard scores it (once)
+    calls.clear()
     big = {"batch": 8, "seq_len": 2000, "precision": "bf16", "mode": "train", "effective_batch": 8, "micro_batches": 1}
     g.on_risk(0, 0.3, [], {}, big, False)  # no alarm: nothing re-scored
     loop.step(torch.zeros(8, 1000, dtype=torch.long), lambda mb: torch.zeros(()))
