@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.peak import (FAILED_P, FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps,
-                                   median, nanmedian, usable_limit)
+from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
+                                   nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, own_used
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import Window
@@ -63,8 +63,9 @@ NAMES = tuple(FEATURES)
 # The sample columns the feature function reads (with ts and gpu): a live source keeps only these for
 # the scorer's windows (recording/source.py LiveSource); gpu_procs is added there where a GPU's process
 # is not known by PID. A test holds live windows of these columns to the features of full ones.
+_HEALTH_COLS = ("gpu_temp_c", "gpu_temp_slowdown_c", "gpu_clocks_event_reasons", "gpu_util_pct")  # _health's
 SAMPLE_COLUMNS = ("gpu_mem_used_bytes", "gpu_mem_reserved_bytes", "gpu_mem_total_bytes", "sampler_interval_us",
-                  "gpu_temp_c", "gpu_temp_slowdown_c", "gpu_clocks_event_reasons", "gpu_util_pct")
+                  *_HEALTH_COLS)
 NAN = float("nan")
 NONTORCH_MAX = 8 * GiB  # a process's memory outside torch's allocator (CUDA context, NCCL, cuBLAS) above this is not believed
 
@@ -264,9 +265,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
         if ahead_p is not None:
             out["ahead_cross_p"] = ahead_p
         if fc is not None:
-            out["next_peak_est_frac"] = fc.mean / fc.limit
-            out["peak_margin_sigmas"] = _clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0)
-            out["peak_cross_p"] = fc.p_horizon
+            _estimate(out, fc)
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
@@ -282,18 +281,19 @@ def _first_step(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, A
         return
     from gpuwatch.predict.prior import identity
 
-    prec = p.get("precision") or wl.get("precision")
-    fc = prior.first_step(identity(wl), wl.get("mode"), prec, p.get("batch"), p.get("seq_len"), lim.alloc_limit)
+    fc = prior.first_step(identity(wl), wl.get("mode"), p.get("precision") or wl.get("precision"), p.get("batch"),
+                          p.get("seq_len"), lim.alloc_limit, failed_shapes(w.events))
     if fc is None:
         return
+    _estimate(out, fc)
+    out[FIRST_STEP_BASE] = fc.base / fc.limit  # not a model input: the guard sizes the first step with it
+
+
+def _estimate(out: dict[str, float], fc: Any) -> None:
+    """The estimator's figures of a forecast (peak.Forecast), after steps or before the first."""
     out["next_peak_est_frac"] = fc.mean / fc.limit
     out["peak_margin_sigmas"] = _clip((fc.limit - fc.mean) / fc.sigma, -10.0, 50.0)
     out["peak_cross_p"] = fc.p_horizon
-    tp, sp, elem = float(p["batch"]) * float(p["seq_len"]), float(p["seq_len"]), PRECISION_BYTES.get(str(prec), 2.0)
-    if any(tp >= f.tokens and sp >= f.seq and elem >= f.elem_bytes for f in failed_shapes(w.events)):
-        out["peak_cross_p"] = max(out["peak_cross_p"], FAILED_P)  # a first step no smaller than one that failed
-        out["next_peak_est_frac"] = max(out["next_peak_est_frac"], 1.0)  # (peak.py's censored observation)
-    out[FIRST_STEP_BASE] = fc.base / fc.limit  # not a model input: the guard sizes the first step with it
 
 
 _FORECASTS: dict[tuple, tuple] = {}  # the last few windows' forecasts, by what they were computed from
@@ -390,9 +390,6 @@ def _events(out: dict[str, float], w: Window) -> None:
     ts = _us(ev["ts"])[np.array([k == "oom" for k in kinds])]
     out["secs_since_oom"] = min(HORIZON_CAP_S, (w.end_us - float(ts[-1])) / 1e6)
     out["ooms_60s"] = float((ts > w.end_us - 60e6).sum())
-
-
-_HEALTH_COLS = ("gpu_temp_c", "gpu_temp_slowdown_c", "gpu_clocks_event_reasons", "gpu_util_pct")
 
 
 def _clip(v: float, lo: float, hi: float) -> float:

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from gpuwatch.predict.features import features
-from gpuwatch.predict.peak import activation_at, usable_limit
-from gpuwatch.predict.prior import INFERENCE, ShapeLibrary, build, identity, library_key
+from gpuwatch.predict.prior import FIRST_STEP_OVERHEAD, INFERENCE, ShapeLibrary, from_parts, identity, read_parts
 
 
 def first_attempts(path: Path) -> list[dict[str, Any]]:
@@ -55,19 +54,19 @@ def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dic
         return None
     p = features(w, None, library)["peak_cross_p"]
     wl, plan = attempt["workload"], w.first_plan
-    e = library.entries.get(library_key(identity(wl), wl["mode"], str(plan.get("precision") or wl.get("precision"))))
-    room = None
-    if e is not None and attempt["cap"]:
-        act, _, _ = activation_at(e.uk, e.med, e.ut, e.resid, float(plan["batch"]) * float(plan["seq_len"]),
-                                   float(plan["seq_len"]))
-        room = (usable_limit(attempt["cap"]) - e.weights) / act if act > 0 else None
+    fc = library.first_step(identity(wl), wl["mode"], plan.get("precision") or wl.get("precision"), plan["batch"],
+                            plan["seq_len"], attempt["cap"])
+    act = (fc.mean - fc.base) / FIRST_STEP_OVERHEAD if fc is not None else 0.0  # the activations at the plan
+    room = (fc.limit - fc.base) / act if act > 0 else None
     return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
             "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,
             "p": None if p != p else float(p), "alarm": bool(p == p and p >= alarm_p), "outcome": attempt["outcome"]}
 
 
-def leave_one_out(paths: list[Path], alarm_p: float) -> list[dict[str, Any]]:
-    """Every first attempt of these sessions judged by the library of all the others."""
+def leave_one_out(paths: list[Path], alarm_p: float, parts: dict[Path, list] | None = None) -> list[dict[str, Any]]:
+    """Every first attempt of these sessions judged by the library of all the others. `parts`: the
+    sessions' steps as `prior.read_parts` read them, if the caller has them already."""
+    parts = read_parts(paths) if parts is None else parts
     rows = []
     for s in paths:
         try:
@@ -75,7 +74,7 @@ def leave_one_out(paths: list[Path], alarm_p: float) -> list[dict[str, Any]]:
         except Exception:  # noqa: BLE001 - unreadable here is unreadable for training too (said there)
             continue
         if attempts:
-            lib = build(p for p in paths if p != s)
+            lib = from_parts(v for p, v in parts.items() if p != Path(s))
             rows += [r for r in (judge(a, lib, alarm_p) for a in attempts) if r]
     return rows
 

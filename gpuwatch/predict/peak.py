@@ -145,7 +145,7 @@ class StepFit:
         k = max(1, int(math.ceil(horizon_s / self.pace_s))) if self.pace_s else 1
         mean_h = mean + max(0.0, growth) * (k - 1)
         p_h = max(p_next, ncdf_upper((limit - mean_h) / sigma))
-        hit = _failed_before(failed, Tp, Sp, self.target_bytes, self.alloc_now, limit)
+        hit = fails_as_before(failed, Tp, Sp, self.target_bytes, self.alloc_now, limit)
         if hit:
             mean, p_next, p_h = max(mean, float(limit)), max(p_next, FAILED_P), max(p_h, FAILED_P)
         elif _outgrows_segments(mean, self.peak, reserved, limit):
@@ -191,8 +191,8 @@ def _outgrows_segments(mean: float, peak: np.ndarray, reserved: float | None, li
     return grow >= FRAG_STEP * limit and grow > limit - reserved
 
 
-def _failed_before(failed: list[Failed] | None, Tp: float, Sp: float, elem: float, alloc_now: float,
-                   limit: float) -> bool:
+def fails_as_before(failed: list[Failed] | None, Tp: float, Sp: float, elem: float, alloc_now: float,
+                    limit: float) -> bool:
     """The plan is at least as large as a shape that failed (tokens, sequence, bytes per element) and
     no less is allocated now than then: it will fail again."""
     for f in failed or ():

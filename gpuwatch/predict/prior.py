@@ -36,7 +36,8 @@ import numpy as np
 
 from gpuwatch.recording.recorded import workload_gpu
 
-from gpuwatch.predict.peak import FLOOR_BYTES, FLOOR_REL, Forecast, activation_at, ncdf_upper, shapes, usable_limit
+from gpuwatch.predict.peak import (FAILED_P, FLOOR_BYTES, FLOOR_REL, PRECISION_BYTES, Failed, Forecast, activation_at,
+                                   fails_as_before, ncdf_upper, shapes, usable_limit)
 
 FIRST_STEP_OVERHEAD = 1.25
 FIRST_STEP_REL = 0.10
@@ -77,9 +78,11 @@ class ShapeLibrary:
         return len(self.entries)
 
     def first_step(self, model: str | None, mode: str | None, precision: str | None, batch: float | None,
-                   seq: float | None, alloc_limit: float | None) -> Forecast | None:
+                   seq: float | None, alloc_limit: float | None, failed: list[Failed] | None = None) -> Forecast | None:
         """The forecast of a session's first step at (batch, seq), or None where the library cannot say
-        (an unknown model, a training run, no plan, no limit)."""
+        (an unknown model, a training run, no plan, no limit). `failed`: shapes that ran out of memory in
+        the session already - a first step no smaller than one of them fails again (peak.fails_as_before,
+        the online estimate's censored observation; what will be allocated is taken as no less than then)."""
         if not (model and mode in INFERENCE and batch and seq and alloc_limit and alloc_limit > 0):
             return None
         e = self.entries.get(library_key(model, mode, str(precision or "bf16")))
@@ -92,7 +95,10 @@ class ShapeLibrary:
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
         limit = usable_limit(float(alloc_limit))
         p = ncdf_upper((limit - mean) / sigma)
-        return Forecast(mean, sigma, limit, p, p, 0.0, 0, base=e.weights)
+        hit = fails_as_before(failed, tp, sp, PRECISION_BYTES.get(str(precision), 2.0), math.inf, limit)
+        if hit:
+            mean, p = max(mean, limit), max(p, FAILED_P)
+        return Forecast(mean, sigma, limit, p, p, 0.0, 0, hit, base=e.weights)
 
     # -- the manifest's form ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -152,17 +158,30 @@ def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndar
     return out
 
 
-def build(paths: Iterable[Path]) -> ShapeLibrary:
-    """The library of these sessions (unreadable ones are skipped: training already said why)."""
-    pooled: dict[str, list] = {}
+def read_parts(paths: Iterable[Path]) -> dict[Path, list]:
+    """Each readable session's `session_steps`, read once (a leave-one-out builds a library per session
+    from them); unreadable sessions are left out - training already said why."""
+    out = {}
     for p in paths:
         try:
-            parts = session_steps(Path(p))
+            out[Path(p)] = session_steps(Path(p))
         except Exception:  # noqa: BLE001 - a session training could not read is not in the library either
             continue
+    return out
+
+
+def build(paths: Iterable[Path]) -> ShapeLibrary:
+    """The library of these sessions."""
+    return from_parts(read_parts(paths).values())
+
+
+def from_parts(sessions: Iterable[list]) -> ShapeLibrary:
+    """The library pooled from sessions' `session_steps`."""
+    pooled: dict[str, list] = {}
+    for i, parts in enumerate(sessions):
         for key, T, S, act, al in parts:
             e = pooled.setdefault(key, [[], [], [], [], set()])
-            e[0].append(T), e[1].append(S), e[2].append(act), e[3].append(al), e[4].add(str(p))
+            e[0].append(T), e[1].append(S), e[2].append(act), e[3].append(al), e[4].add(i)
     entries = {}
     for key, (T, S, act, al, sess) in pooled.items():
         T, S, act, al = (np.concatenate(x) for x in (T, S, act, al))

@@ -272,13 +272,14 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
     cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
     from gpuwatch.predict.first_step import leave_one_out
-    from gpuwatch.predict.prior import build
+    from gpuwatch.predict.prior import from_parts, read_parts
 
     read = [Path(p) for p in sessions if Path(p).name in {t.session for t in tls if not t.derived}]
-    library = build(read)  # the first step's a-priori estimate (predict/prior.py)
+    parts = read_parts(read)
+    library = from_parts(parts.values())  # the first step's a-priori estimate (predict/prior.py)
     progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries"
              + ("; each session's first step judged by the others' library..." if evaluate else ""))
-    first = leave_one_out(read, 1.0) if evaluate else []  # p only: the alarm is counted at the operating point
+    first = leave_one_out(read, 1.0, parts) if evaluate else []  # p only: the alarm is counted at the operating point
     with one_thread():
         rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
                      library, first)
