@@ -19,7 +19,7 @@ import polars as pl
 from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
                                    nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, own_used
-from gpuwatch.recording.recorded import event_detail
+from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
 
@@ -360,12 +360,8 @@ def _plan_after_oom(events: pl.DataFrame, last_step_us: float) -> dict[str, Any]
     if not oom.size:
         return None
     rec = np.flatnonzero((kind == "oom_recovered") & (ets >= ets[oom[-1]]))
-    if rec.size:
-        d = event_detail({"detail": events["detail"][int(rec[0])]})
-        nb, ns = d.get("next_batch"), d.get("next_seq_len")
-        if isinstance(nb, (int, float)) and isinstance(ns, (int, float)) and nb > 0 and ns > 0:  # a corrupt detail: no plan
-            return {"batch": nb, "seq_len": ns, "precision": d.get("next_precision")}
-    return {"batch": None, "seq_len": None}
+    plan = recovered_plan(event_detail({"detail": events["detail"][int(rec[0])]})) if rec.size else None
+    return plan or {"batch": None, "seq_len": None}  # none recorded, or a corrupt detail: no plan
 
 
 def _plan_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, Any, Any]:

@@ -73,6 +73,15 @@ def fill_plans(steps: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
         pl.coalesce("next_precision", "_np").alias("next_precision")).drop("_nb", "_ns", "_np")
 
 
+def recovered_plan(detail: dict[str, Any]) -> dict[str, Any] | None:
+    """The next step an `oom_recovered` event's detail recorded (batch, seq_len, precision), or None where
+    it recorded none or a corrupt one."""
+    nb, ns = detail.get("next_batch"), detail.get("next_seq_len")
+    if isinstance(nb, (int, float)) and isinstance(ns, (int, float)) and nb > 0 and ns > 0:
+        return {"batch": nb, "seq_len": ns, "precision": detail.get("next_precision")}
+    return None
+
+
 def first_plan(steps: pl.DataFrame, events: pl.DataFrame, end_us: int) -> dict[str, Any] | None:
     """Before a GPU's first step row, the step its workload was about to run at `end_us` (a replay has no
     live plan to ask): after an OOM of a first step, the plan its `oom_recovered` event recorded (None
@@ -95,11 +104,10 @@ def first_plan(steps: pl.DataFrame, events: pl.DataFrame, end_us: int) -> dict[s
     before = [r for r in ooms if r[0] <= end_us]
     if before:
         rec = [r for r in rows if r[1] == "oom_recovered" and before[-1][0] <= r[0] <= end_us]
-        d = rec[0][2] if rec else {}
-        nb, ns = d.get("next_batch"), d.get("next_seq_len")
-        if not (isinstance(nb, (int, float)) and isinstance(ns, (int, float)) and nb > 0 and ns > 0):
-            return None
-        return {"batch": nb, "seq_len": ns, "precision": d.get("next_precision") or before[-1][2].get("precision")}
+        plan = recovered_plan(rec[0][2]) if rec else None
+        if plan is not None:
+            plan["precision"] = plan["precision"] or before[-1][2].get("precision")
+        return plan
     if ooms:
         d = ooms[0][2]
         if isinstance(d.get("batch"), (int, float)) and isinstance(d.get("seq_len"), (int, float)):
