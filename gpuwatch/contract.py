@@ -33,6 +33,8 @@ ACTIONS = (
     "release_cache",  # fragmentation: empty the caching allocator; value True = also expandable segments
     "name_leak",  # memory grows at a fixed plan: save an allocator snapshot naming the growing blocks
     "stop",  # the run cannot be saved: call the user's checkpoint hook (where there is one), stop cleanly
+    "checkpointing",  # value: True = activation (gradient) checkpointing on, False = off; the batch is kept
+    "plan",  # value: a `Config` the planner chose (micro-batch, checkpointing, precision) - applied as one change
 )
 
 
@@ -61,6 +63,7 @@ class StepPlan:
     ahead_batch: int | None = None  # its micro-batch, the ceiling applied
     ahead_seq_len: int | None = None
     ahead_steps: int | None = None  # how many steps ahead (1 = this one)
+    checkpointing: bool = False  # activation checkpointing on for this step (train only)
 
     @property
     def tokens(self) -> int:
@@ -73,7 +76,19 @@ class StepPlan:
                "micro_batches": self.micro_batches}
         if self.ahead_batch and self.ahead_seq_len:
             out.update(ahead_batch=self.ahead_batch, ahead_seq_len=self.ahead_seq_len, ahead_steps=self.ahead_steps)
+        if self.checkpointing:  # only when on: every scored dict of a run without it stays as it was
+            out["checkpointing"] = True
         return out
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration the planner weighs for the coming steps: what a workload can change between steps
+    without changing what it computes (the effective batch is kept by accumulation)."""
+
+    micro_batch: int
+    checkpointing: bool = False
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,13 @@ class WorkloadView:
     last_allocated_bytes: int | None = None  # torch allocated after it
     last_reserved_bytes: int | None = None  # torch reserved after it
     device: str = "cpu"  # "cuda" or "cpu"
+    # activation checkpointing now: None = this workload cannot switch it (not offered to the planner)
+    checkpointing: bool | None = None
+    # seconds a change of the micro-batch costs where it restarts the framework (a Trainer's save + load),
+    # measured by the workload (None: a change needs no restart; 0.0 before the first one was measured)
+    restart_cost_s: float | None = None
+    last_step_time_s: float | None = None  # wall time of the last step that ran (all its micro-batches)
+    last_tokens: int | None = None  # tokens that step processed (effective batch x sequence length)
 
 
 @runtime_checkable
