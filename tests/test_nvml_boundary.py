@@ -25,7 +25,7 @@ def driver(monkeypatch, request):
 
 def test_reads_every_field_in_schema_units(driver):
     b = nvml.NvmlBackend()
-    assert (b._direct[0] is not None) == (driver.path == "direct")
+    assert (b.direct(0) is not None) == (driver.path == "direct")
     row = b.read_fast(0)
     assert row["gpu_util_pct"] == 97 and row["gpu_mem_util_pct"] == 40
     assert row["gpu_mem_used_bytes"] == 10 * 2**30 and row["gpu_mem_total_bytes"] == 141 * 2**30
@@ -190,7 +190,7 @@ def test_field_values_call_gone_mid_run_falls_back_to_single_calls(driver):
     b.read_fast(0)
     row = b.read_fast(0)
     assert b._batch[0] is None and row["gpu_power_w"] == 350.0  # nvmlDeviceGetPowerUsage from now on
-    assert (b._direct[0] is not None) == (driver.path == "direct")
+    assert (b.direct(0) is not None) == (driver.path == "direct")
 
 
 @pytest.mark.parametrize("every", [None, "1", "3"])

@@ -212,6 +212,11 @@ class NvmlBackend:
         self._fast = [self._fast_readers(i) for i in range(count)]
         self._direct: list[DirectGpu | None] = [self._make_direct(i) for i in range(count)]
 
+    def direct(self, i: int) -> "DirectGpu | None":
+        """GPU i's direct reader (libnvidia-ml called without pynvml's wrappers), or None where it runs
+        on the wrappers: the C ticker builds its call list from it."""
+        return self._direct[i]
+
     def _make_direct(self, i: int) -> "DirectGpu | None":
         """The direct reader of GPU i, or None (library not loaded, pynvml's functions replaced)."""
         if not _pynvml_is_itself() or os.environ.get("GPUWATCH_NVML_WRAPPERS"):

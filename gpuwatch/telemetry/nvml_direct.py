@@ -99,6 +99,21 @@ class DirectGpu:
         if batch:
             self._set_fields(batch)
 
+    @property
+    def procs_cap(self) -> int:
+        """Entries the process array holds now (the C ticker passes it as the call's count)."""
+        return self._pcap
+
+    @property
+    def procs_buf(self):
+        """The process array the processes call writes into (replaced when it grows)."""
+        return self._parr
+
+    @property
+    def fields_buf(self):
+        """The field-values array (None where no batched field is asked)."""
+        return getattr(self, "_farr", None)
+
     def _grow_procs(self, n: int) -> None:
         self._pcap = n
         self._parr = (pynvml.c_nvmlProcessInfo_v3_t * n)()

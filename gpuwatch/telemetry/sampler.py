@@ -212,6 +212,16 @@ class Sampler:
             targets.append((self._run_xid, "gpuwatch-xid"))
         self._threads += [start_thread(fn, name) for fn, name in targets]
 
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` was called (the C loop's decoding thread reads it between drains)."""
+        return self._stop.is_set()
+
+    def set_waker(self, wake: Callable[[], None] | None) -> None:
+        """The C loop hands its wake-up here while it runs (None when it ends): `stop` calls it, so a
+        decoding thread blocked on its pipe wakes at once."""
+        self._wake = wake
+
     def stop(self) -> None:
         self._stop.set()
         wake = self._wake

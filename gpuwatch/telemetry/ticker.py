@@ -116,8 +116,8 @@ def make(sampler) -> tuple["CLoop | None", str]:
     if os.environ.get(PROFILE_ENV):
         return None, "python loop (profile instrumentation on)"
     gpu = sampler.gpu
-    direct = getattr(gpu, "_direct", None)
-    if gpu is not None and (direct is None or any(direct[i] is None for i in sampler.active_gpus)):
+    direct = getattr(gpu, "direct", None)  # NvmlBackend's; the fakes and a replay have none
+    if gpu is not None and (direct is None or any(direct(i) is None for i in sampler.active_gpus)):
         return None, "python loop (NVML through pynvml's wrappers)"
     if sampler.host is None or not hasattr(sampler.host, "raw_source") or sampler.host.raw_source() is None:
         return None, "python loop (host CPU read through psutil)"
@@ -138,7 +138,7 @@ class _Layout:
         per_gpu: list[tuple] = []
         self.objs: list[Any] = []  # what the key's ids refer to, alive while this layout is
         for i in sampler.active_gpus:
-            d = gpu._direct[i]
+            d = gpu.direct(i)
             first = len(calls)
             for spec in d.specs:
                 ints = spec[2][1:-1]
@@ -147,12 +147,12 @@ class _Layout:
             p = f = None
             if d.procs_fn is not None:
                 p = len(calls)
-                calls.append((d.procs_fn, d.h, K_COUNT_OUT, 0, 0, d._pcap, d._parr))
+                calls.append((d.procs_fn, d.h, K_COUNT_OUT, 0, 0, d.procs_cap, d.procs_buf))
             if d.fields_fn is not None:
                 f = len(calls)
-                calls.append((d.fields_fn, d.h, K_INT_OUT, len(d.batch), 0, 0, d._farr))
+                calls.append((d.fields_fn, d.h, K_INT_OUT, len(d.batch), 0, 0, d.fields_buf))
             per_gpu.append((i, d, first, len(d.specs), p, f))
-            self.objs += [d, d.specs, d.batch, d._parr]
+            self.objs += [d, d.specs, d.batch, d.procs_buf]
         n = len(calls)
         self.n, self.host_off = n, _HEAD.size + 8 * n
         off = (self.host_off + self.host_size + 7) & ~7
@@ -178,9 +178,9 @@ class _Layout:
 
 def key(sampler) -> tuple:
     """What the C thread's call list depends on: when it changes, the thread is started again."""
-    direct = getattr(sampler.gpu, "_direct", None)
-    gpus = tuple((i, id(d), id(d.specs), d.procs_fn is not None, d._pcap, id(d.batch), d.fields_fn is not None)
-                 for i in sampler.active_gpus for d in (direct[i],))
+    direct = getattr(sampler.gpu, "direct", None)  # no GPU: a host-only call list
+    gpus = tuple((i, id(d), id(d.specs), d.procs_fn is not None, d.procs_cap, id(d.batch), d.fields_fn is not None)
+                 for i in sampler.active_gpus for d in (direct(i),))
     return gpus, sampler.host.raw_source()
 
 
@@ -244,8 +244,8 @@ class CLoop:
         s = self.s
         slow_every = max(1, round(s.slow_interval / s.interval)) if slow_inline else 0
         n, why = 0, None
-        s._wake = self.wake
-        if s._stop.is_set():  # a stop() that came before _wake was set would not wake the read below
+        s.set_waker(self.wake)
+        if s.stopping:  # a stop() that came before the waker was set would not wake the read below
             self.wake()
         try:
             lay = self._start()
@@ -254,7 +254,7 @@ class CLoop:
                     os.read(self._r, 4096)  # blocks until ticks are delivered (or stop)
                 except InterruptedError:
                     pass
-                stopping = s._stop.is_set()
+                stopping = s.stopping
                 if stopping:
                     self._halt()
                 n = self._drain(lay, n, slow_every)
@@ -269,13 +269,13 @@ class CLoop:
         except (OSError, AttributeError, TypeError, ValueError) as e:  # could not (re)start the C thread
             why = e
         finally:
-            s._wake = None
+            s.set_waker(None)
             self._closed = True
             if self._h is not None:
                 self._free()
             os.close(self._r)
             os.close(self._w)
-        if why is not None and not s._stop.is_set():
+        if why is not None and not s.stopping:
             s.loop, s.loop_note = "python", f"python loop (the C loop failed: {why})"
             s.bus.emit("sampler_error", s.loop_note, "warning")
             s.run(slow_inline)
@@ -306,7 +306,7 @@ class CLoop:
 
         def read_gpu(i: int) -> dict[str, Any]:
             g = lay.gpus.get(i)
-            if g is None or gpu._direct[i] is not g[0]:  # the reader was rebuilt since: read now
+            if g is None or gpu.direct(i) is not g[0]:  # the reader was rebuilt since: read now
                 return gpu.read_fast(i)
             d, specs, lo, hi, p, parr, f, farr, batch = g
             return gpu.direct_row(i, lambda: d.decode(
