@@ -80,7 +80,7 @@ def test_the_estimator_warns_one_step_before_each_real_capped_oom():
         assert f["peak_cross_p"] > 0.5 and f["next_peak_est_frac"] > 1.0
     # and stays calm through a healthy v3-slice prefill at 94 % of its cap (the hidden evaluation's case)
     v3 = ReplaySource(NEAR / "nc-v3slice-prefill-b8")
-    ts = v3._ts[0]
+    ts = v3.times(0)
     ps = [F.features(v3.window_at(0, int(t)))["peak_cross_p"] for t in ts[len(ts) // 5::400]]
     assert max(ps) < 0.01
 
@@ -147,12 +147,12 @@ def test_a_shared_gpu_counts_the_process_own_memory():
     shared = ReplaySource(NEAR / "sbs-small-prefill-cap20")
     alone = ReplaySource(ALONE)
     assert shared.gpus[0].pid is not None and alone.gpus[0].pid is None
-    fs = F.features(shared.window_at(0, int(shared._ts[0][2000])))
-    fa = F.features(alone.window_at(0, int(alone._ts[0][300])))
+    fs = F.features(shared.window_at(0, int(shared.times(0)[2000])))
+    fa = F.features(alone.window_at(0, int(alone.times(0)[300])))
     assert fs["others_mem_frac"] > 0.3 and fa["others_mem_frac"] < 0.01  # v1: the driver's reserve is in "used"
     assert fs["mem_used_frac"] == pytest.approx(fa["mem_used_frac"], abs=0.01)
     # the whole GPU's memory against this process's cap would read > 100 %
-    whole = float(shared.window_at(0, int(shared._ts[0][2000])).samples["gpu_mem_used_bytes"][-1])
+    whole = float(shared.window_at(0, int(shared.times(0)[2000])).samples["gpu_mem_used_bytes"][-1])
     assert whole / shared.gpus[0].mem_limit_bytes > 1.0
 
 

@@ -66,7 +66,7 @@ def test_live_and_replay_cut_the_same_window(session):
     gives the very same features as one that keeps them all."""
     rec = ReplaySource(session)
     g = rec.gpus[0].index
-    end = int(rec._ts[g][min(300, len(rec._ts[g]) - 1)])
+    end = int(rec.times(g)[min(300, len(rec.times(g)) - 1)])
     bus = Bus()
     samples = rec._by_gpu[g]
     for row in samples.filter(pl.col("ts").dt.epoch("us") <= end).to_dicts():
@@ -113,7 +113,7 @@ def test_features_of_a_window_before_an_oom_say_danger():
     steps = rec.steps_df.filter(pl.col("gpu") == g)["ts"].dt.epoch("us").to_numpy()
     last_step = steps[steps < oom][-1]
     f = F.features(rec.window_at(g, int(last_step)))
-    early = F.features(rec.window_at(g, int(rec._ts[g][50])))
+    early = F.features(rec.window_at(g, int(rec.times(g)[50])))
     assert f["next_peak_est_frac"] > 0.9  # the plan's peak is near the 80 GiB cap
     assert f["plan_growth"] >= 1.0
     assert early["mem_used_frac"] < f["mem_used_frac"]
@@ -213,7 +213,7 @@ def test_scoring_one_window_is_cheap(small_model):
     rec = ReplaySource(CAPPED)
     sc = Scorer(load_model(small_model.model_path))
     g = rec.gpus[0].index
-    w = rec.window_at(g, int(rec._ts[g][400]))
+    w = rec.window_at(g, int(rec.times(g)[400]))
     sc.score(w)
     t0 = time.perf_counter()
     for _ in range(20):

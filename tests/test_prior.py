@@ -83,7 +83,7 @@ def test_after_a_first_step_failed_the_replay_plans_the_recovery_and_a_retry_is_
     g = src.gpus[0].index
     first_row = int(src.steps_df["ts"].dt.epoch("us")[0])
     rec = int(src.events_df.filter(src.events_df["kind"] == "oom_recovered")["ts"].dt.epoch("us")[0])
-    ts = src._ts[g]
+    ts = src.times(g)
     w = src.window_at(g, int(ts[(ts > rec) & (ts < first_row)][0]))
     assert w.first_plan == {"batch": 24, "seq_len": 512, "precision": "bf16"}
     lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
@@ -99,7 +99,7 @@ def test_replay_knows_the_step_about_to_run_before_the_first_row():
     assert P.identity(src.gpus[0].workload) == "small:476282880"
     first_row = int(src.steps_df["ts"].dt.epoch("us")[0])
     oom = int(src.events_df.filter(src.events_df["kind"] == "oom")["ts"].dt.epoch("us")[0])
-    ts = src._ts[g]
+    ts = src.times(g)
     before = src.window_at(g, int(ts[ts < oom][-1]))
     assert before.first_plan["batch"] == 32 and before.first_plan["seq_len"] == 512  # the OOM's shape
     between = src.window_at(g, int(ts[(ts > oom + 500_000) & (ts < first_row)][-1]))
@@ -112,7 +112,7 @@ def test_features_take_the_library_only_where_given():
     src = ReplaySource(DECODE_FAILED)
     g = src.gpus[0].index
     oom = int(src.events_df.filter(src.events_df["kind"] == "oom")["ts"].dt.epoch("us")[0])
-    w = src.window_at(g, int(src._ts[g][src._ts[g] < oom][-1]))
+    w = src.window_at(g, int(src.times(g)[src.times(g) < oom][-1]))
     plain = F.features(w)
     assert np.isnan(plain["peak_cross_p"]) and np.isnan(plain["next_peak_est_frac"])
     lib = P.build(DECODE_OTHERS)

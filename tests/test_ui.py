@@ -327,7 +327,7 @@ async def test_memory_is_measured_against_the_workload_cap():
     assert src.gpus[0].effective_limit_bytes == 40 * 2**30
     mem = src._by_gpu[0]["gpu_mem_used_bytes"]
     i = int(mem.arg_max())
-    src.seek_to(int(src._ts[0][i]))
+    src.seek_to(int(src.times(0)[i]))
     used = mem[i] / 2**30
     app = make_app(src)
     async with app.run_test(size=(160, 50)):

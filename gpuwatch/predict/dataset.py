@@ -121,7 +121,7 @@ def session_timelines(path: Path | str, stride: int = 1, horizon_s: float = HORI
     meta = src.reader.meta
     out = []
     for g in [m.index for m in src.gpus] or [None]:
-        ts_all = src._ts.get(g)
+        ts_all = src.times(g)
         if ts_all is None or not ts_all.size:
             continue
         steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df

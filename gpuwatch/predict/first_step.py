@@ -38,7 +38,7 @@ def first_attempts(path: Path) -> list[dict[str, Any]]:
             t, outcome = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6), "ran"
         else:
             continue
-        ts = src._ts.get(m.index)
+        ts = src.times(m.index)
         before = ts[ts < t] if ts is not None else np.empty(0)
         if before.size:
             out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "outcome": outcome, "workload": wl,

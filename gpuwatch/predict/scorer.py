@@ -47,6 +47,10 @@ class Scorer:
                 return proba(X)
         self._predict = proba if getattr(proba, "pure_python", False) else predict
 
+    def proba(self, X: np.ndarray) -> np.ndarray:
+        """(1 - risk, risk) per row of feature vectors X, as the model scores them."""
+        return self._predict(X)
+
     def score_vector(self, x: list[float]) -> float:
         return float(self._predict(np.asarray([x], dtype=np.float64))[0, 1])
 
@@ -278,7 +282,7 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
     sc = Scorer(model)
     rows: list[dict[str, Any]] = []
     for g in [m.index for m in src.gpus]:
-        ts = src._ts.get(g)
+        ts = src.times(g)
         if ts is None:
             continue
         steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df
@@ -286,7 +290,7 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
         X = np.array([vector(features(src.window_at(g, int(t)), prior=model.prior)) for t in moments], dtype=np.float64)
         if not X.size:
             continue
-        risk = sc._predict(X)[:, 1]
+        risk = sc.proba(X)[:, 1]
         on = alarm_state(risk, model.threshold)
         for t, r, a in zip(moments, risk, on):
             rows.append({"ts": int(t), "gpu": g, "kind": model.kind, "risk": float(r),

@@ -157,7 +157,7 @@ def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: floa
     from gpuwatch.predict.composite import RiskComposite
 
     c = RiskComposite(None, t_e, t_c)
-    return [c._combine(a, b)[:, 1] for a, b in zip(p_est, p_clf)]
+    return [c.combine(a, b)[:, 1] for a, b in zip(p_est, p_clf)]
 
 
 def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: list[np.ndarray], horizon_s: float

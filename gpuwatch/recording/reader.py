@@ -261,9 +261,9 @@ class SessionReader:
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
             raise RecordingError(f"{self.path}: not a session folder or a Parquet file (a FIFO, socket or device)")
         self._is_file = stat.S_ISREG(st.st_mode)
-        self._guard(self.read_meta)
+        self.guard(self.read_meta)
 
-    def _guard(self, fn, *a):
+    def guard(self, fn, *a):
         """Run `fn`; anything but RecordingError becomes one (one line naming the session)."""
         try:
             return fn(*a)
@@ -353,7 +353,7 @@ class SessionReader:
         Raises only RecordingError, and only on the first call: later (a follower's polls), a folder
         that cannot be listed is a warning and no new rows."""
         try:
-            out = self._guard(self._load_new)
+            out = self.guard(self._load_new)
         except RecordingError as e:
             if not self._loaded_once:
                 raise
@@ -468,4 +468,4 @@ def open_recording(path: Path | str) -> Recording:
             incomplete_reason=reader.incomplete_reason,
         )
 
-    return reader._guard(build)
+    return reader.guard(build)

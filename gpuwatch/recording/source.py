@@ -285,6 +285,11 @@ class ReplaySource:
     writer_done = False  # follow: the recording process closed the session (session_end seen)
     writer_gone = False  # follow: the recording process is gone without closing it
 
+    def times(self, gpu: int | None) -> np.ndarray | None:
+        """GPU `gpu`'s sample times (UTC us, sorted), or None where it has no rows: what scoring and
+        training walk a recording by."""
+        return self._ts.get(gpu)
+
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
         """Risk rows computed after the fact (an older session scored on the fly, maybe on another
         thread: the rows and their times are swapped in together, and reads clip to both)."""
