@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.errors import UsageError
-from gpuwatch.export.prometheus import (DCGM_FROM_SAMPLES, STEP_GAUGES, PrometheusExporter, channel_since,
+from gpuwatch.export.prometheus import (DCGM_FROM_SAMPLES, STEP_GAUGES, PrometheusExporter,
                                         parse_listen)
 from gpuwatch.recording.reader import open_recording
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
@@ -155,20 +155,19 @@ def test_event_counts_are_exact_however_many_arrive_between_scrapes(fed):
     assert value(fams, "gpuwatch_exporter_scrape_cpu_seconds_total") > 0
 
 
-def test_channel_since_reads_only_the_new_items_and_agrees_with_since():
+def test_channel_since_reads_the_new_items_and_counts_the_overwritten():
     from gpuwatch.telemetry.bus import Channel
 
     ch = Channel(5)
-    assert channel_since(ch, 0) == ch.since(0) == ([], 0, 0)
+    assert ch.since(0) == ([], 0, 0)
     for i in range(3):
         ch.append(i)
-    for seq in (0, 1, 3, 7):
-        assert channel_since(ch, seq) == ch.since(seq)
+    assert ch.since(1) == ([1, 2], 3, 0)
     for i in range(3, 12):
         ch.append(i)
-    for seq in (0, 6, 7, 9, 12, 20):
-        assert channel_since(ch, seq) == ch.since(seq)
-    assert channel_since(ch, 0) == ([7, 8, 9, 10, 11], 12, 7)
+    assert ch.since(9) == ([9, 10, 11], 12, 0)
+    assert ch.since(12) == ([], 12, 0)
+    assert ch.since(0) == ([7, 8, 9, 10, 11], 12, 7)
 
 
 def test_an_overrun_ring_is_reported_not_hidden():
