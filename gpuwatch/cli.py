@@ -148,11 +148,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    from gpuwatch.control.policy import MODES, RULES
-    from gpuwatch.workload.presets import MODES as WMODES, PRECISIONS, PRESETS, SCHEDULES
+    from gpuwatch.contract import GUARD_MODES, GUARD_RULES, PRECISIONS, WORKLOAD_MODES
+    from gpuwatch.workload.presets import PRESETS, SCHEDULES
 
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: largest that fits)")
-    p.add_argument("--mode", choices=WMODES, default="prefill")
+    p.add_argument("--mode", choices=WORKLOAD_MODES, default="prefill")
     p.add_argument("--schedule", choices=SCHEDULES, default="steady")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--batch", type=_pos_int, help="batch size (default from preset)")
@@ -174,9 +174,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="decode: tokens generated per step after the prompt (default 128 on a GPU, 16 on a CPU)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="static KV cache + CUDA graphs: auto = decode, on = decode and small prefills, off = eager")
-    p.add_argument("--guard", choices=MODES, default="on",
+    p.add_argument("--guard", choices=GUARD_MODES, default="on",
                    help="act on the risk before a failure (on, default), only log what it would do (observe), or off")
-    p.add_argument("--guard-rule", choices=RULES, default="model",
+    p.add_argument("--guard-rule", choices=GUARD_RULES, default="model",
                    help="model (gpuwatch), fixed (memory >90%% halve, <30%% double), accelerate or composer (reactive)")
 
 

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-MODES = ("train", "prefill", "decode")
+# The project's vocabularies, typed once here (each tuple is its Literal's values, for argparse choices and
+# run-time checks); everything else imports them.
+Precision = Literal["fp32", "tf32", "bf16", "fp16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+WorkloadMode = Literal["prefill", "decode", "train"]  # what gpuwatch's workload (or a user's loop) runs
+WORKLOAD_MODES: tuple[WorkloadMode, ...] = get_args(WorkloadMode)
+GuardMode = Literal["off", "observe", "on"]  # observe: decide and log, act on nothing
+GUARD_MODES: tuple[GuardMode, ...] = get_args(GuardMode)
+GuardRule = Literal["model", "fixed", "accelerate", "composer"]  # control/policy.py's docstring says each
+GUARD_RULES: tuple[GuardRule, ...] = get_args(GuardRule)
 
 # Every action the guard may return. A workload says which of them it can apply (`accepts`); the guard
 # never sends one it cannot, and says once what would have helped instead.
-ACTIONS = (
+ActionKind = Literal[
     "lower_ceiling",  # value: the new micro-batch ceiling (train: same effective batch by accumulation)
     "raise_ceiling",  # value: the new, higher ceiling (giving the batch back)
     "clear_ceiling",  # no ceiling any more
@@ -35,12 +43,13 @@ ACTIONS = (
     "stop",  # the run cannot be saved: call the user's checkpoint hook (where there is one), stop cleanly
     "checkpointing",  # value: True = activation (gradient) checkpointing on, False = off; the batch is kept
     "plan",  # value: a `Config` the planner chose (micro-batch, checkpointing, precision) - applied as one change
-)
+]
+ACTIONS: tuple[ActionKind, ...] = get_args(ActionKind)
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # one of ACTIONS, or "none"
+    kind: ActionKind | Literal["none", "unable"]  # "unable": the policy's word that it should act and cannot
     value: Any = None
     why: str = ""
 
@@ -54,8 +63,8 @@ class StepPlan:
 
     batch: int  # the micro-batch: what one forward/backward holds in memory
     seq_len: int
-    precision: str = "fp32"
-    mode: str = "train"
+    precision: Precision = "fp32"
+    mode: WorkloadMode = "train"
     micro_batches: int = 1  # gradient accumulation steps the batch is split into
     effective_batch: int | None = None  # samples per optimizer update (train), else the batch
     wanted_batch: int | None = None  # what the schedule or the user's loader wants before any ceiling
@@ -88,7 +97,7 @@ class Config:
 
     micro_batch: int
     checkpointing: bool = False
-    precision: str = "fp32"
+    precision: Precision = "fp32"
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class WorkloadView:
     ceiling: int | None  # the guard's current micro-batch ceiling
     last_ok_batch: int | None = None  # the micro-batch of the last step that ran
     floor: int = 1  # the smallest micro-batch the workload can run
-    lower_precisions: tuple[str, ...] = ()  # what `precision` could switch to here, best first
+    lower_precisions: tuple[Precision, ...] = ()  # what `precision` could switch to here, best first
     manual: bool = False  # a user's change overrides the guard until handed back
     last_peak_bytes: int | None = None  # torch's peak allocated during the last step
     last_allocated_bytes: int | None = None  # torch allocated after it
@@ -132,7 +141,7 @@ class GuardedWorkload(Protocol):
 class WorkloadControls(Protocol):
     """What a person (the dashboard's keys) may do to a running workload."""
 
-    precision: str  # the precision of the steps now running (fp32, tf32, bf16, fp16)
+    precision: Precision  # the precision of the steps now running (fp32, tf32, bf16, fp16)
     state: str  # idle, building, running, paused, stopped, failed, finished
 
     @property
@@ -146,7 +155,7 @@ class WorkloadControls(Protocol):
     def stop(self, join: bool = True) -> None: ...
 
 
-def lower_precisions(current: str, bf16_ok: bool = True) -> tuple[str, ...]:
+def lower_precisions(current: str, bf16_ok: bool = True) -> tuple[Precision, ...]:
     """Where a guard may fall back from `current` (only fp32/tf32 have somewhere to go)."""
     if current not in ("fp32", "tf32"):
         return ()

@@ -18,16 +18,13 @@ Rules (the same guard runs any of them, so they compare like for like):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from gpuwatch.contract import NONE, Action
-
-RULES = ("model", "fixed", "accelerate", "composer")
-MODES = ("off", "observe", "on")
+from gpuwatch.contract import GUARD_RULES, NONE, Action, GuardMode, GuardRule
 
 
 @dataclass(frozen=True)
 class GuardConfig:
-    mode: str = "on"  # off | observe (decide and log, act on nothing) | on
-    rule: str = "model"
+    mode: GuardMode = "on"  # off | observe (decide and log, act on nothing) | on
+    rule: GuardRule = "model"
     lower_by: float = 0.2  # lower the ceiling by this fraction of the current batch
     cooldown_s: float = 2.0  # no second action within this long
     clear_ratio: float = 0.5  # the risk counts as low below threshold x this (hysteresis)
@@ -105,8 +102,8 @@ class Policy:
     """Stateful only in time: when it last acted and since when the risk has been low."""
 
     def __init__(self, cfg: GuardConfig) -> None:
-        if cfg.rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}")
+        if cfg.rule not in GUARD_RULES:
+            raise ValueError(f"rule must be one of {GUARD_RULES}")
         self.cfg = cfg
         self._last_action = -1e18
         self._low_since: float | None = None

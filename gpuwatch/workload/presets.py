@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODES = ("prefill", "decode", "train")
 SCHEDULES = ("steady", "soak", "sweep", "ramp", "long")
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu", "rope_theta": 10000.0, "attention_bias": False, "attention_dropout": 0.0,

@@ -19,14 +19,14 @@ from typing import Any, Callable
 import torch
 
 from gpuwatch.predict import ahead as A
-from gpuwatch.contract import Action, StepPlan, WorkloadView, lower_precisions
+from gpuwatch.contract import PRECISIONS, Action, StepPlan, WorkloadView, lower_precisions
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
 from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload.config import Faults, WorkloadConfig  # noqa: F401 - imported from here by callers
 from gpuwatch.workload import model as M
-from gpuwatch.workload.presets import PRECISIONS, config_fields, defaults
+from gpuwatch.workload.presets import config_fields, defaults
 from gpuwatch.workload.schedule import Schedule
 
 
