@@ -121,6 +121,10 @@ class WorkloadView:
     restart_cost_s: float | None = None
     last_step_time_s: float | None = None  # wall time of the last step that ran (all its micro-batches)
     last_tokens: int | None = None  # tokens that step processed (effective batch x sequence length)
+    last_seq_len: int | None = None  # that step's sequence length
+    steps: int = 0  # optimizer steps that ran so far (the planner learns each one's time once)
+    last_checkpointing: bool = False  # activation checkpointing during the last step
+    largest: int | None = None  # the largest micro-batch the workload will run (None: the whole batch)
 
 
 @runtime_checkable
@@ -153,6 +157,25 @@ class WorkloadControls(Protocol):
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def stop(self, join: bool = True) -> None: ...
+
+
+def expand_plan(action: Action, ceiling: int | None, wanted: int | None) -> list[Action]:
+    """A `plan` action as the workload's elementary changes, in the order they apply: the micro-batch
+    ceiling (cleared where the plan's micro-batch is the whole batch), activation checkpointing, precision.
+    Every workload applies a plan through this one function, so a plan means the same in all of them."""
+    if action.kind != "plan":
+        return [action]
+    c: Config = action.value
+    out: list[Action] = []
+    if wanted is not None and c.micro_batch >= wanted:
+        if ceiling is not None:
+            out.append(Action("clear_ceiling", None, action.why))
+    elif c.micro_batch != ceiling:
+        out.append(Action("lower_ceiling" if ceiling is None or c.micro_batch < ceiling else "raise_ceiling",
+                          c.micro_batch, action.why))
+    out.append(Action("checkpointing", bool(c.checkpointing), action.why))
+    out.append(Action("precision", c.precision, action.why))
+    return out
 
 
 def lower_precisions(current: str, bf16_ok: bool = True) -> tuple[Precision, ...]:

@@ -187,6 +187,7 @@ class Session:
             self.guard = Guard(self.bus, cfg.guard, {w.gpu_index: w for w in self.workloads},
                                model.threshold if model is not None else 1.0,
                                rescore=self.scorer.rescore if self.scorer else None, limits=limits, unable=unable,
+                               estimate=self.scorer.estimate if self.scorer else None,
                                snapshot_dir=lambda: self.recorder.dir if self.recorder and not self.recorder.error else None)
             if self.scorer:
                 self.scorer.on_risk = self.guard.on_risk

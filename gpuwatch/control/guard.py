@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
+from gpuwatch.control.planner import Decision, Estimate, Planner
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.ahead import RISK_NEXT
 from gpuwatch.predict.peak import FIRST_STEP_BASE, usable_limit
@@ -32,8 +33,11 @@ class Guard:
     def __init__(self, bus, cfg: GuardConfig, workloads: dict[int | None, GuardedWorkload], threshold: float,
                  rescore: Callable[[int | None, dict], tuple[float, list, dict]] | None = None,
                  snapshot_dir: Callable[[], Path | None] | None = None, clock=time.monotonic,
-                 limits: dict[int | None, int | None] | None = None, unable: str | None = None) -> None:
-        """`unable`: why this guard can never act in this session (no GPU, no risk model): said once."""
+                 limits: dict[int | None, int | None] | None = None, unable: str | None = None,
+                 estimate: Callable[[int | None, list], list] | None = None) -> None:
+        """`unable`: why this guard can never act in this session (no GPU, no risk model): said once.
+        `estimate(gpu, [(Config, seq_len), ...])`: the estimator's (mean, sigma) peak per configuration as a
+        share of the usable limit (predict/plans.py) - with it the planner decides (control/planner.py)."""
         self.bus, self.cfg, self.threshold = bus, cfg, threshold
         self.limits = limits or {}
         self.workloads = workloads
@@ -41,6 +45,9 @@ class Guard:
         self.snapshot_dir = snapshot_dir or (lambda: None)
         self.clock = clock
         self.policies = {g: Policy(cfg) for g in workloads}
+        self.estimate = estimate
+        self.planners = {g: Planner(cfg.planner) for g in workloads}
+        self._kept_at_alarm: dict[int | None, bool] = {}
         self._latest: dict[int | None, dict[str, Any]] = {}
         self._first_scored: set[int | None] = set()  # GPUs whose first step the guard scored itself
         self._lock = threading.Lock()
@@ -138,7 +145,10 @@ class Guard:
         obs = self._observe(w, plan, view, latest)
         obs.fresh = rescored or latest.get("plan") == plan.scored()
         obs.alloc_rising_steps = self._rising(gpu if rank is None else ("rank", rank), view)
+        obs.decision = self._plan(w, plan, view, obs, score_gpu)
         act = self.policies[gpu].decide(obs)
+        if obs.decision is not None:
+            d["plan_decision"] = obs.decision.why
         f = obs.features
         d.update(risk=obs.risk, rescored=rescored, scored_plan=latest.get("plan"), action=act.kind, why=act.why,
                  peak_cross_p=f.get("peak_cross_p"), next_peak_est_frac=f.get("next_peak_est_frac"),
@@ -156,6 +166,30 @@ class Guard:
             self._apply(w, act, obs, rank)
             return act
         return NONE
+
+    def _plan(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, obs: Observation,
+              gpu: int | None) -> Decision | None:
+        """The planner's decision where it can make one: the model rule, an estimator, a workload that takes
+        a `plan`. A decision to keep the configuration at the classifier's alarm is said once per alarm."""
+        if self.estimate is None or self.cfg.rule != "model" or not self.cfg.plan or "plan" not in w.accepts():
+            return None
+
+        def ask(asks):
+            return [None if e is None else Estimate(*e) for e in self.estimate(gpu, list(asks))]
+
+        try:
+            dec = self.planners[w.gpu_index].decide(plan, view, ask, obs.risk, obs.threshold, self.cfg.clear_ratio)
+        except Exception as e:  # noqa: BLE001 - the guard must never take the run down: the threshold rule decides
+            self._unable(w.gpu_index, "planner", f"the planner failed ({type(e).__name__}: {e}); the threshold rule "
+                         "decides", None)
+            return None
+        alarm = obs.risk is not None and obs.risk >= obs.threshold
+        if dec is not None and not dec.change and alarm and not self._kept_at_alarm.get(w.gpu_index):
+            self.bus.emit("guard_plan", f"configuration kept at the classifier's alarm (risk {obs.risk:.2f}): "
+                          f"{dec.why}", gpu=w.gpu_index, chosen=dec.chosen.summary(), current=dec.current.summary(),
+                          weighed=[x.summary() for x in dec.weighed], risk=obs.risk, change=False)
+        self._kept_at_alarm[w.gpu_index] = alarm and dec is not None and not dec.change
+        return dec
 
     def _worth_rescoring(self, plan: StepPlan, latest: dict) -> bool:
         """Score the grown plan now, in the workload's thread (a few ms), only when it could matter: the
@@ -219,7 +253,8 @@ class Guard:
                       next_peak_est_frac=obs.features.get("next_peak_est_frac"),
                       alloc_growth_frac_per_step=obs.features.get("alloc_growth_frac_per_step"),
                       torch_reserved_gap_frac=obs.features.get("torch_reserved_gap_frac"),
-                      **({"decided_on_rank": rank} if rank is not None else {}))
+                      **({"decided_on_rank": rank} if rank is not None else {}),
+                      **(_weighed(obs.decision) if act.kind == "plan" and obs.decision is not None else {}))
         if act.kind == "name_leak":  # naming costs nothing to the run: observe mode does it too
             w.request_snapshot(self.snapshot_dir(), act.why)
         if not self.acting:
@@ -257,6 +292,12 @@ class Guard:
                                         f"last risk {latest.get('risk', float('nan')):.2f})", "error", gpu=gpu,
                           rule=self.cfg.rule, risk=latest.get("risk"), batch=micro)
         return react
+
+
+def _weighed(d: Decision) -> dict[str, Any]:
+    """A plan's event detail: the configurations weighed, the one kept from and the one chosen."""
+    return {"chosen": d.chosen.summary(), "current": d.current.summary(), "weighed": [x.summary() for x in d.weighed],
+            "urgent": d.urgent}
 
 
 def _help_for(unable: str) -> str:

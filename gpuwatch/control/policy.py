@@ -18,7 +18,10 @@ Rules (the same guard runs any of them, so they compare like for like):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
 from gpuwatch.contract import GUARD_RULES, NONE, Action, GuardMode, GuardRule
+from gpuwatch.control.planner import PlannerConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class GuardConfig:
     rescore_from: float = 0.8  # a grown plan is scored before its step when its scaled peak estimate reaches this
     leak_min_steps: int = 4  # torch allocated rose after each of this many steps in a row (a one-off
     # jump, such as the optimizer's state after the first step, is not a leak)
+    plan: bool = True  # the planner decides where the estimator can (control/planner.py); False: thresholds only
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 @dataclass
@@ -77,6 +82,8 @@ class Observation:
     fresh: bool = False  # the risk was scored for this very plan, now (not the plan of a round ago)
     features: dict[str, float] = field(default_factory=dict)
     reasons: list = field(default_factory=list)
+    decision: Any = None  # the planner's (control/planner.Decision) where it made one: it replaces the
+    # threshold rule's lowering and raising; the leak, fragmentation and stop rules stay
 
 
 
@@ -127,6 +134,7 @@ class Policy:
         # scored for this very plan, now, at the alarm is not that (call 23: a cooldown let a step the
         # guard had scored at p 0.97 run unsplit into the OOM)
         urgent = obs.fresh and obs.risk is not None and obs.risk >= obs.threshold and self.cfg.rule == "model"
+        urgent = urgent or (obs.decision is not None and obs.decision.urgent)  # the estimate says it will not fit
         if obs.now_s - self._last_action < self.cfg.cooldown_s and not urgent:
             if leak is not None:
                 self._leak_named = False  # named after the cooldown
@@ -179,6 +187,11 @@ class Policy:
             return leak
         r = obs.risk
         alarm = r is not None and r >= obs.threshold
+        if obs.decision is not None:  # the planner: a change, else the cache's release where it is fragmented
+            self._low_since = None
+            if obs.decision.change:
+                return Action("plan", obs.decision.chosen.config, obs.decision.why)
+            return self._fragmented(obs, alarm) or NONE
         if alarm:  # a smaller micro-batch lowers the peak for sure; the cache's release comes after it
             self._low_since = None
             act = self._reduce(obs)

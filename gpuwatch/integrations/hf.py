@@ -16,6 +16,13 @@ depend on the batch size). When the risk has stayed low the batch is given back 
 stop saves a checkpoint and ends training cleanly. Each restart costs a checkpoint save and load: on
 the H200 benchmark (benchmarks/guard_library.py) they are counted.
 
+The planner (gpuwatch/control/planner.py) weighs, before each step, the per-device batches that keep
+the effective batch and activation checkpointing - the model's own `gradient_checkpointing_enable` /
+`disable`, switched between two steps with no restart - and counts each restart's measured cost (from the
+request to the resumed run's first step) against what a larger batch would gain. The precision is the
+Trainer's (`args.bf16` / `fp16` / `tf32`): the guard never "falls back" to one already in effect, and
+does not switch the Trainer's (that is fixed for a `train()` call).
+
 The sequence length of a step comes from `state.num_input_tokens_seen` (set
 `include_num_input_tokens_seen=True` in the TrainingArguments), else from `seq_len=`.
 """
@@ -52,14 +59,21 @@ class GpuwatchCallback(TrainerCallback):
         self._tokens = 0
         self._said_seq = False
         self._lens: list[int] = []  # the sequence lengths of the last steps (the next one's estimate)
+        self._restart_t0: float | None = None  # when the last restart was asked for (its cost runs to the next step)
+        self.restart_costs: list[float] = []  # seconds per restart: checkpoint save, stop, load, resume
 
     # -- Trainer events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kw):
         if self.loop is None:
+            kw = {"allow_bf16": False, **self.loop_kwargs}  # the Trainer's precision is its args'
             self.loop = GuardedLoop(model, None, record_dir=self.record_dir, name=self.name, guard=self.guard,
                                     guard_config=self.guard_config, label="Hugging Face Trainer",
-                                    device=args.device, **self.loop_kwargs).start()
+                                    device=args.device, precision=trainer_precision(args), **kw)
             self.base_batch = args.per_device_train_batch_size
+            self.loop.largest = self.base_batch
+            self.loop.restart_cost_s = 0.0 if self.restart else None  # 0.0: a restart's cost not measured yet
+            self.loop.start()
+        self.loop.precision = trainer_precision(args)
         self._tokens = state.num_input_tokens_seen or 0
         self._decide(args, state, control)
         return control
@@ -67,6 +81,10 @@ class GpuwatchCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kw):
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        if self._restart_t0 is not None:  # the first step after a restart: what the restart cost
+            self.restart_costs.append(self._t0 - self._restart_t0)
+            self._restart_t0 = None
+            self.loop.restart_cost_s = sum(self.restart_costs) / len(self.restart_costs)
         return control
 
     def on_step_end(self, args, state, control, **kw):
@@ -118,6 +136,7 @@ class GpuwatchCallback(TrainerCallback):
             return
         want = per_device_batch(e, min(self.base_batch or e, plan.batch))
         if self.restart and want != args.per_device_train_batch_size:
+            self._restart_t0 = time.perf_counter()
             self.pending = (want, e // want)
             control.should_save = True
             control.should_training_stop = True
@@ -150,6 +169,15 @@ def next_seq_estimate(lens: list[int]) -> int | None:
     return int(tail[-1] + max(0, rise))
 
 
+def trainer_precision(args) -> str:
+    """The precision a Trainer's arguments run (mixed precision: autocast to it)."""
+    if getattr(args, "bf16", False):
+        return "bf16"
+    if getattr(args, "fp16", False):
+        return "fp16"
+    return "tf32" if getattr(args, "tf32", False) else "fp32"
+
+
 def train(trainer, max_restarts: int = 16, **train_kwargs):
     """`trainer.train(**train_kwargs)`, resumed from its last checkpoint with the per-device batch and
     gradient accumulation the guard asked for, as often as it asks (at most `max_restarts`). An OOM the
@@ -171,6 +199,7 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
             except torch.OutOfMemoryError as e:
                 failed = str(e).splitlines()[0][:300]
             if failed is not None:  # outside the handler: its traceback pins the step's tensors
+                cb._restart_t0 = time.perf_counter()
                 b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
                 cb.ooms += 1
                 if cb.loop is not None:

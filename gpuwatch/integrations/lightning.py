@@ -29,6 +29,12 @@ from gpuwatch.control.policy import GuardConfig
 from gpuwatch.integrations.loop import GuardedLoop, batch_size_of, per_device_batch, seq_len_of
 
 
+def lightning_precision(trainer) -> str:
+    """The precision a Lightning Trainer runs ("bf16-mixed", "16-mixed", "32-true", "bf16-true"...)."""
+    p = str(getattr(trainer, "precision", "32-true"))
+    return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "fp32"
+
+
 class ResizableBatchSampler(torch.utils.data.Sampler):
     """Batches of `batch_size` indices from `sampler`; the size is read when an epoch starts."""
 
@@ -81,9 +87,14 @@ class GpuwatchLightningCallback(L.Callback):
         self._trainer = trainer
         self._step_seen = trainer.global_step
         if self.loop is None:
+            kw = {"allow_bf16": False, **self.loop_kwargs}  # Lightning's precision is fixed for a fit()
             self.loop = GuardedLoop(pl_module, None, record_dir=self.record_dir, name=self.name, guard=self.guard,
                                     guard_config=self.guard_config, label="Lightning Trainer",
-                                    device=pl_module.device, checkpoint=self._save, **self.loop_kwargs).start()
+                                    device=pl_module.device, checkpoint=self._save,
+                                    precision=lightning_precision(trainer), **kw)
+            self.base_batch = self.base_batch or None
+            self.loop.largest = self.base_batch
+            self.loop.start()
         self._can_resize = self.sampler is not None and trainer.reload_dataloaders_every_n_epochs == 1
         if not self._can_resize:
             self.loop.bus.emit("guard_unable", "Lightning: the guard cannot change the batch of this data loader; it "

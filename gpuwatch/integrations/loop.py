@@ -38,11 +38,12 @@ from typing import Any, Callable
 
 import torch
 
-from gpuwatch.contract import Action, StepPlan, WorkloadView
+from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
 from gpuwatch.workload import flops as F
+from gpuwatch.workload import mechanics as X
 from gpuwatch.workload.allocator import release_cache
 
 Batch = Any  # a tensor, or a Mapping / tuple / list of tensors whose first dimension is the batch
@@ -59,15 +60,24 @@ class GuardedLoop:
                  precision: str = "fp32", allow_bf16: bool = True, min_micro_batch: int = 1,
                  risk_model: str | Path | None = None, use_model: bool = True, threshold: float | None = None,
                  source: str | None = None, gpu_index: int | None = None, sampler: str = "process",
-                 interval_s: float = 0.1, record_loss: bool = True, label: str = "user loop") -> None:
+                 interval_s: float = 0.1, record_loss: bool = True, label: str = "user loop",
+                 checkpointing: Callable[[bool], Any] | None = None) -> None:
         """`memory_limit` (bytes) caps this process's CUDA memory (set_per_process_memory_fraction) and
         is what the risk is measured against; `checkpoint(step)` is called before a clean stop;
         `precision` is what your loop runs (the guard may switch fp32 to bf16 autocast when
         `allow_bf16`); `source` replays a recording as the live telemetry (tests, demos) and
-        `gpu_index` ties the loop to one of its GPUs."""
+        `gpu_index` ties the loop to one of its GPUs. `checkpointing(on)`: your switch for activation
+        checkpointing, where the model is not a transformers model (whose own switch is used); with either,
+        the planner may turn it on to keep the batch (control/planner.py). `precision` is read from an
+        autocast around `step()` where there is one."""
         self.model, self.optimizer, self.checkpoint = model, optimizer, checkpoint
         self.device = torch.device(device) if device is not None else _device_of(model)
         self.precision = precision
+        self.checkpointing_hook = checkpointing
+        self.checkpointing = X.checkpointing_now(model)  # activation checkpointing on now
+        self.restart_cost_s: float | None = None  # a framework that restarts to change the micro-batch sets it
+        self.largest: int | None = None  # a framework's largest per-device batch (its user's), where it has one
+        self._last_dt: float | None = None
         self.allow_bf16 = allow_bf16
         self.floor = max(1, int(min_micro_batch))
         self.memory_limit_bytes = memory_limit
@@ -196,6 +206,7 @@ class GuardedLoop:
         if self.should_stop:
             return None
         t_in = time.perf_counter()
+        self.precision = X.autocast_precision(self.device.type, self.precision)  # the caller's autocast, if any
         n = batch_size_of(batch)
         s = seq_len if seq_len is not None else seq_len_of(batch)
         if self.decide(n, s) is None:
@@ -212,9 +223,10 @@ class GuardedLoop:
             try:
                 loss = self._run(batch, n, k, loss_fn)
             except Exception as e:  # noqa: BLE001 - classified below, outside the handler
-                if not _is_oom(e):
+                if not X.is_oom(e):
+                    self.fail(e)
                     raise
-                failure = str(e).splitlines()[0][:300]
+                failure = X.first_line(e)
             if failure is None:
                 break
             if not self._recover(failure, n, s, micro, before):  # outside the except: its traceback pins tensors
@@ -227,6 +239,17 @@ class GuardedLoop:
         self._record(n, s, micro, k, loss, dt)
         self.step_overhead_s = (self.step_overhead_s + [overhead + time.perf_counter() - t1])[-1000:]
         return loss
+
+    def fail(self, exc: BaseException) -> None:
+        """The user's step raised (not an OOM): recorded as a `workload_error` before it propagates, so the
+        session says the loop died, and where, instead of "finished"."""
+        if self.state == "failed":
+            return
+        self.state = "failed"
+        self.stopped = f"{type(exc).__name__}: {X.first_line(exc)}"
+        if self.session is not None:
+            self.bus.emit("workload_error", f"{self.label} failed at step {self.steps}: {self.stopped}", "error",
+                          gpu=self.gpu_index, step=self.steps, error=self.stopped, exception=type(exc).__name__)
 
     # -- frameworks that run the step themselves (Hugging Face, Lightning) ----------------------------------
     def decide(self, batch_size: int, seq_len: int) -> StepPlan | None:
@@ -285,6 +308,9 @@ class GuardedLoop:
                     loss = loss_fn(part)
             else:
                 loss = loss_fn(part)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"loss_fn must return a scalar tensor (got shape {shape})")
             (loss * w).backward()
             d = loss.detach() * w
             total = d if total is None else total + d
@@ -298,6 +324,7 @@ class GuardedLoop:
         self.steps += 1
         self.state = "running"
         self.last_ok_batch = micro
+        self._last_dt = dt
         mem = self._mem()
         if self._baseline is None and self.device.type == "cuda" and self.guard is not None:
             from gpuwatch.workload.memsnap import baseline
@@ -308,7 +335,8 @@ class GuardedLoop:
                "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
                "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
                "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
-               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.ceiling)}
+               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.ceiling),
+               "checkpointing": self.checkpointing}
         if len(self._shapes) > 1:  # wrap knows the next batch: that is the plan
             nb, ns = self._shapes[1]
             row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
@@ -337,27 +365,30 @@ class GuardedLoop:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.bus.emit("oom", f"CUDA OOM at batch {micro} x {s} ({self.precision})", "error", gpu=self.gpu_index,
-                      batch=micro, seq_len=s, precision=self.precision, error=failure, effective_batch=n,
-                      allocated_before=before, step=self.steps, micro_batches=-(-n // micro),
-                      reserved_before=self._last.get("torch_reserved_bytes"), limit_bytes=self.memory_limit_bytes,
-                      guard_decision=None if self.guard is None else self.guard.last_decision.get(self.gpu_index))
+        self.bus.emit("oom", X.oom_message(micro, s, self.precision), "error", gpu=self.gpu_index,
+                      **X.oom_detail(micro=micro, seq=s, precision=self.precision, error=failure, effective_batch=n,
+                                     allocated_before=before, step=self.steps, checkpointing=self.checkpointing,
+                                     phase=None, reserved_before=self._last.get("torch_reserved_bytes"),
+                                     limit_bytes=self.memory_limit_bytes,
+                                     guard_decision=None if self.guard is None else self.guard.last_decision.get(self.gpu_index)))
         if self.guard is not None:
             self.guard.after_oom(self, n, micro)
         after = self._mem().get("torch_allocated_bytes")
         if micro <= self.floor:
             self.bus.emit("oom_recovered", "not recovered: the micro-batch is at its floor; stopping cleanly",
-                          "error", gpu=self.gpu_index, decision="stop", who="recovery", retried=False,
-                          allocated_after=after, allocated_before=before)
+                          "error", gpu=self.gpu_index,
+                          **X.recovered_detail(decision="stop", retried=False, allocated_before=before,
+                                               allocated_after=after, next_batch=None, next_seq_len=None,
+                                               next_precision=None))
             self._stop(f"OOM at the micro-batch floor ({micro} x {s})")
             return False
         self.ceiling = max(self.floor, micro // 2)
         self.retries += 1
         self.bus.emit("oom_recovered", f"recovered: micro-batch ceiling -> {self.ceiling}, same step retried "
-                      f"(effective batch {n} kept)", "warning", gpu=self.gpu_index, who="recovery", retried=True,
-                      decision=f"ceiling -> {self.ceiling}", retry_control="ceiling", retry_value=self.ceiling,
-                      allocated_after=after, allocated_before=before, next_batch=self.ceiling, next_seq_len=s,
-                      next_precision=self.precision)
+                      f"(effective batch {n} kept)", "warning", gpu=self.gpu_index,
+                      **X.recovered_detail(decision=f"ceiling -> {self.ceiling}", retried=True, retry_control="ceiling",
+                                           retry_value=self.ceiling, allocated_before=before, allocated_after=after,
+                                           next_batch=self.ceiling, next_seq_len=s, next_precision=self.precision))
         return True
 
     def _stop(self, why: str) -> None:
@@ -376,12 +407,7 @@ class GuardedLoop:
         self.state = "stopped"
 
     def _mem(self) -> dict[str, Any]:
-        if self.device.type != "cuda":
-            return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}
-        d = self.device
-        return {"torch_allocated_bytes": torch.cuda.memory_allocated(d),
-                "torch_reserved_bytes": torch.cuda.memory_reserved(d),
-                "torch_peak_bytes": torch.cuda.max_memory_allocated(d)}
+        return X.memory(self.device)
 
     # -- the guard's contract (GuardedWorkload) ------------------------------------------------------------
     def next_plan(self) -> StepPlan | None:
@@ -393,7 +419,8 @@ class GuardedLoop:
         ah = A.capped(A.pick(self._shapes), self.ceiling)  # this step first
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
                         micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n,
-                        ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"])
+                        ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"],
+                        checkpointing=self.checkpointing)
 
     def guard_view(self) -> WorkloadView:
         last = self._last
@@ -402,10 +429,21 @@ class GuardedLoop:
                             floor=self.floor, lower_precisions=lower, manual=self.manual,
                             last_peak_bytes=last.get("torch_peak_bytes"),
                             last_allocated_bytes=last.get("torch_allocated_bytes"),
-                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type)
+                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type,
+                            checkpointing=self.checkpointing if self.can_checkpoint else None,
+                            restart_cost_s=self.restart_cost_s, last_step_time_s=self._last_dt,
+                            last_tokens=(int(last["batch"]) * int(last["seq_len"])) if last else None,
+                            last_seq_len=last.get("seq_len"), steps=self.steps,
+                            last_checkpointing=bool(last.get("checkpointing")), largest=self.largest)
+
+    @property
+    def can_checkpoint(self) -> bool:
+        return X.can_checkpoint(self.model, self.checkpointing_hook)
 
     def accepts(self) -> frozenset[str]:
-        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "stop"}
+        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "stop", "plan"}
+        if self.can_checkpoint:
+            acts.add("checkpointing")
         if self.allow_bf16:
             acts.add("precision")
         if self.device.type == "cuda":
@@ -419,8 +457,12 @@ class GuardedLoop:
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        for act, who in pending:
+        steps = [a for act, who in pending
+                 for a in ((x, who) for x in expand_plan(act, self.ceiling, (self._wanted or (None,))[0]))]
+        for act, who in steps:
             k, v = act.kind, act.value
+            if k in ("checkpointing", "precision") and v == (self.checkpointing if k == "checkpointing" else self.precision):
+                continue  # a plan restates what is already in effect
             if k in ("lower_ceiling", "raise_ceiling", "refuse_step"):
                 v = max(self.floor, int(v))
                 self.ceiling = v
@@ -428,6 +470,11 @@ class GuardedLoop:
                 self.ceiling = v = None
             elif k == "precision":
                 self.precision = v
+            elif k == "checkpointing":
+                if not self.can_checkpoint:
+                    continue
+                X.set_checkpointing(self.model, bool(v), self.checkpointing_hook)
+                self.checkpointing = v = bool(v)
             elif k == "release_cache":
                 v = ", ".join(release_cache(self.device, expandable=bool(v))) or "nothing to release here"
                 self.remedies.append(v)
@@ -502,10 +549,6 @@ def _device_of(model) -> torch.device:
 
 def _bf16_ok(dev: torch.device) -> bool:
     return dev.type != "cuda" or bool(torch.cuda.is_bf16_supported())
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def _first_tensor(batch: Batch, min_dim: int = 0) -> torch.Tensor | None:

@@ -183,6 +183,15 @@ class LiveScorer:
             self._publish(gpu, w.end_us, r, why, plan="rescored")
             return r, why, f
 
+    def estimate(self, gpu: int | None, asks: list) -> list:
+        """The estimator's peak of each (Config, seq_len) on this GPU's live window, a share of the usable
+        limit (predict/plans.py); the planner's question, asked between steps. Nothing is published."""
+        from gpuwatch.predict.plans import estimate
+
+        with self._publish_lock:
+            w = self.source.window(gpu)
+        return estimate(w, asks)
+
     def score_once(self) -> None:
         c0 = time.thread_time_ns()
         for g in [m.index for m in self.source.gpus]:

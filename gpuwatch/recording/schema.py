@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import polars as pl
 
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
 # A process on a GPU. pid and used_bytes come with every tick (NVML's compute-apps); the rest is added once a
@@ -87,6 +87,8 @@ STEPS: dict[str, pl.DataType] = {
     "ahead_batch": pl.UInt32,
     "ahead_seq_len": pl.UInt32,
     "ahead_steps": pl.UInt16,
+    # v5: activation (gradient) checkpointing on during the step (null: not known, read as off)
+    "checkpointing": pl.Boolean,
 }
 
 # One row per (scoring, GPU): the failure risk that was live at that moment (v2).
@@ -120,7 +122,7 @@ EVENT_KINDS = (
     "phase", "recorder_error", "workload_error", "workload_start", "workload_stop", "sla_breach",
     "risk_alarm", "risk_clear", "guard_override", "guard_miss", "memory_snapshot", "compile",
     "recorder_resumed", "sampler_error", "session_resumed", "detached", "guard_unable", "guard_remedy",
-    "collective", "dp_engine", "control_refused", "deadline",
+    "collective", "dp_engine", "control_refused", "deadline", "guard_plan",
 )
 
 

@@ -133,7 +133,9 @@ class DistributedWorkload(Workload):
 
     # -- the control plane -----------------------------------------------------------------------------
     def accepts(self) -> frozenset[str]:
-        return super().accepts() - ({"precision"} if self.dp == "fsdp" else set())
+        # the planner's plan and checkpointing are not offered across ranks yet (each rank would switch its own
+        # model between steps; not measured under DDP/FSDP): the threshold rule decides for a job
+        return super().accepts() - {"plan", "checkpointing"} - ({"precision"} if self.dp == "fsdp" else set())
 
     def _apply_controls(self) -> None:
         with self._lock:

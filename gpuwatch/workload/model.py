@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from gpuwatch.workload import mechanics
+
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -176,10 +178,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def is_oom(exc: BaseException) -> bool:
-    """A CUDA OOM, or the CPU allocator's equivalent ("DefaultCPUAllocator: can't allocate memory")."""
-    text = str(exc).lower()
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+is_oom = mechanics.is_oom  # the one OOM check (workload/mechanics.py); kept under this name for the model's callers
 
 
 # -- fast decode: gpuwatch's own step over the model's modules, captured as CUDA graphs ---------------------

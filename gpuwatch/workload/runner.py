@@ -19,10 +19,11 @@ from typing import Any, Callable
 import torch
 
 from gpuwatch.predict import ahead as A
-from gpuwatch.contract import PRECISIONS, Action, StepPlan, WorkloadView, lower_precisions
+from gpuwatch.contract import PRECISIONS, Action, StepPlan, WorkloadView, expand_plan, lower_precisions
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
+from gpuwatch.workload import mechanics as X
 from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload.config import Faults, WorkloadConfig  # noqa: F401 - imported from here by callers
 from gpuwatch.workload import model as M
@@ -79,6 +80,7 @@ class Workload:
         self._ahead: dict[str, Any] = {}  # the step columns ahead_* of the last step (predict/ahead.py)
         self.ends_at: float | None = None  # when the run ends (epoch s; --duration): the lookahead ends there
         self.remedies: list[str] = []  # allocator remedies applied (cache released, expandable segments)
+        self.checkpointing = False  # activation checkpointing (train: the model's own switch; the planner's remedy)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.device_name = name or "CPU"
 
@@ -169,7 +171,8 @@ class Workload:
         return StepPlan(batch=p["batch"], seq_len=p["seq_len"], precision=p["precision"], mode=self.cfg.mode,
                         micro_batches=k, effective_batch=p["effective_batch"],
                         wanted_batch=wanted[0] if wanted else p["batch"], ahead_batch=p["ahead_batch"],
-                        ahead_seq_len=p["ahead_seq_len"], ahead_steps=p["ahead_steps"])
+                        ahead_seq_len=p["ahead_seq_len"], ahead_steps=p["ahead_steps"],
+                        checkpointing=self.checkpointing)
 
     def guard_view(self) -> WorkloadView:
         last = self.last or {}
@@ -177,10 +180,22 @@ class Workload:
                             lower_precisions=lower_precisions(self.precision, self.bf16_supported),
                             manual=self.manual, last_peak_bytes=last.get("torch_peak_bytes"),
                             last_allocated_bytes=last.get("torch_allocated_bytes"),
-                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type)
+                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type,
+                            checkpointing=self.checkpointing if self._can_checkpoint() else None,
+                            last_step_time_s=last.get("step_time_s"),
+                            last_tokens=(int(last["batch"]) * int(last["seq_len"])) if last else None,
+                            last_seq_len=last.get("seq_len"), steps=self._step,
+                            last_checkpointing=bool(last.get("checkpointing")))
+
+    def _can_checkpoint(self) -> bool:
+        """Train mode on the model's own switch (not under the data-parallel engines, not the decode engine)."""
+        m = getattr(self, "model", None)
+        return self.cfg.mode == "train" and (m is None or X.can_checkpoint(m))
 
     def accepts(self) -> frozenset[str]:
-        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "precision", "stop"}
+        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "precision", "stop", "plan"}
+        if self._can_checkpoint():
+            acts.add("checkpointing")
         if self.device.type == "cuda":
             acts |= {"release_cache", "name_leak"}
         return frozenset(acts)
@@ -195,7 +210,15 @@ class Workload:
         elif k == "refuse_step":  # one control: a separate ceiling would be overridden by the hold
             self.hold(who=who, why=why, batch=v)
         elif k == "precision":
-            self.set_precision(v, who=who, why=why)
+            if v != self.precision:
+                self.set_precision(v, who=who, why=why)
+        elif k == "checkpointing":
+            if bool(v) != self.checkpointing:
+                self._put("checkpointing", bool(v), who, why)
+        elif k == "plan":  # the planner's configuration, as the elementary changes (contract.expand_plan)
+            wanted = self.schedule.wanted()
+            for a in expand_plan(action, self.schedule.ceiling, wanted[0] if wanted else None):
+                self.apply(a, who)
         elif k == "release_cache":
             self._put("release_cache", bool(v), who, why)
         elif k == "stop":  # a leak: end cleanly (the summary and the recording close as after --duration)
@@ -349,6 +372,11 @@ class Workload:
             elif key == "release_cache":
                 value = ", ".join(release_cache(self.device, expandable=value)) or "nothing to release here"
                 self.remedies.append(value)
+            elif key == "checkpointing":
+                if value == self.checkpointing or getattr(self, "model", None) is None:
+                    continue
+                X.set_checkpointing(self.model, value)
+                self.checkpointing = value
             elif key == "precision":
                 if value == self.precision:
                     continue
@@ -483,7 +511,8 @@ class Workload:
                 "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
-                **M.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k}
+                **M.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
+                "checkpointing": self.checkpointing if mode == "train" else None}
 
     def _impl_label(self) -> str | None:
         """What ran the step: the experts implementation, and for the decode engine its path and mode
@@ -507,9 +536,10 @@ class Workload:
         self.ooms += 1
         gpu = self.cfg.gpu_index
         micro = micro or batch
-        self.bus.emit("oom", f"CUDA OOM at batch {micro} x {seq} ({self.precision})", "error", gpu=gpu,
-                      batch=micro, seq_len=seq, precision=self.precision, error=message, effective_batch=batch,
-                      allocated_before=before, phase=self.schedule.plan()[2] if not self.schedule.finished else None)
+        self.bus.emit("oom", X.oom_message(micro, seq, self.precision), "error", gpu=gpu,
+                      **X.oom_detail(micro=micro, seq=seq, precision=self.precision, error=message, effective_batch=batch,
+                                     allocated_before=before, step=self._step, checkpointing=self.checkpointing,
+                                     phase=self.schedule.plan()[2] if not self.schedule.finished else None))
         self._leak.clear()  # the leak fault's memory is what a real leak fix would release
         if getattr(self, "decoder", None) is not None:
             self.decoder.release()
@@ -546,11 +576,10 @@ class Workload:
             self._resume.set()
             decision = "stop: " + self.stopped_by
         self.bus.emit("oom_recovered", f"recovered: {decision}", "warning", gpu=gpu,
-                      allocated_after=after, allocated_before=before, decision=decision, who="recovery",
-                      retried=react is not None, retry_control=react[0] if react else None,
-                      retry_value=react[1] if react else None,
-                      back_to_pre_step=(after is not None and before is not None and after <= before),
-                      **self._next_plan_detail())
+                      **X.recovered_detail(decision=decision, retried=react is not None,
+                                           retry_control=react[0] if react else None,
+                                           retry_value=react[1] if react else None, allocated_before=before,
+                                           allocated_after=after, **self._next_plan_detail()))
         return react is not None
 
     def _next_plan_detail(self) -> dict[str, Any]:

@@ -1,0 +1,323 @@
+"""The planner: before a step, the configuration for the coming steps from the memory estimate - not a
+risk threshold and a timer.
+
+Why: the threshold rule compares one risk with one number, lowers the batch by a fifth and gives it back
+after 15 s of low risk. In a curriculum (each step longer than the last) the give-back walks into the OOM
+the guard exists to prevent (a user's Hugging Face run: two OOMs, each 5 s after a raise, and 8 Trainer
+restarts in 253 s). The estimator (predict/peak.py) can say, for any micro-batch, sequence length,
+precision and checkpointing setting, what the step's peak will be, with its spread. So the planner:
+
+1. lists the configurations the workload can switch to between steps without changing what it computes:
+   micro-batches under the effective batch (divisors of it where a change restarts the framework),
+   activation checkpointing on or off where the workload can switch it, and - only where nothing at the
+   current precision fits - a lower precision;
+2. asks the estimator for each one's peak over the coming steps: the next step's and the lookahead's
+   sequence length where the workload knows them, else the trend of recent lengths carried over the steps
+   the configuration would run for (two steps for a change that is free to undo, the planning horizon for
+   one that costs a restart), and where the next batch is unknown the longest of the recent ones too;
+3. keeps the current configuration while P(peak > usable limit) <= `p_max`; a new one must pass the same
+   test against `change_margin` of the usable limit (hysteresis: a change is never made to the edge);
+4. among the configurations that fit, values each by its expected tokens/s - a line a + b x tokens per
+   micro-batch fitted to the step times measured in each (checkpointing, precision) group, a prior where
+   a group has not run yet (checkpointing's recompute x 4/3 until measured) - over the horizon less the
+   measured restart cost where the change restarts the framework;
+5. changes only when the current does not fit, or when the best is `min_gain` better and - for a change
+   that needs more memory (a larger micro-batch, checkpointing off) - the classifier's risk is below
+   `clear_ratio` x its threshold too. No timer: a give-back happens when the estimate says it fits the
+   coming steps, and not before.
+Where there is no estimate (no step has run; no model), the threshold rule of control/policy.py decides.
+Every decision to change is a `guard_plan` event listing the configurations weighed. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from gpuwatch.contract import Config, Precision, StepPlan, WorkloadView
+
+CKPT_TIME_PRIOR = 4.0 / 3.0  # a recomputed forward: ~1/3 of a training step more, until measured
+FIXED_SHARE_PRIOR = 0.10  # of a micro-batch's time that does not scale with its tokens, until measured
+RESTART_PRIOR_S = 10.0  # a restart not measured yet (a Trainer's checkpoint save + load)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration's estimated peak over the coming steps, as fractions of the usable limit."""
+
+    mean: float
+    sigma: float
+
+    def p_over(self, margin: float) -> float:
+        """P(peak > margin x usable limit), the estimate taken as normal."""
+        s = max(self.sigma, 1e-6)
+        return 0.5 * math.erfc((margin - self.mean) / s / math.sqrt(2.0))
+
+
+# (configurations, sequence length each is asked at) -> their estimates (None: no estimate for it)
+EstimateFn = Callable[[Sequence[tuple[Config, int]]], list[Estimate | None]]
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    p_max: float = 0.05  # the most P(peak > margin) a configuration may have
+    change_margin: float = 0.95  # a new configuration must fit under this share of the usable limit
+    alarm_margin: float = 0.90  # ... and under this while the classifier is at its alarm
+    min_gain: float = 0.05  # a change that is not needed must be worth this much more tokens/s
+    horizon_s: float = 60.0  # what a configuration is valued over, and a restart's change is checked for
+    max_candidates: int = 12  # micro-batch sizes weighed at most
+
+
+@dataclass(frozen=True)
+class Weighed:
+    config: Config
+    micro_batches: int
+    seq_len: int  # the sequence length its peak was estimated at
+    peak: Estimate | None
+    p_over: float
+    fits: bool
+    tokens_per_s: float | None
+    restart: bool
+    value: float
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"micro_batch": c.micro_batch, "checkpointing": c.checkpointing, "precision": c.precision,
+                "micro_batches": self.micro_batches, "seq_len": self.seq_len,
+                "peak_frac": None if self.peak is None else round(self.peak.mean, 4),
+                "peak_sigma": None if self.peak is None else round(self.peak.sigma, 4),
+                "p_over": round(self.p_over, 4), "fits": self.fits,
+                "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
+                "restart": self.restart, "value": round(self.value, 1)}
+
+
+@dataclass(frozen=True)
+class Decision:
+    chosen: Weighed
+    current: Weighed
+    weighed: tuple[Weighed, ...]
+    change: bool
+    urgent: bool  # the current configuration does not fit the coming steps
+    why: str
+
+
+@dataclass
+class _Times:
+    """Step times per (checkpointing, precision): (tokens per micro-batch, seconds per micro-batch)."""
+
+    obs: dict[tuple[bool, str], deque] = field(default_factory=dict)
+
+    def add(self, ckpt: bool, prec: str, micro_tokens: float, per_micro_s: float) -> None:
+        self.obs.setdefault((ckpt, prec), deque(maxlen=32)).append((micro_tokens, per_micro_s))
+
+    def line(self, ckpt: bool, prec: str) -> tuple[float, float] | None:
+        """(a, b): seconds per micro-batch = a + b x its tokens, where this group ran; else from another."""
+        own = self._fit(self.obs.get((ckpt, prec)))
+        if own is not None:
+            return own
+        for (c, p), d in self.obs.items():  # another precision, same checkpointing: assumed the same pace
+            if c == ckpt and (got := self._fit(d)) is not None:
+                return got
+        for (c, _p), d in self.obs.items():
+            got = self._fit(d)
+            if got is not None:
+                f = CKPT_TIME_PRIOR if ckpt and not c else 1.0 / CKPT_TIME_PRIOR
+                return got[0] * f, got[1] * f
+        return None
+
+    @staticmethod
+    def _fit(d: deque | None) -> tuple[float, float] | None:
+        if not d:
+            return None
+        xs = [t for t, _ in d]
+        ys = [s for _, s in d]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx > 0 and max(xs) > 1.2 * min(xs):  # two sizes apart enough: the measured line
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+            a = my - b * mx
+            if b > 0 and a >= 0:
+                return a, b
+        # one size (or a line that says nothing): a fixed share of the time as the prior
+        ys_sorted = sorted(ys)
+        t = ys_sorted[len(ys_sorted) // 2]
+        x = sorted(xs)[len(xs) // 2]
+        return FIXED_SHARE_PRIOR * t, (1 - FIXED_SHARE_PRIOR) * t / max(x, 1.0)
+
+
+class Planner:
+    """Per workload: the step times it has seen, the recent sequence lengths, and the restart cost."""
+
+    def __init__(self, cfg: PlannerConfig | None = None) -> None:
+        self.cfg = cfg or PlannerConfig()
+        self.times = _Times()
+        self.lens: deque = deque(maxlen=16)
+        self._steps_seen = 0
+        self._paces: deque = deque(maxlen=8)
+
+    def observe(self, view: WorkloadView, precision: str) -> None:
+        """Learn the last step (once per step): its time per micro-batch in its configuration."""
+        if view.steps <= self._steps_seen:
+            return
+        self._steps_seen = view.steps
+        if view.last_seq_len:
+            self.lens.append(int(view.last_seq_len))
+        dt, tok, micro, s = view.last_step_time_s, view.last_tokens, view.last_ok_batch, view.last_seq_len
+        if not (dt and dt > 0 and tok and micro and s):
+            return
+        n = max(1, round(tok / s))
+        k = math.ceil(n / micro)
+        self.times.add(bool(view.last_checkpointing), precision, float(micro * s), dt / k)
+        self._paces.append(dt)
+
+    # -- the coming steps ---------------------------------------------------------------------------------
+    def _pace_s(self) -> float | None:
+        p = sorted(self._paces)
+        return p[len(p) // 2] if p else None
+
+    def coming_seq(self, plan: StepPlan, steps_ahead: float) -> int:
+        """The longest sequence the configuration will meet within `steps_ahead` steps."""
+        s = max(int(plan.seq_len), int(plan.ahead_seq_len or 0))
+        lens = list(self.lens)
+        if len(lens) >= 3:
+            slope = _slope(lens)
+            if slope > 0:
+                s = max(s, int(math.ceil(lens[-1] + slope * steps_ahead)))
+        if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
+            s = max(s, max(lens))
+        return s
+
+    def _horizon_steps(self) -> float:
+        p = self._pace_s()
+        return max(2.0, self.cfg.horizon_s / p) if p else 2.0
+
+    # -- the candidates -----------------------------------------------------------------------------------
+    def candidates(self, plan: StepPlan, view: WorkloadView, precisions: Sequence[Precision]) -> list[Config]:
+        n = int(plan.wanted_batch or plan.effective_batch or plan.batch)
+        floor = max(1, int(view.floor))
+        sizes: list[int] = []
+        for k in range(1, n + 1):
+            m = math.ceil(n / k)
+            if m < floor:
+                break
+            if view.largest is not None and m > view.largest:
+                continue
+            if view.restart_cost_s is not None and n % m:
+                continue  # a framework's per-device batch keeps the effective batch only as a divisor
+            if m not in sizes:
+                sizes.append(m)
+        if len(sizes) > self.cfg.max_candidates:  # evenly spread over the sizes, the largest and smallest kept
+            top = len(sizes) - 1
+            sizes = [sizes[i] for i in sorted({round(i * top / (self.cfg.max_candidates - 1))
+                                               for i in range(self.cfg.max_candidates)})]
+        cur = plan.batch
+        if cur not in sizes:
+            sizes.append(cur)
+        ckpts = [False, True] if view.checkpointing is not None and plan.mode == "train" else [bool(plan.checkpointing)]
+        return [Config(m, c, p) for p in precisions for c in ckpts for m in sizes]
+
+    def decide(self, plan: StepPlan, view: WorkloadView, estimate: EstimateFn, risk: float | None = None,
+               threshold: float = 1.0, clear_ratio: float = 0.5) -> Decision | None:
+        """The configuration for the coming steps, or None where the estimator has nothing to say."""
+        self.observe(view, plan.precision)
+        cfg = self.cfg
+        current = Config(plan.batch, bool(plan.checkpointing), plan.precision)
+        n = int(plan.wanted_batch or plan.effective_batch or plan.batch)
+        alarm = risk is not None and risk >= threshold
+        near = 2.0
+        far = self._horizon_steps()
+
+        def weigh(configs: list[Config]) -> list[Weighed]:
+            asks = []
+            for c in configs:
+                restart = view.restart_cost_s is not None and c.micro_batch != current.micro_batch
+                asks.append((c, self.coming_seq(plan, far if restart else near), restart))
+            ests = estimate([(c, s) for c, s, _r in asks])
+            out = []
+            for (c, s, restart), e in zip(asks, ests):
+                is_cur = c == current
+                margin = 1.0 if is_cur else cfg.change_margin
+                if alarm:
+                    margin = min(margin, cfg.alarm_margin)
+                p = e.p_over(margin) if e is not None else 1.0
+                tps = self._tokens_per_s(c, n, s)
+                value = (tps or 0.0) * self._left(restart, view)
+                out.append(Weighed(c, math.ceil(n / c.micro_batch), s, e, p, e is not None and p <= cfg.p_max,
+                                   tps, restart, value))
+            return out
+
+        weighed = weigh(self.candidates(plan, view, [plan.precision]))
+        if not any(w.peak is not None for w in weighed):
+            return None
+        cur = next(w for w in weighed if w.config == current)
+        fitting = [w for w in weighed if w.fits]
+        if not fitting and view.lower_precisions:  # nothing at this precision: a lower one is weighed too
+            weighed += weigh(self.candidates(plan, view, list(view.lower_precisions)))
+            fitting = [w for w in weighed if w.fits]
+        if cur.fits:
+            better = [w for w in fitting if w is not cur and w.value >= (1 + cfg.min_gain) * cur.value
+                      and (not self._needs_more(w.config, current) or
+                           (risk is not None and risk < clear_ratio * threshold))]
+            if not better:
+                return Decision(cur, cur, tuple(weighed), False, False,
+                                f"kept: peak {_est(cur)} fits the coming steps (seq {cur.seq_len})")
+            best = max(better, key=lambda w: w.value)
+            return Decision(best, cur, tuple(weighed), True, False,
+                            f"{_name(best.config)}: peak {_est(best)} fits the coming steps (seq {best.seq_len}) at "
+                            f"{best.value / max(cur.value, 1e-9):.2f}x the expected tokens/s of {_name(current)}")
+        if fitting:
+            best = max(fitting, key=lambda w: w.value)
+            why = "at the classifier's alarm, " if alarm and cur.p_over <= cfg.p_max * 4 else ""
+            return Decision(best, cur, tuple(weighed), True, True,
+                            f"{why}{_name(current)} peak {_est(cur)} would cross the limit (P {cur.p_over:.2f}) within "
+                            f"the coming steps (seq {cur.seq_len}); {_name(best.config)} peak {_est(best)} fits, "
+                            f"best expected tokens/s of {len(fitting)} that fit")
+        known = [w for w in weighed if w.peak is not None]
+        low = min(known, key=lambda w: w.peak.mean)  # nothing fits: the smallest peak, where smaller than now
+        if cur.peak is not None and low.peak.mean < cur.peak.mean and low.config != current:
+            return Decision(low, cur, tuple(weighed), True, True,
+                            f"nothing fits the coming steps (seq {cur.seq_len}); {_name(low.config)} has the smallest "
+                            f"peak {_est(low)}")
+        return None
+
+    def _tokens_per_s(self, c: Config, n: int, s: int) -> float | None:
+        line = self.times.line(c.checkpointing, c.precision)
+        if line is None:
+            return None
+        a, b = line
+        k = math.ceil(n / c.micro_batch)
+        t = k * (a + b * c.micro_batch * s)
+        return n * s / t if t > 0 else None
+
+    def _left(self, restart: bool, view: WorkloadView) -> float:
+        if not restart:
+            return 1.0
+        cost = view.restart_cost_s or RESTART_PRIOR_S  # 0.0: none measured yet
+        return max(0.0, self.cfg.horizon_s - cost) / self.cfg.horizon_s
+
+    @staticmethod
+    def _needs_more(c: Config, cur: Config) -> bool:
+        return c.micro_batch > cur.micro_batch or (cur.checkpointing and not c.checkpointing) or \
+            _bytes(c.precision) > _bytes(cur.precision)
+
+
+def _bytes(p: str) -> int:
+    return 4 if p in ("fp32", "tf32") else 2
+
+
+def _slope(ys: list[int]) -> float:
+    n = len(ys)
+    mx, my = (n - 1) / 2.0, sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx if sxx else 0.0
+
+
+def _est(w: Weighed) -> str:
+    return "?" if w.peak is None else f"{w.peak.mean:.0%} +- {w.peak.sigma:.0%}"
+
+
+def _name(c: Config) -> str:
+    return f"micro-batch {c.micro_batch}" + (" + checkpointing" if c.checkpointing else "") + f" {c.precision}"

@@ -1,0 +1,83 @@
+"""The estimator's peak for configurations the workload has not chosen yet - the planner's question
+(control/planner.py): for a micro-batch, sequence length, precision and activation-checkpointing setting,
+what will the step's peak be, as a share of the usable limit, and how sure is that?
+
+The same fit as the risk's features (`peak.fit_steps` over the window's steps, `usable_limit`, the shapes
+that failed in the session), made once per (checkpointing, precision) and asked at every configuration:
+- steps that ran with checkpointing on are their own group (`steps.checkpointing`, schema v5); a group
+  that has not run yet is estimated from the other: what stays allocated the same, the activations x the
+  measured ratio where both groups ran at a shape (clamped to [0.05, 1]), else x CKPT_ACT_PRIOR (on from
+  off; its inverse the other way) with a spread of CKPT_SIGMA_PRIOR of the activations added - the prior
+  is wide on purpose, and the first step with checkpointing replaces it;
+- precision: activations scale by bytes per element, as in the risk's estimate (peak.py).
+Pure numpy over the window; no model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from gpuwatch.contract import Config
+from gpuwatch.predict.features import failed_shapes, limits
+from gpuwatch.predict.peak import StepFit, fit_steps, usable_limit
+from gpuwatch.recording.window import Window
+
+CKPT_ACT_PRIOR = 0.6  # activations with checkpointing / without, until both have run (logits and the loss
+# stay whole: a large vocabulary keeps the ratio well above a layer count's 1/L)
+CKPT_SIGMA_PRIOR = 0.2  # of the activations: the prior's spread
+CKPT_SIGMA_MEASURED = 0.05
+
+
+def _arrays(w: Window):
+    st = w.steps
+
+    def col(name: str) -> np.ndarray:
+        return np.asarray(st[name].to_numpy(), dtype=np.float64) if name in st.columns else np.full(st.height, np.nan)
+
+    micro = col("micro_batches")
+    ck = (np.asarray(st["checkpointing"].fill_null(False).to_numpy(), dtype=bool) if "checkpointing" in st.columns
+          else np.zeros(st.height, dtype=bool))
+    return (col("batch"), col("seq_len"), micro, list(st["precision"].to_list()), col("torch_allocated_bytes"),
+            col("torch_peak_bytes"), col("step_time_s"), ck)
+
+
+def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float, float] | None]:
+    """For each (configuration, sequence length): (mean, sigma) of its step's peak / the usable limit, or
+    None where the window has no step with torch figures (a first step: the shape library's business)."""
+    lim = limits(w).alloc_limit
+    if not w.steps.height or not lim:
+        return [None] * len(asks)
+    batch, seq, micro, prec, alloc, peak, times, ck = _arrays(w)
+    usable = usable_limit(lim)
+    failed = failed_shapes(w.events)
+    fits: dict[tuple[bool, str], StepFit | None] = {}
+
+    def fit(on: bool, p: str) -> StepFit | None:
+        key = (on, p)
+        if key not in fits:
+            m = ck == on
+            fits[key] = (fit_steps(batch[m], seq[m], micro[m], [x for x, k in zip(prec, m) if k], alloc[m], peak[m],
+                                   times[m], p) if m.any() else None)
+        return fits[key]
+
+    out: list[tuple[float, float] | None] = []
+    for c, s in asks:
+        own = fit(c.checkpointing, c.precision)
+        if own is not None:
+            fc = own.at(c.micro_batch, s, usable, failed=failed if not c.checkpointing else None)
+            out.append(None if fc is None else (fc.mean / usable, fc.sigma / usable))
+            continue
+        other = fit(not c.checkpointing, c.precision)
+        fc = other.at(c.micro_batch, s, usable) if other is not None else None
+        if fc is None:
+            out.append(None)
+            continue
+        act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth))
+        ratio = CKPT_ACT_PRIOR if c.checkpointing else 1.0 / CKPT_ACT_PRIOR
+        mean = fc.mean - act + act * ratio
+        sigma = math.hypot(fc.sigma, CKPT_SIGMA_PRIOR * act * max(1.0, ratio))
+        out.append((mean / usable, sigma / usable))
+    return out

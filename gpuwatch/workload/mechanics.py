@@ -1,0 +1,122 @@
+"""The contract's mechanics, written once for every workload that runs torch steps - gpuwatch's DeepSeek
+workload (workload/runner.py) and `GuardedLoop` around a user's loop (integrations/loop.py), which the
+Hugging Face and Lightning callbacks drive: what counts as an OOM, the fields of the `oom` and
+`oom_recovered` events, the allocator's figures of a steps row, switching activation checkpointing, and
+the precision a framework's autocast is running. Before this module each workload had its own, and they
+disagreed (the loop missed the CPU allocator's "can't allocate memory"; its events lacked `phase`, the
+workload's lacked `step` and `micro_batches`). torch only; transformers is never imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from gpuwatch.contract import Precision
+
+
+def is_oom(exc: BaseException) -> bool:
+    """A CUDA OOM, or the CPU allocator's equivalent ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def memory(device: torch.device) -> dict[str, int | None]:
+    """The allocator's figures of a steps row (None off CUDA)."""
+    if device.type != "cuda":
+        return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}
+    return {"torch_allocated_bytes": torch.cuda.memory_allocated(device),
+            "torch_reserved_bytes": torch.cuda.memory_reserved(device),
+            "torch_peak_bytes": torch.cuda.max_memory_allocated(device)}
+
+
+def oom_detail(*, micro: int, seq: int, precision: str, error: str, effective_batch: int, allocated_before: int | None,
+               step: int | None, checkpointing: bool = False, **extra: Any) -> dict[str, Any]:
+    """The one set of fields an `oom` event carries (docs/SCHEMA.md), from any workload."""
+    return {"batch": micro, "seq_len": seq, "precision": precision, "error": error, "effective_batch": effective_batch,
+            "micro_batches": -(-int(effective_batch) // max(1, int(micro))), "allocated_before": allocated_before,
+            "step": step, "checkpointing": bool(checkpointing), **extra}
+
+
+def oom_message(micro: int, seq: int, precision: str) -> str:
+    return f"CUDA OOM at batch {micro} x {seq} ({precision})"
+
+
+def recovered_detail(*, decision: str, retried: bool, allocated_before: int | None, allocated_after: int | None,
+                     next_batch: int | None, next_seq_len: int | None, next_precision: str | None,
+                     retry_control: str | None = None, retry_value: Any = None, **extra: Any) -> dict[str, Any]:
+    """The one set of fields an `oom_recovered` event carries: the decision and the plan after it (what a
+    replay scores next, predict/features._plan_after_oom)."""
+    return {"decision": decision, "who": "recovery", "retried": retried, "retry_control": retry_control,
+            "retry_value": retry_value, "allocated_before": allocated_before, "allocated_after": allocated_after,
+            "back_to_pre_step": (allocated_after is not None and allocated_before is not None
+                                 and allocated_after <= allocated_before),
+            "next_batch": next_batch, "next_seq_len": next_seq_len, "next_precision": next_precision, **extra}
+
+
+def checkpointable(model: Any) -> Any:
+    """The module whose own switch turns activation checkpointing on: the model itself where it is a
+    transformers model, else the first of its submodules that is (a LightningModule or a wrapper holding
+    one), else None."""
+    if model is None:
+        return None
+    mods = model.modules() if isinstance(model, torch.nn.Module) else [model]
+    for m in mods:
+        switch = getattr(m, "activation_checkpointing_enable", None) or getattr(m, "gradient_checkpointing_enable", None)
+        if callable(switch) and getattr(m, "supports_gradient_checkpointing", True):
+            return m
+    return None
+
+
+def can_checkpoint(model: Any, hook: Callable[[bool], Any] | None = None) -> bool:
+    """Activation checkpointing can be switched at run time: a transformers model's own switch, or a hook."""
+    return hook is not None or checkpointable(model) is not None
+
+
+def checkpointing_now(model: Any) -> bool:
+    """Whether a transformers model (or the one inside `model`) has activation checkpointing on."""
+    m = checkpointable(model)
+    if m is None:
+        return False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5 renamed it
+        if hasattr(type(m), name):
+            return bool(getattr(m, name))
+    return False
+
+
+def set_checkpointing(model: Any, on: bool, hook: Callable[[bool], Any] | None = None) -> None:
+    """Switch activation checkpointing between two steps: `hook(on)` where given, else the transformers
+    model's `gradient_checkpointing_enable` / `disable` (non-reentrant: the same gradients, inputs that do
+    not require grad allowed; the KV cache is off in training anyway)."""
+    if hook is not None:
+        hook(bool(on))
+        return
+    m = checkpointable(model)
+    if m is None:
+        raise ValueError("this model has no activation-checkpointing switch; pass GuardedLoop(checkpointing=hook)")
+    if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5 (the old names warn there)
+        if on:
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            m.activation_checkpointing_disable()
+    elif on:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        m.gradient_checkpointing_disable()
+
+
+def autocast_precision(device_type: str, default: Precision) -> Precision:
+    """The precision autocast is running on this device type now (the caller's `with torch.autocast(...)`
+    around `GuardedLoop.step`), else `default`."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return default
+        dt = torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, AttributeError):
+        return default
+    return "bf16" if dt == torch.bfloat16 else "fp16" if dt == torch.float16 else default

@@ -1,0 +1,302 @@
+"""The planner (control/planner.py), its estimator (predict/plans.py), and activation checkpointing as a
+remedy in the workloads: the decisions on a memory model whose answers are known, the estimator on a real
+H200 session, the switch itself on a tiny transformers model on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpuwatch.contract import Action, Config, StepPlan, WorkloadView, expand_plan
+from gpuwatch.control.guard import Guard
+from gpuwatch.control.planner import Estimate, Planner, PlannerConfig
+from gpuwatch.control.policy import GuardConfig
+from gpuwatch.telemetry.bus import Bus
+
+
+def memory_model(weights=0.3, per_token=1e-5, ckpt_ratio=0.5, sigma=0.01):
+    """A step's peak / the usable limit: the weights plus activations in proportion to the micro-batch's
+    tokens (halved by checkpointing) - the shape the estimator fits."""
+    def est(asks):
+        out = []
+        for c, s in asks:
+            act = per_token * c.micro_batch * s * (ckpt_ratio if c.checkpointing else 1.0)
+            act *= 2.0 if c.precision in ("fp32", "tf32") else 1.0
+            out.append(Estimate(weights + act, sigma))
+        return out
+    return est
+
+
+def view(steps, micro, seq, n=16, dt=1.0, ckpt=False, restart=None, can_ckpt=True, lower=(), largest=None):
+    return WorkloadView(gpu=0, ceiling=None if micro >= n else micro, last_ok_batch=micro, floor=1,
+                        lower_precisions=lower, checkpointing=ckpt if can_ckpt else None, restart_cost_s=restart,
+                        last_step_time_s=dt, last_tokens=n * seq, last_seq_len=seq, steps=steps,
+                        last_checkpointing=ckpt, largest=largest)
+
+
+def plan(micro, seq, n=16, ckpt=False, precision="bf16", ahead_steps=None):
+    return StepPlan(batch=micro, seq_len=seq, precision=precision, mode="train", micro_batches=math.ceil(n / micro),
+                    effective_batch=n, wanted_batch=n, checkpointing=ckpt, ahead_steps=ahead_steps)
+
+
+def feed(p: Planner, lens, micro, n=16, ckpt=False, step_s=lambda m, s: 0.2 + 1e-4 * m * s, start=1):
+    """The planner sees steps of these lengths run at `micro` (step time: per micro-batch a + b x tokens)."""
+    for i, s in enumerate(lens, start):
+        k = math.ceil(n / micro)
+        p.observe(view(i, micro, s, n, dt=k * step_s(micro, s), ckpt=ckpt), "bf16")
+
+
+def test_a_curriculum_never_gets_the_batch_back_into_the_coming_longer_steps():
+    """The user's Trainer run: lengths rising every step, the ceiling at 8 of 16, the classifier calm. The
+    threshold rule raised after 15 s and OOMed 5 s later; the planner asks whether 16 fits the coming steps."""
+    p = Planner()
+    lens = list(range(1000, 2600, 100))  # +100 tokens a step
+    feed(p, lens, micro=8)
+    est = memory_model(per_token=2.5e-5)  # 16 x 2500 -> 0.3 + 1.0: over; 8 x 2600 -> 0.82: fits
+    d = p.decide(plan(8, 2600), view(len(lens), 8, 2500), est, risk=0.01, threshold=0.5)
+    assert d is not None and not d.change, d.why
+    w16 = next(w for w in d.weighed if w.config.micro_batch == 16 and not w.config.checkpointing)
+    assert not w16.fits and w16.seq_len > 2600  # estimated at the trend's coming lengths, not the last one
+
+
+def test_the_batch_comes_back_when_the_estimate_says_it_fits_without_a_timer():
+    p = Planner()
+    feed(p, [512] * 6, micro=8)
+    est = memory_model(per_token=2.5e-5)  # 16 x 512: 0.5 fits with room
+    d = p.decide(plan(8, 512), view(6, 8, 512), est, risk=0.01, threshold=0.5)
+    assert d.change and d.chosen.config == Config(16, False, "bf16"), d.why
+    # the same with the classifier not calm: more memory is not taken while it is near its alarm
+    d2 = Planner()
+    feed(d2, [512] * 6, micro=8)
+    assert not d2.decide(plan(8, 512), view(6, 8, 512), est, risk=0.4, threshold=0.5).change
+
+
+def test_when_the_step_will_not_fit_checkpointing_keeps_the_batch_where_a_restart_costs_more():
+    p = Planner()
+    feed(p, [1000] * 5, micro=16)
+    est = memory_model(per_token=5e-5)  # 16 x 1000: 0.3 + 0.8 = 1.1: over; with checkpointing 0.7
+    d = p.decide(plan(16, 1000), view(5, 16, 1000, restart=30.0), est, risk=0.9, threshold=0.5)
+    assert d.change and d.urgent and d.chosen.config == Config(16, True, "bf16"), d.why
+    assert all(w.config.micro_batch in (16, 8, 4, 2, 1) for w in d.weighed)  # divisors only: a restart keeps it exact
+    # without checkpointing (the workload cannot switch it): the largest micro-batch that fits
+    p2 = Planner()
+    feed(p2, [1000] * 5, micro=16)
+    d2 = p2.decide(plan(16, 1000), view(5, 16, 1000, restart=30.0, can_ckpt=False), est, risk=0.9, threshold=0.5)
+    assert d2.chosen.config == Config(8, False, "bf16")
+
+
+def test_measured_step_times_decide_between_remedies():
+    """Checkpointing measured at 2x the time (not the 4/3 prior): a smaller micro-batch without a restart wins."""
+    p = Planner()
+    feed(p, [1000] * 5, micro=16)
+    feed(p, [1000] * 3, micro=16, ckpt=True, step_s=lambda m, s: 2 * (0.2 + 1e-4 * m * s), start=6)
+    est = memory_model(per_token=5e-5)
+    d = p.decide(plan(16, 1000), view(9, 16, 1000), est, risk=0.9, threshold=0.5)
+    assert d.chosen.config == Config(8, False, "bf16"), d.why
+
+
+def test_a_lower_precision_only_when_nothing_fits_at_this_one():
+    p = Planner()
+    feed(p, [1000] * 5, micro=2, n=2)
+    est = memory_model(weights=0.5, per_token=4e-4, ckpt_ratio=0.9)  # micro 1 x 1000 fp32: 0.9: over with margin
+    cur = StepPlan(batch=2, seq_len=1000, precision="fp32", mode="train", effective_batch=2, wanted_batch=2)
+    v = view(5, 2, 1000, n=2, lower=("bf16",))
+    d = p.decide(cur, v, est, risk=0.9, threshold=0.5)
+    assert d.change and d.chosen.config.precision == "bf16", d.why
+    # and where a micro-batch fits at fp32, precision stays
+    d2 = p.decide(cur, v, memory_model(weights=0.3, per_token=4e-4), risk=0.9, threshold=0.5)
+    assert d2.chosen.config.precision == "fp32"
+
+
+def test_no_estimate_no_decision():
+    p = Planner()
+    assert p.decide(plan(8, 512), view(1, 8, 512), lambda asks: [None] * len(asks)) is None
+
+
+def test_a_plan_is_the_elementary_changes_in_order():
+    a = Action("plan", Config(16, True, "bf16"), "why")
+    assert [x.kind for x in expand_plan(a, ceiling=8, wanted=16)] == ["clear_ceiling", "checkpointing", "precision"]
+    assert [(x.kind, x.value) for x in expand_plan(Action("plan", Config(4), ""), ceiling=8, wanted=16)][0] == \
+        ("lower_ceiling", 4)
+
+
+class FakeWorkload:
+    gpu_index = 0
+
+    def __init__(self):
+        self.applied: list[Action] = []
+        self.v = view(6, 16, 1000, restart=30.0)  # a Trainer: a smaller per-device batch restarts it
+
+    def next_plan(self):
+        return plan(16, 1000)
+
+    def guard_view(self):
+        return self.v
+
+    def accepts(self):
+        return frozenset({"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "plan", "checkpointing"})
+
+    def apply(self, action, who="guard"):
+        self.applied.append(action)
+
+    def request_snapshot(self, d, r):
+        pass
+
+
+def test_the_guard_acts_on_the_plan_and_says_what_it_weighed():
+    bus = Bus()
+    w = FakeWorkload()
+    model = memory_model(per_token=5e-5)
+    g = Guard(bus, GuardConfig(), {0: w}, threshold=0.5, limits={0: 80 * 2**30},
+              estimate=lambda gpu, asks: [(e.mean, e.sigma) for e in model(asks)])
+    g.on_risk(0, 0.2, [], {"next_peak_est_frac": 1.1}, plan(16, 1000).scored(), False)
+    for i in range(1, 6):  # the planner learns the step times first
+        g.planners[0].observe(view(i, 16, 1000), "bf16")
+    act = g.before_step(w)
+    assert act.kind == "plan" and act.value == Config(16, True, "bf16") and w.applied == [act]
+    ev = [e for e in bus.events.latest(len(bus.events)) if e.kind == "guard_action"][-1]
+    assert ev.detail["chosen"]["checkpointing"] and len(ev.detail["weighed"]) >= 4 and ev.detail["urgent"]
+
+
+def test_the_threshold_rule_decides_where_the_planner_is_off():
+    bus = Bus()
+    w = FakeWorkload()
+    g = Guard(bus, GuardConfig(plan=False), {0: w}, threshold=0.5, limits={0: 80 * 2**30},
+              estimate=lambda gpu, asks: [(2.0, 0.01)] * len(asks))
+    g.on_risk(0, 0.9, [], {}, plan(16, 1000).scored(), False)
+    assert g.before_step(w).kind in ("lower_ceiling", "refuse_step")
+
+
+# -- the estimator on a real session ----------------------------------------------------------------------
+def test_the_estimator_reads_a_real_session_and_checkpointing_lowers_only_the_activations():
+    from conftest import RAMP
+
+    from gpuwatch.predict.peak import usable_limit
+    from gpuwatch.predict.plans import CKPT_ACT_PRIOR, estimate
+    from gpuwatch.predict.features import limits
+    from gpuwatch.recording.reader import open_recording
+    from gpuwatch.recording.source import ReplaySource
+
+    src = ReplaySource(RAMP)
+    g = src.gpus[0].index
+    ts = src.times(g)
+    w = src.window_at(g, int(ts[len(ts) * 2 // 3]))
+    assert w.steps.height >= 3
+    last = w.steps.row(w.steps.height - 1, named=True)
+    b, s, prec = int(last["batch"]), int(last["seq_len"]), last["precision"]
+    off, on = estimate(w, [(Config(b, False, prec), s), (Config(b, True, prec), s)])
+    usable = usable_limit(limits(w).alloc_limit)
+    seen = [r for r in w.steps.iter_rows(named=True) if r["batch"] == b and r["seq_len"] == s and r["torch_peak_bytes"]]
+    if seen:  # the shape ran: the estimate is its peak (the median of its activations on what stays allocated)
+        assert abs(off[0] - seen[-1]["torch_peak_bytes"] / usable) < 0.05
+    base = float(last["torch_allocated_bytes"]) / usable
+    assert on[0] < off[0] and on[1] > off[1]
+    assert on[0] - base == pytest.approx(CKPT_ACT_PRIOR * (off[0] - base), rel=0.05, abs=0.01)
+
+
+# -- activation checkpointing in the loop, on the CPU -------------------------------------------------------
+def _tiny_llama(seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _saved_bytes(fn):
+    """Bytes autograd keeps for the backward during `fn()` (the activation memory, measured on any device)."""
+    import torch
+
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+def test_checkpointing_switched_between_two_steps_keeps_loss_and_gradients_and_saves_activations():
+    import torch
+
+    from gpuwatch.integrations.loop import GuardedLoop
+
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(3))
+    grads, losses, saved = {}, {}, {}
+    for on in (False, True):
+        model = _tiny_llama()
+        loop = GuardedLoop(model, None, record_dir=None, use_model=False, guard="off", sampler="thread")
+        assert "checkpointing" in loop.accepts() and loop.guard_view().checkpointing is False
+        with loop:
+            loop.step(ids, lambda mb: model(input_ids=mb, labels=mb).loss)  # one step as it was
+            if on:
+                loop.apply(Action("plan", Config(4, True, "fp32"), "test"))
+            model.zero_grad(set_to_none=True)
+
+            def one():
+                losses[on] = loop.step(ids, lambda mb: model(input_ids=mb, labels=mb).loss)
+            saved[on] = _saved_bytes(one)
+            grads[on] = [p.grad.clone() for p in model.parameters()]
+            assert loop.last_step["checkpointing"] is on and loop.guard_view().checkpointing is on
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert saved[True] < 0.6 * saved[False], saved  # the layers' activations are recomputed, not kept
+
+
+def test_the_precision_is_read_from_the_framework_and_never_fallen_back_to():
+    import torch
+
+    from gpuwatch.integrations.hf import trainer_precision
+    from gpuwatch.integrations.lightning import lightning_precision
+    from gpuwatch.integrations.loop import GuardedLoop
+
+    class A:
+        bf16, fp16, tf32 = True, False, False
+    assert trainer_precision(A()) == "bf16"
+
+    class T:
+        precision = "16-mixed"
+    assert lightning_precision(T()) == "fp16"
+    model = torch.nn.Linear(4, 4)
+    loop = GuardedLoop(model, None, record_dir=None, use_model=False, guard="off", sampler="thread")
+    with loop:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loop.step(torch.randn(2, 4), lambda mb: model(mb).float().pow(2).mean())
+        assert loop.precision == "bf16" and loop.guard_view().lower_precisions == ()
+
+
+def test_a_non_scalar_loss_and_a_failing_loss_are_said_and_recorded(tmp_path):
+    import torch
+
+    from gpuwatch.integrations.loop import GuardedLoop
+    from gpuwatch.recording.reader import open_recording
+
+    model = torch.nn.Linear(3, 3)
+    loop = GuardedLoop(model, None, record_dir=tmp_path, name="bad", use_model=False, guard="off", sampler="thread")
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor \(got shape \(8, 3\)\)"):
+        with loop:
+            loop.step(torch.randn(8, 3), lambda mb: model(mb).mean())
+            loop.step(torch.randn(8, 3), lambda mb: model(mb))
+    rec = open_recording(tmp_path / "bad")
+    kinds = rec.events["kind"].to_list()
+    assert "workload_error" in kinds
+    stop = [m for k, m in zip(kinds, rec.events["message"].to_list()) if k == "workload_stop"]
+    assert stop and "failed after 1 steps" in stop[-1]
+
+
+def test_one_oom_check_and_one_set_of_oom_fields_for_both_workloads():
+    import torch
+
+    from gpuwatch.workload import mechanics as X
+    from gpuwatch.workload import model as M
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried")
+    assert X.is_oom(cpu) and M.is_oom(cpu) and X.is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not X.is_oom(ValueError("shape mismatch"))
+    d = X.oom_detail(micro=4, seq=8, precision="bf16", error="x", effective_batch=16, allocated_before=1, step=3)
+    assert d["micro_batches"] == 4 and {"batch", "seq_len", "precision", "step", "checkpointing"} <= set(d)
