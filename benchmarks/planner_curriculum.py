@@ -1,0 +1,191 @@
+"""The planner on the H200 (issue 28): an ordinary Hugging Face `Trainer` fine-tune nobody on the project
+wrote the guard for - a random-weight Llama-style model (~0.33 B parameters), bf16, per-device batch 16,
+a length curriculum from 256 to 4,096 tokens in sequential order, under a memory cap - run in arms:
+
+- `unguarded`: the Trainer alone;
+- `planner`: `GpuwatchCallback` + `gpuwatch.integrations.hf.train`, the guard planning (the default);
+- `threshold`: the same with `GuardConfig(plan=False)` (the risk threshold and the 15 s give-back timer);
+- `static`: a cautious static per-device batch (`--static-batch`, default 4) x accumulation, the same effective batch;
+- `autofind`: `TrainingArguments(auto_find_batch_size=True)` (accelerate's find_executable_batch_size);
+- `planner-nocap` / `unguarded-nocap`: no cap, fewer steps: what the guard costs where it need not act.
+Each arm runs in its own process (a fresh CUDA context and cap) with a time limit and prints one JSON line:
+steps done, OOMs (including any after a give-back), restarts, effective batches seen, tokens/s, the
+guard's actions by kind, the plans it chose.
+
+    python benchmarks/planner_curriculum.py --out results/ [--arms planner,unguarded,...] [--steps 150]
+    python benchmarks/planner_curriculum.py --dry-run   # CPU, tiny: the code paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARMS = ("planner", "unguarded", "threshold", "static", "autofind", "planner-nocap", "unguarded-nocap")
+
+
+def lengths(steps: int, lo: int, hi: int) -> list[int]:
+    return [int(round((lo + (hi - lo) * i / max(1, steps - 1)) / 64) * 64) or 64 for i in range(steps)]
+
+
+def run_arm(arm: str, a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.integrations.hf import GpuwatchCallback, train
+
+    dry = a.dry_run
+    dev_ok = torch.cuda.is_available() and not dry
+    steps = a.steps if "nocap" not in arm else a.nocap_steps
+    lens = lengths(steps, a.min_seq, a.max_seq)
+    torch.manual_seed(0)
+    if dry:
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=a.max_seq)
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+                          num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=a.max_seq)
+    model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    B = a.batch
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, cfg.vocab_size, (s,), generator=gen)} for s in lens for _ in range(B)]
+
+    def collate(rows):
+        ids = torch.stack([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids}
+
+    cap = None if "nocap" in arm or not dev_ok else int(a.cap_gib * 2**30)
+    if cap and arm not in ("planner", "threshold"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    per_dev, accum = (a.static_batch, B // a.static_batch) if arm == "static" else (B, 1)
+    out_dir = Path(a.work) / f"trainer-{arm}"  # checkpoints (GBs): never under --out
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=per_dev,
+                             gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-4,
+                             lr_scheduler_type="constant", train_sampling_strategy="sequential", report_to=[],
+                             save_strategy="no", logging_steps=1, include_num_input_tokens_seen=True, seed=0,
+                             disable_tqdm=True, bf16=dev_ok, use_cpu=not dev_ok, dataloader_num_workers=0,
+                             auto_find_batch_size=(arm == "autofind"), save_only_model=False)
+    eff: list[int] = []
+    begins = [0]
+    deadline = time.perf_counter() + a.arm_timeout - 25.0  # the arm's own figures before the parent's limit
+    cut = [False]
+
+    class Count(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            begins[0] += 1
+
+        def on_step_end(self, args, state, control, **kw):
+            eff.append(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+            if time.perf_counter() > deadline:
+                cut[0] = True
+                control.should_training_stop = True
+
+    cbs = [Count()]
+    gw = None
+    if arm.startswith("planner") or arm == "threshold":
+        gc = GuardConfig(mode="on") if arm != "threshold" else GuardConfig(mode="on", plan=False)
+        gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=arm, guard_config=gc,
+                              memory_limit=cap, sampler="thread" if dry else "process",
+                              **({"source": a.source} if dry and a.source else {}))
+        cbs.append(gw)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=cbs)
+    t0 = time.perf_counter()
+    died = None
+    try:
+        train(trainer) if gw is not None else trainer.train()
+    except torch.OutOfMemoryError as e:
+        died = str(e).splitlines()[0][:200]
+    except RuntimeError as e:
+        died = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    wall = time.perf_counter() - t0
+    done = trainer.state.global_step
+    tokens = sum(B * lens[i] for i in range(min(done, steps)))
+    res = {"arm": arm, "params": params, "steps": steps, "steps_done": done, "completed": done >= steps and died is None,
+           "died": died, "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+           "effective_batch_min": min(eff) if eff else None, "effective_batch_max": max(eff) if eff else None,
+           "train_begins": begins[0], "cut_at_deadline": cut[0], "cap_gib": None if cap is None else a.cap_gib,
+           "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None}
+    if gw is not None:
+        res.update(ooms=gw.ooms, restarts=gw.restarts, restart_costs_s=[round(x, 2) for x in gw.restart_costs])
+        res.update(_guard_events(Path(a.out) / "sessions" / arm))
+    else:
+        res.update(ooms=(1 if died and "memory" in died.lower() else 0) + max(0, begins[0] - 1) * (arm == "autofind"),
+                   restarts=max(0, begins[0] - 1))
+    return res
+
+
+def _guard_events(session: Path) -> dict:
+    from gpuwatch.recording.reader import open_recording
+
+    try:
+        rec = open_recording(session)
+    except Exception as e:  # noqa: BLE001 - the arm's figures stand without the session's
+        return {"session_error": str(e)[:200]}
+    ev = rec.events
+    kinds = ev["kind"].to_list()
+    acts: dict[str, int] = {}
+    plans = []
+    for k, d in zip(kinds, ev["detail"].to_list()):
+        if k != "guard_action":
+            continue
+        det = json.loads(d or "{}")
+        acts[det.get("action", "?")] = acts.get(det.get("action", "?"), 0) + 1
+        if det.get("action") == "plan":
+            c = det.get("chosen") or {}
+            plans.append({k2: c.get(k2) for k2 in ("micro_batch", "checkpointing", "seq_len", "peak_frac", "restart")})
+    ck = rec.steps["checkpointing"].to_list() if "checkpointing" in rec.steps.columns else []
+    return {"guard_actions": acts, "plans": plans[:20], "oom_events": kinds.count("oom"),
+            "steps_with_checkpointing": sum(1 for x in ck if x), "session": str(session)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/planner")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--work", default="/tmp/gw-planner", help="the Trainers' output (checkpoints)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--nocap-steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--static-batch", type=int, default=4)
+    ap.add_argument("--min-seq", type=int, default=256)
+    ap.add_argument("--max-seq", type=int, default=4096)
+    ap.add_argument("--cap-gib", type=float, default=34.0)
+    ap.add_argument("--arm-timeout", type=float, default=150.0)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, 6 steps: the code paths")
+    ap.add_argument("--source", default=None, help="dry run: a recording replayed as the live telemetry")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.dry_run:
+        a.steps, a.nocap_steps, a.max_seq, a.min_seq, a.batch, a.static_batch = 6, 4, 64, 16, 4, 2
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.one:
+        print(json.dumps(run_arm(a.one, a)), flush=True)
+        return 0
+    results = []
+    for arm in a.arms.split(","):
+        cmd = [sys.executable, __file__, "--one", arm, *sys.argv[1:]]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.arm_timeout, env=os.environ)
+            line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+            r = json.loads(line) if line else {"arm": arm, "error": (p.stderr or "")[-600:], "rc": p.returncode}
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            r = {"arm": arm, "error": f"timed out after {a.arm_timeout:g} s", "stdout_tail": out[-300:]}
+        r["arm_wall_s"] = round(time.perf_counter() - t0, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        (Path(a.out) / "planner_curriculum.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
