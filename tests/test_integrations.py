@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gpuwatch.contract import Action  # noqa: E402
-from gpuwatch.integrations.loop import per_device_batch  # noqa: E402
+from gpuwatch.integrations.batches import per_device_batch  # noqa: E402
 
 
 def test_per_device_batch_keeps_the_effective_batch_exact():

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from gpuwatch.contract import Action, GuardedWorkload, StepPlan  # noqa: E402
 from gpuwatch.control.guard import Guard  # noqa: E402
 from gpuwatch.control.policy import GuardConfig, Observation, Policy  # noqa: E402
-from gpuwatch.integrations.loop import GuardedLoop, _split  # noqa: E402
+from gpuwatch.integrations.batches import split as _split  # noqa: E402
+from gpuwatch.integrations.loop import GuardedLoop  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
 
 from conftest import RAMP, ROOT  # noqa: E402

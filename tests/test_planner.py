@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatch.contract import Action, Config, StepPlan, WorkloadView, expand_plan
 from gpuwatch.control.guard import Guard
-from gpuwatch.control.planner import Estimate, Planner, PlannerConfig
+from gpuwatch.control.planner import Estimate, Planner
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.telemetry.bus import Bus
 
@@ -175,7 +175,6 @@ def test_the_estimator_reads_a_real_session_and_checkpointing_lowers_only_the_ac
     from gpuwatch.predict.peak import usable_limit
     from gpuwatch.predict.plans import CKPT_ACT_PRIOR, estimate
     from gpuwatch.predict.features import limits
-    from gpuwatch.recording.reader import open_recording
     from gpuwatch.recording.source import ReplaySource
 
     src = ReplaySource(RAMP)
@@ -300,3 +299,28 @@ def test_one_oom_check_and_one_set_of_oom_fields_for_both_workloads():
     assert not X.is_oom(ValueError("shape mismatch"))
     d = X.oom_detail(micro=4, seq=8, precision="bf16", error="x", effective_batch=16, allocated_before=1, step=3)
     assert d["micro_batches"] == 4 and {"batch", "seq_len", "precision", "step", "checkpointing"} <= set(d)
+
+
+def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carried_past_its_data():
+    """H200 call 4: a Trainer's per-device batch flapped 2 <-> 1 at each resumed run's first decision (16
+    restarts in 44 steps), the curriculum's trend carried over 60 s to twice the run's longest length."""
+    rising = Planner()
+    feed(rising, list(range(1000, 2600, 100)), micro=8)
+    assert rising.coming_seq(plan(8, 2500), steps_ahead=500) <= 2500 + 100 * 16
+    p = Planner()
+    lens = [1000] * 16
+    feed(p, lens, micro=16)
+    est = memory_model(per_token=5e-5)  # 16 x 1000: 1.1, over; 8: 0.7
+    v = view(len(lens), 16, 1000, restart=5.0, can_ckpt=False)
+    d = p.decide(plan(16, 1000), v, est, risk=0.9, threshold=0.5)
+    assert d.change and d.urgent and d.chosen.config.micro_batch == 8
+    # the resumed run's first decision, the classifier calm, a smaller length: no give-back before 3 steps
+    calm = memory_model(per_token=1e-5)
+    assert not p.decide(plan(8, 1000), view(len(lens), 8, 1000, restart=5.0, can_ckpt=False), calm, risk=0.0,
+                        threshold=0.5).change
+    feed(p, [1000] * 3, micro=8, start=len(lens) + 1)
+    late = view(len(lens) + 3, 8, 1000, restart=5.0, can_ckpt=False)
+    assert not p.decide(plan(8, 1000), late, calm, risk=0.0, threshold=0.5).change  # 1.11x less 5 s of 60: < 1.05x
+    d3 = p.decide(plan(8, 1000), view(len(lens) + 3, 8, 1000, restart=1.0, can_ckpt=False), calm, risk=0.0,
+                  threshold=0.5)
+    assert d3.change and d3.chosen.config.micro_batch == 16, d3.why

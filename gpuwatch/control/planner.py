@@ -68,6 +68,10 @@ class PlannerConfig:
     min_gain: float = 0.05  # a change that is not needed must be worth this much more tokens/s
     horizon_s: float = 60.0  # what a configuration is valued over, and a restart's change is checked for
     max_candidates: int = 12  # micro-batch sizes weighed at most
+    min_dwell_steps: int = 3  # a change that is not needed waits this many steps after the last change (H200
+    # call 4: a Trainer given back its batch at the resumed run's first decision flapped 2 <-> 1, 16 restarts)
+    trend_steps: int = 16  # the lengths' trend is carried at most this many steps (no further than it was fitted
+    # on: call 4 carried a curriculum's +26 tokens a step over 60 s, to 8,147 tokens of a 4,096 run)
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class Planner:
         self.lens: deque = deque(maxlen=16)
         self._steps_seen = 0
         self._paces: deque = deque(maxlen=8)
+        self._changed_at = -10**9  # the step count when the last change was decided
 
     def observe(self, view: WorkloadView, precision: str) -> None:
         """Learn the last step (once per step): its time per micro-batch in its configuration."""
@@ -185,7 +190,7 @@ class Planner:
         if len(lens) >= 3:
             slope = _slope(lens)
             if slope > 0:
-                s = max(s, int(math.ceil(lens[-1] + slope * steps_ahead)))
+                s = max(s, int(math.ceil(lens[-1] + slope * min(steps_ahead, self.cfg.trend_steps))))
         if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
             s = max(s, max(lens))
         return s
@@ -238,10 +243,8 @@ class Planner:
             ests = estimate([(c, s) for c, s, _r in asks])
             out = []
             for (c, s, restart), e in zip(asks, ests):
-                is_cur = c == current
-                margin = 1.0 if is_cur else cfg.change_margin
-                if alarm:
-                    margin = min(margin, cfg.alarm_margin)
+                is_cur = c == current  # the current keeps to its estimate; at the classifier's alarm a new one
+                margin = 1.0 if is_cur else cfg.alarm_margin if alarm else cfg.change_margin  # needs more room
                 p = e.p_over(margin) if e is not None else 1.0
                 tps = self._tokens_per_s(c, n, s)
                 value = (tps or 0.0) * self._left(restart, view)
@@ -258,18 +261,21 @@ class Planner:
             weighed += weigh(self.candidates(plan, view, list(view.lower_precisions)))
             fitting = [w for w in weighed if w.fits]
         if cur.fits:
-            better = [w for w in fitting if w is not cur and w.value >= (1 + cfg.min_gain) * cur.value
+            dwell = view.steps - self._changed_at < cfg.min_dwell_steps
+            better = [] if dwell else [w for w in fitting if w is not cur and w.value >= (1 + cfg.min_gain) * cur.value
                       and (not self._needs_more(w.config, current) or
                            (risk is not None and risk < clear_ratio * threshold))]
             if not better:
                 return Decision(cur, cur, tuple(weighed), False, False,
                                 f"kept: peak {_est(cur)} fits the coming steps (seq {cur.seq_len})")
             best = max(better, key=lambda w: w.value)
+            self._changed_at = view.steps
             return Decision(best, cur, tuple(weighed), True, False,
                             f"{_name(best.config)}: peak {_est(best)} fits the coming steps (seq {best.seq_len}) at "
                             f"{best.value / max(cur.value, 1e-9):.2f}x the expected tokens/s of {_name(current)}")
         if fitting:
             best = max(fitting, key=lambda w: w.value)
+            self._changed_at = view.steps
             why = "at the classifier's alarm, " if alarm and cur.p_over <= cfg.p_max * 4 else ""
             return Decision(best, cur, tuple(weighed), True, True,
                             f"{why}{_name(current)} peak {_est(cur)} would cross the limit (P {cur.p_over:.2f}) within "
@@ -278,6 +284,7 @@ class Planner:
         known = [w for w in weighed if w.peak is not None]
         low = min(known, key=lambda w: w.peak.mean)  # nothing fits: the smallest peak, where smaller than now
         if cur.peak is not None and low.peak.mean < cur.peak.mean and low.config != current:
+            self._changed_at = view.steps
             return Decision(low, cur, tuple(weighed), True, True,
                             f"nothing fits the coming steps (seq {cur.seq_len}); {_name(low.config)} has the smallest "
                             f"peak {_est(low)}")

@@ -37,7 +37,8 @@ from transformers import TrainerCallback
 
 from gpuwatch.contract import Action
 from gpuwatch.control.policy import GuardConfig
-from gpuwatch.integrations.loop import GuardedLoop, per_device_batch
+from gpuwatch.integrations.batches import per_device_batch
+from gpuwatch.integrations.loop import GuardedLoop
 
 
 class GpuwatchCallback(TrainerCallback):
@@ -108,6 +109,12 @@ class GpuwatchCallback(TrainerCallback):
         if self.loop is not None:
             self.loop.close()
 
+    def restart_asked(self) -> None:
+        """A restart starts now (a change of the per-device batch, or an OOM's): its cost runs from here to the
+        resumed run's first step (the first request since a step ran counts; a second before it is the same one)."""
+        if self._restart_t0 is None:
+            self._restart_t0 = time.perf_counter()
+
     # -- deciding ---------------------------------------------------------------------------------------------
     def _effective(self, args) -> int:
         return args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -136,7 +143,7 @@ class GpuwatchCallback(TrainerCallback):
             return
         want = per_device_batch(e, min(self.base_batch or e, plan.batch))
         if self.restart and want != args.per_device_train_batch_size:
-            self._restart_t0 = time.perf_counter()
+            self.restart_asked()
             self.pending = (want, e // want)
             control.should_save = True
             control.should_training_stop = True
@@ -199,7 +206,7 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
             except torch.OutOfMemoryError as e:
                 failed = str(e).splitlines()[0][:300]
             if failed is not None:  # outside the handler: its traceback pins the step's tensors
-                cb._restart_t0 = time.perf_counter()
+                cb.restart_asked()
                 b, k = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
                 cb.ooms += 1
                 if cb.loop is not None:

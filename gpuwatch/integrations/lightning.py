@@ -26,7 +26,8 @@ import lightning as L
 import torch
 
 from gpuwatch.control.policy import GuardConfig
-from gpuwatch.integrations.loop import GuardedLoop, batch_size_of, per_device_batch, seq_len_of
+from gpuwatch.integrations.batches import batch_size_of, per_device_batch, seq_len_of
+from gpuwatch.integrations.loop import GuardedLoop
 
 
 def lightning_precision(trainer) -> str:

@@ -31,7 +31,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
+from gpuwatch.integrations.batches import Batch, batch_size_of, first_tensor, seq_len_of, split
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
@@ -46,7 +47,6 @@ from gpuwatch.workload import flops as F
 from gpuwatch.workload import mechanics as X
 from gpuwatch.workload.allocator import release_cache
 
-Batch = Any  # a tensor, or a Mapping / tuple / list of tensors whose first dimension is the batch
 MAX_AHEAD = 16  # batches `wrap` draws ahead of the step at most (the lookahead: predict/ahead.py)
 
 
@@ -191,7 +191,7 @@ class GuardedLoop:
                 return
             batch, shape = buf.popleft()
             if look:  # a batch already on the GPU ends the lookahead
-                t = _first_tensor(batch)
+                t = first_tensor(batch)
                 self._ahead_ok = look = t is None or t.device.type == "cpu"
             self._shapes = [shape, *(sh for _b, sh in buf if sh is not None)] if look and shape is not None else []
             yield batch
@@ -298,7 +298,7 @@ class GuardedLoop:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _run(self, batch: Batch, n: int, k: int, loss_fn) -> float | None:
-        parts = _split(batch, k)
+        parts = split(batch, k)
         total = None
         amp = self.precision in ("bf16", "fp16")
         for part in parts:
@@ -549,69 +549,3 @@ def _device_of(model) -> torch.device:
 
 def _bf16_ok(dev: torch.device) -> bool:
     return dev.type != "cuda" or bool(torch.cuda.is_bf16_supported())
-
-
-def _first_tensor(batch: Batch, min_dim: int = 0) -> torch.Tensor | None:
-    """The first tensor with at least `min_dim` dimensions, depth first through dicts, lists and tuples."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.dim() >= min_dim else None
-    vals = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for v in vals:
-        t = _first_tensor(v, min_dim)
-        if t is not None:
-            return t
-    return None
-
-
-def batch_size_of(batch: Batch) -> int:
-    t = _first_tensor(batch)
-    if t is None or t.dim() == 0:
-        raise TypeError("a batch must hold a tensor whose first dimension is the batch")
-    return int(t.shape[0])
-
-
-def seq_len_of(batch: Batch) -> int:
-    """The second dimension of the first tensor that has one (token ids), else 1."""
-    t = _first_tensor(batch, min_dim=2)
-    return (int(t.shape[1]) if t is not None else 0) or 1
-
-
-def _split(batch: Batch, k: int) -> list[Batch]:
-    """`batch` as `k` micro-batches along the first dimension (sizes differ by at most one)."""
-    if k <= 1:
-        return [batch]
-    n = batch_size_of(batch)
-
-    def cut(b, i):
-        if isinstance(b, torch.Tensor):
-            return b.tensor_split(k)[i] if b.dim() and b.shape[0] == n else b
-        if isinstance(b, Mapping):
-            d = {key: cut(v, i) for key, v in b.items()}
-            return d if type(b) is dict else type(b)(d)
-        if isinstance(b, tuple):
-            return tuple(cut(v, i) for v in b)
-        if isinstance(b, list) and len(b) == n:
-            return [b[j] for j in _ranges(n, k)[i]]
-        return b
-    return [cut(batch, i) for i in range(k)]
-
-
-def _ranges(n: int, k: int) -> list[range]:
-    """The index ranges tensor_split(k) uses: the first n % k parts one longer."""
-    q, r = divmod(n, k)
-    out, start = [], 0
-    for i in range(k):
-        size = q + (1 if i < r else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def per_device_batch(effective: int, cap: int) -> int:
-    """The largest divisor of `effective` that is at most `cap` (at least 1): a framework's per-device
-    batch that, with `effective // it` accumulation steps, keeps the effective batch exactly."""
-    cap = max(1, min(int(cap), int(effective)))
-    for b in range(cap, 0, -1):
-        if effective % b == 0:
-            return b
-    return 1

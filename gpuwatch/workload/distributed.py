@@ -433,7 +433,9 @@ class DistributedWorkload(Workload):
         self.lost_steps += 1
         self.bus.emit("oom_recovered", f"another rank ran out of memory at step {self._step}: the step is skipped "
                       f"on every rank; {decision}", "warning", gpu=self.cfg.gpu_index, decision=decision,
-                      who="recovery", rank=self.rank, peer_oom=True, **self._next_plan_detail())
+                      who="recovery", rank=self.rank, peer_oom=True,
+                      next_batch=(p := self.plan_info() or {}).get("batch"), next_seq_len=p.get("seq_len"),
+                      next_precision=p.get("precision"))
 
     def _finish_row(self, row: dict[str, Any], micro: int) -> None:
         dt = time.perf_counter() - row.pop("_t0")

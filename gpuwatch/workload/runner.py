@@ -187,10 +187,8 @@ class Workload:
                             last_seq_len=last.get("seq_len"), steps=self._step,
                             last_checkpointing=bool(last.get("checkpointing")))
 
-    def _can_checkpoint(self) -> bool:
-        """Train mode on the model's own switch (not under the data-parallel engines, not the decode engine)."""
-        m = getattr(self, "model", None)
-        return self.cfg.mode == "train" and (m is None or X.can_checkpoint(m))
+    def _can_checkpoint(self) -> bool:  # train mode, on the model's own switch
+        return self.cfg.mode == "train" and X.can_checkpoint(getattr(self, "model", None))
 
     def accepts(self) -> frozenset[str]:
         acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "precision", "stop", "plan"}
@@ -579,26 +577,14 @@ class Workload:
                       **X.recovered_detail(decision=decision, retried=react is not None,
                                            retry_control=react[0] if react else None,
                                            retry_value=react[1] if react else None, allocated_before=before,
-                                           allocated_after=after, **self._next_plan_detail()))
+                                           allocated_after=after, next_batch=(p := self.plan_info() or {}).get("batch"),
+                                           next_seq_len=p.get("seq_len"), next_precision=p.get("precision")))
         return react is not None
-
-    def _next_plan_detail(self) -> dict[str, Any]:
-        """The plan after a recovery, for the oom_recovered event (a replay scores it, not the stale plan of
-        the last step row: predict/features._plan_after_oom)."""
-        p = self.plan_info() or {}
-        return {"next_batch": p.get("batch"), "next_seq_len": p.get("seq_len"), "next_precision": p.get("precision")}
 
     def _integrity(self) -> None:
         """The same input twice must give the same logits (within the precision's tolerance)."""
-        gen = torch.Generator(device=self.device).manual_seed(1234)
-        ids = M.random_ids(self.fields["vocab_size"], 1, min(128, self.schedule.seq_len), self.device, gen)
-        with torch.inference_mode():
-            a = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
-            b = self.model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
-        scale = max(1.0, a.nan_to_num(0, 0, 0).abs().max().item())
-        tol = (1e-3 if self.precision in ("bf16", "fp16") else 1e-5) * scale
-        same_nonfinite = bool((a.isfinite() == b.isfinite()).all())  # NaN twice is consistent (and a
-        diff = (a - b).nan_to_num(0, 0, 0).abs().max().item()  # `nonfinite` event already says so)
+        diff, tol, same_nonfinite = M.integrity(self.model, self.fields["vocab_size"], min(128, self.schedule.seq_len),
+                                                self.device, self.precision)
         if not (same_nonfinite and diff <= tol):
             self.integrity_failures += 1
             self.bus.emit("integrity_mismatch", f"same input, outputs differ by {diff:.3g} (tol {tol:.3g})",
