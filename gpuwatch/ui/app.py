@@ -99,6 +99,7 @@ class Dashboard(Screen):
     def on_mount(self) -> None:
         self.refresh_data(force=True)
         self.set_interval(1 / self.refresh_hz, self.refresh_data)
+        self.call_after_refresh(lambda: self.app.fit_to(self.app.size))  # started in a small terminal
 
     @property
     def wide(self) -> bool:
@@ -311,13 +312,12 @@ class Dashboard(Screen):
         return loads[0] if loads else {}
 
     def _recorded_state(self) -> str:
-        """"recorded", or "steps table missing" for a replayed session (not one followed: its steps may
-        come later) whose meta.json names a workload but whose folder holds no file of its steps."""
+        """"steps table missing" for a replayed session (not one followed: its steps may come later)
+        whose meta.json names a workload but whose folder holds no file of its steps; else "recorded"."""
         if self._steps_missing is None:
             from gpuwatch.recording.layout import table_files
 
-            reader = getattr(self.source, "reader", None)
-            path = getattr(reader, "path", None)
+            path = getattr(getattr(self.source, "reader", None), "path", None)
             self._steps_missing = bool(path is not None and path.is_dir() and not self.source.follow
                                        and self.source.steps_df.is_empty() and not table_files(path, "steps"))
         return "steps table missing" if self._steps_missing else "recorded"
@@ -565,6 +565,8 @@ class GpuwatchApp(App):
     def fit_to(self, size) -> None:
         """Smaller than MIN_SIZE: the too-small screen on top (its size kept current); big enough again:
         taken away, showing what was under it (the dashboard, or the help that was open)."""
+        if self.dashboard not in self.screen_stack:  # not yet shown: its on_mount comes back here
+            return
         small = size.width < MIN_SIZE.width or size.height < MIN_SIZE.height
         top = self.screen
         if small and isinstance(top, TooSmallScreen):
