@@ -136,3 +136,28 @@ def test_dashboard_closes_its_recording_on_sigterm_and_sighup(py, tmp_path, sig)
         assert rec.complete and rec.samples.height >= 10, screen
     finally:
         tmux("kill-session", "-t", name)
+
+
+def test_too_small_terminal_says_so_until_resized_back(py, env):
+    """At 60x20 the help was clipped mid-word with no close key in sight; now a one-line screen says the
+    terminal is too small until it is resized back, and q still quits."""
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    # COLUMNS/LINES from the test process would fix the size Textual reads (shutil.get_terminal_size)
+    cmd = (f"cd {ROOT} && env -u COLUMNS -u LINES PYTHONPATH={ROOT} {py} -m gpuwatch replay {RAMP} --no-model; "
+           "echo EXITED $?; sleep 5")
+    tmux("new-session", "-d", "-s", name, "-x", "60", "-y", "20", "-e", "TERM=xterm-256color", cmd, check=True)
+    try:
+        screen = wait_for(name, "terminal too small (60x20, needs 80x24)")
+        assert "REPLAY" not in screen
+        tmux("send-keys", "-t", name, "?")
+        time.sleep(0.5)
+        assert "terminal too small" in tmux("capture-pane", "-t", name, "-p")
+        tmux("resize-window", "-t", name, "-x", "80", "-y", "24")
+        screen = wait_for(name, "REPLAY")
+        assert "terminal too small" not in screen and "g go to" in screen  # the footer whole
+        tmux("resize-window", "-t", name, "-x", "70", "-y", "24")
+        wait_for(name, "terminal too small (70x24, needs 80x24)")
+        tmux("send-keys", "-t", name, "q")
+        wait_for(name, "EXITED 0")
+    finally:
+        tmux("kill-session", "-t", name)

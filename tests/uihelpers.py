@@ -46,3 +46,26 @@ def live_source(ticks: int = 400) -> tuple[LiveSource, Bus]:
             bus.events.append(Event(row["kind"], row["message"], row["severity"], row["gpu"], {}, ts))
     gpus = [GpuMeta(0, "NVIDIA H200", 150754820096, 700.0, 89)]
     return LiveSource(bus, gpus, "NVIDIA H200 (test)"), bus
+
+
+def screen_lines(app) -> list[str]:
+    """The screen as the user sees it, one string a row (from Textual's own SVG screenshot: the text
+    of every cell, each run placed at its column)."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    w, h = app.size
+    rows = [[" "] * w for _ in range(h)]
+    runs = re.finditer(r'<text class="[^"]*" x="([\d.]+)" y="[\d.]+" textLength="([\d.]+)" '
+                       r'clip-path="url\(#[^)]*-line-(\d+)\)">(.*?)</text>', svg)
+    for m in runs:
+        x, length, line, raw = m.groups()
+        t = html.unescape(raw).replace("\xa0", " ")
+        if not t:
+            continue
+        col = round(float(x) / (float(length) / len(t)))
+        for i, ch in enumerate(t):
+            if 0 <= int(line) < h and 0 <= col + i < w:
+                rows[int(line)][col + i] = ch
+    return ["".join(r).rstrip() for r in rows]

@@ -22,10 +22,15 @@ from textual.widgets import Footer, Static
 from gpuwatch.recording.source import ReplaySource, TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
-from gpuwatch.ui.screens import ConfirmQuit, EventScreen, GotoScreen, HelpScreen
+from gpuwatch.ui.screens import MIN_SIZE, ConfirmQuit, EventScreen, GotoScreen, HelpScreen, TooSmallScreen
 
 PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
 GUARD_CYCLE = ("on", "observe", "off")
+# The footer whole at 80 columns: each pair of keys under one word, and Textual's "^p palette" only
+# where there is room for it beside the keys (ctrl+p opens the palette at any width; the help says so).
+SEEK = Binding.Group("±10s")
+SPEED = Binding.Group("speed")
+PALETTE_MIN_WIDTH = 100
 PANELS = ("header", "gpus", "plots", "work", "risk", "host", "events")
 
 
@@ -80,6 +85,7 @@ class Dashboard(Screen):
         self.show_procs = False  # the bottom panel: events, or every process on every GPU (t)
         self.proc_sort = R.PROC_SORTS[0]
         self._names: dict[int, tuple[str, str]] = {}
+        self._steps_missing: bool | None = None  # a replayed session without its steps file (looked up once)
 
     @property
     def workload(self):
@@ -93,6 +99,7 @@ class Dashboard(Screen):
     def on_mount(self) -> None:
         self.refresh_data(force=True)
         self.set_interval(1 / self.refresh_hz, self.refresh_data)
+        self.call_after_refresh(lambda: self.app.fit_to(self.app.size))  # started in a small terminal
 
     @property
     def wide(self) -> bool:
@@ -116,6 +123,7 @@ class Dashboard(Screen):
             self._last_size, force = self.size, True
             self._plots_key = None
             self.set_class(self.wide, "wide")
+            self.query_one(Footer).show_command_palette = self.size.width >= PALETTE_MIN_WIDTH
         if self.view_paused and not force:
             self._set("header", self._header())
             return
@@ -144,7 +152,7 @@ class Dashboard(Screen):
         if force or key != self._plots_key:  # one column a second: rebuilt once a second of data
             self._plots_key = key
             self._set("plots", self._plots(width))
-        risk = self._risk(mem)[0]
+        risk = self._risk(mem)
         power = rows[0].get("gpu_power_w") if rows and rows[0] else None
         self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
         host_row = next(iter(latest.values()), None)
@@ -260,28 +268,26 @@ class Dashboard(Screen):
         title = Text(f"history {'GPU' + str(g) if g is not None else 'host'}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
         return Text("\n").join([title, *out])
 
-    def _risk(self, mem: list | None = None) -> tuple[Text, list]:
-        """The risk panel for the plotted GPU (what the scorer published, live or recorded), and its
-        free-memory fraction series (from `mem`); without a model, memory headroom and its trend."""
+    def _risk(self, mem: list | None = None) -> Text:
+        """The risk panel for the plotted GPU (what the scorer published, live or recorded); without a
+        risk at this moment, why not (once) and memory headroom and its trend (from `mem`)."""
         meta = self._plot_meta()
         if meta is None or mem is None:
-            return Text("risk: no GPU", style="dim"), []
+            return Text("risk: no GPU", style="dim")
         cap = meta.mem_limit_bytes
         total = meta.effective_limit_bytes
-        line, free = R.risk_line(mem, total, self.interval_s, model_loaded=False)
-        if cap:
-            line.append(f" (of the {R.fmt_bytes(cap)} --gpu-memory-limit)", style="dim")
         rows = self.source.risk(meta.index, 1)
         if rows:
             note = self._guard_status() or getattr(self.source, "risk_note", None) or ""  # e.g. scored on the fly
-            return R.risk_model_line(rows[-1], note, self.size.width), free
+            return R.risk_model_line(rows[-1], note, self.size.width)
+        why, style = "no risk scored", "yellow"  # one reason, said once
         if self.session is not None:
-            line = Text(f"{self.session.model_note}; ", style="yellow") + line
+            why = self.session.model_note
         elif not getattr(self.source, "risk_df", pl.DataFrame()).is_empty():
-            line = Text("risk: not scored yet at this moment; ", style="dim") + line
+            why, style = "not scored yet at this moment", "dim"
         elif getattr(self.source, "risk_note", None):  # e.g. being scored in the background
-            line = Text(f"{self.source.risk_note} ", style="yellow") + line
-        return line, free
+            why = self.source.risk_note
+        return R.risk_line(mem, total, self.interval_s, why, style, cap, self._width())
 
     def _guard_status(self) -> str:
         """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
@@ -305,11 +311,22 @@ class Dashboard(Screen):
         loads = (meta.get("config") or {}).get("workloads") or []
         return loads[0] if loads else {}
 
+    def _recorded_state(self) -> str:
+        """"steps table missing" for a replayed session (not one followed: its steps may come later)
+        whose meta.json names a workload but whose folder holds no file of its steps; else "recorded"."""
+        if self._steps_missing is None:
+            from gpuwatch.recording.layout import table_files
+
+            path = getattr(getattr(self.source, "reader", None), "path", None)
+            self._steps_missing = bool(path is not None and path.is_dir() and not self.source.follow
+                                       and self.source.steps_df.is_empty() and not table_files(path, "steps"))
+        return "steps table missing" if self._steps_missing else "recorded"
+
     def _workload_status(self) -> dict[str, Any] | None:
         w = self.workload
         if w is None:
             rec = self._recorded_workload()
-            return {"state": "recorded", "preset": rec.get("preset", ""), "describe": ""} if rec else None
+            return {"state": self._recorded_state(), "preset": rec.get("preset", ""), "describe": ""} if rec else None
         return {"state": w.state, "preset": w.cfg.preset,
                 "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
 
@@ -434,12 +451,12 @@ class ReplayScreen(Dashboard):
         Binding("space", "play", "play/pause"),
         Binding("left", "seek(-1)", "-1s", show=False),
         Binding("right", "seek(1)", "+1s", show=False),
-        Binding("left_square_bracket,shift+left", "seek(-10)", "-10s"),
-        Binding("right_square_bracket,shift+right", "seek(10)", "+10s"),
+        Binding("left_square_bracket,shift+left", "seek(-10)", "-10s", group=SEEK),
+        Binding("right_square_bracket,shift+right", "seek(10)", "+10s", group=SEEK),
         Binding("comma", "step(-1)", "step-", show=False),
         Binding("full_stop", "step(1)", "step+", show=False),
-        Binding("minus", "speed(0)", "slower"),
-        Binding("plus,equals_sign", "speed(1)", "faster"),
+        Binding("minus", "speed(0)", "slower", group=SPEED),
+        Binding("plus,equals_sign", "speed(1)", "faster", group=SPEED),
         Binding("n", "event(1)", "next event"),
         Binding("N", "event(-1)", "prev event", show=False),
         Binding("g", "goto", "go to"),
@@ -541,6 +558,23 @@ class GpuwatchApp(App):
 
     def get_default_screen(self) -> Screen:
         return self.dashboard
+
+    def on_resize(self, event) -> None:
+        self.fit_to(event.size)
+
+    def fit_to(self, size) -> None:
+        """Smaller than MIN_SIZE: the too-small screen on top (its size kept current); big enough again:
+        taken away, showing what was under it (the dashboard, or the help that was open)."""
+        if self.dashboard not in self.screen_stack:  # not yet shown: its on_mount comes back here
+            return
+        small = size.width < MIN_SIZE.width or size.height < MIN_SIZE.height
+        top = self.screen
+        if small and isinstance(top, TooSmallScreen):
+            top.show_size(size)
+        elif small and not any(isinstance(s, TooSmallScreen) for s in self.screen_stack):
+            self.push_screen(TooSmallScreen(size, self.dashboard.action_request_quit))
+        elif not small and isinstance(top, TooSmallScreen):
+            self.pop_screen()
 
     @property
     def mode(self) -> str:

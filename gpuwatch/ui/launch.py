@@ -2,6 +2,9 @@
 
 A crash inside the app restores the terminal (Textual does), writes the traceback to a log file (the
 session's folder when recording, else the user's state folder) and exits 1 with one line naming it.
+Without a terminal (stdin from /dev/null, output to a file or a pipe, TERM=dumb) the dashboard is not
+started at all: one line says so and the exit code is 2, after the recording to replay was opened (so an
+unreadable one is still named) and before any session, sampler or scoring starts.
 """
 
 from __future__ import annotations
@@ -13,7 +16,30 @@ import time
 import traceback
 from pathlib import Path
 
+from gpuwatch.errors import UsageError
 from gpuwatch.recording.source import ReplaySource
+
+NO_TERMINAL = "needs an interactive terminal; use `record` or `stress`"
+DUMB_TERMS = ("", "dumb", "unknown")
+
+
+def interactive_terminal() -> bool:
+    """The dashboard reads keys from stdin and draws on stderr (Textual's driver), and stdout must not be
+    a file collecting its escape codes: all three a terminal, and one that can move the cursor."""
+    streams = (sys.stdin, sys.stdout, sys.stderr)
+    return all(f is not None and f.isatty() for f in streams) and os.environ.get("TERM", "").strip() not in DUMB_TERMS
+
+
+def require_terminal(source: str | None = None) -> None:
+    """UsageError without a terminal; a recording replayed as live (`watch --source`) that cannot be
+    replayed is named first, as `replay` names it (read again only on this refusing path)."""
+    if interactive_terminal():
+        return
+    if source:
+        from gpuwatch.recording.replay_backend import ReplayGpuBackend
+
+        ReplayGpuBackend(source)
+    raise UsageError(NO_TERMINAL)
 
 
 def crash_log(exc: BaseException, folder: Path | None = None) -> Path:
@@ -112,6 +138,7 @@ def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None
 
     status = status or (lambda m: print(f"gpuwatch: {m}", file=sys.stderr))
     source = ReplaySource(path, follow=follow, speed=speed)
+    require_terminal()
     loaded = None
     if not no_model and model is not None and needs_scoring(source):
         from gpuwatch.predict.model import load_model
@@ -170,6 +197,7 @@ def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
         feed = RecordedFeed(_NullBus(), cfg.source)
         if feed.has_risk:  # show the risk that was live then, not a second scoring beside it
             cfg = replace(cfg, model=replace(cfg.model, enabled=False))
+    require_terminal(cfg.source)
     with Session(cfg, on_status=status) as session:
         if feed is not None:
             attach_feed(session, feed)

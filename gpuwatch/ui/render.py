@@ -218,21 +218,33 @@ def rank_lines(steps: list[dict[str, Any]], wide: bool) -> list[Text]:
     return [head, *per]
 
 
-def risk_line(mem_series: list, total: int | None, interval_s: float, model_loaded: bool) -> tuple[Text, list]:
-    """Until a risk model is loaded: say so, and show memory headroom and its trend instead."""
+def risk_line(mem_series: list, total: int | None, interval_s: float, why: str = "no risk scored",
+              why_style: str = "yellow", cap: int | None = None, width: int | None = None) -> Text:
+    """No risk at this moment: say why, once ("risk: no risk model; ", "risk: not scored yet at this
+    moment; "), and show memory headroom instead; its trend, the time to full and the --gpu-memory-limit
+    it is read against follow, each whole or not at all within `width`."""
     h = headroom(mem_series[-300:], total, interval_s)
-    free_frac_series = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem_series]
-    label = Text("risk ", style="bold")
-    if not model_loaded:
-        label.append("no risk scored; ", style="yellow")
+    why = why.removeprefix("risk ").rstrip(" ;")  # "risk scoring off" reads "risk: scoring off"
+    line = Text.assemble(("risk: ", "bold"), (f"{why}; ", why_style))
     if h is None:
-        return label + Text("memory headroom unknown"), free_frac_series
+        return line + Text("memory headroom unknown")
     trend = "flat" if h.slope_bytes_per_s is None or abs(h.slope_bytes_per_s) < 1e6 else \
         f"{h.slope_bytes_per_s * 60 / GiB:+.2f} GiB/min"
-    ttf = f", full in ~{_dur(h.seconds_to_full)}" if h.seconds_to_full is not None else ""
     style = "bold red" if h.free_frac < 0.05 else "yellow" if h.free_frac < 0.15 else "green"
-    return label + Text.assemble("headroom ", (f"{h.free_frac * 100:.1f}% ({fmt_bytes(h.free_bytes)})", style),
-                                 f", trend {trend}{ttf}"), free_frac_series
+    line += Text.assemble("headroom ", (f"{h.free_frac * 100:.1f}% ({fmt_bytes(h.free_bytes)})", style))
+    extras = {"trend": Text(f", trend {trend}"),
+              "full": Text(f", full in ~{_dur(h.seconds_to_full)}") if h.seconds_to_full is not None else Text(""),
+              "cap": Text(f" (of the {fmt_bytes(cap)} --gpu-memory-limit)", style="dim") if cap else Text("")}
+    room = None if width is None else width - len(line)
+    shown = set()
+    for name in ("full", "trend", "cap"):  # the time to full matters most when not all of it fits
+        if room is None or len(extras[name]) <= room:
+            shown.add(name)
+            room = None if room is None else room - len(extras[name])
+    for name in extras:  # said in this order
+        if name in shown:
+            line += extras[name]
+    return line
 
 
 def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
@@ -341,7 +353,7 @@ def sort_procs(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 def proc_lines(rows: list[dict[str, Any]], key: str, n: int, width: int) -> list[Text]:
     """A process table like nvitop's: the first `n` rows after sorting by `key`, commands cut last."""
     head = Text(f"{'GPU':>3} {'PID':>8} {'USER':<10} {'GPU MEM':>9} {'SM%':>4} {'MEM%':>4}  COMMAND"
-                f"   (sorted by {key}; o: sort)", style="bold")
+                f"  sorted by {key}; o: sort", style="bold")  # whole at 80 columns (80 with `command`)
     out = [head]
     for r in sort_procs(rows, key)[:max(0, n - 1)]:
         line = (f"{_f(r['gpu']):>3} {_f(r['pid']):>8} {str(r['user'])[:10]:<10} {fmt_bytes(r['used_bytes']):>9} "

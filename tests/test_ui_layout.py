@@ -1,0 +1,172 @@
+"""The dashboard's text whole at 80x24 (the smallest size it is laid out for), and a plain "terminal too
+small" screen below it instead of panels and a help cut mid-word. Checked on the rendered screen."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+from gpuwatch.recording.source import ReplaySource
+from gpuwatch.ui.app import make_app
+from gpuwatch.ui.screens import HelpScreen, TooSmallScreen
+
+from conftest import RAMP
+from uihelpers import live_source, screen_lines
+
+GUARDED = RAMP.parent / "sample-h200-guard-ramp-train"
+REPLAY_FOOTER = "q quit  ? help  space play/pause  [ ] ±10s  - + speed  n next event  g go to"
+
+
+def _cut(line: str) -> bool:
+    return line.rstrip().endswith(("…", "▏")) or "▏" in line
+
+
+async def test_replay_footer_is_whole_at_80_columns():
+    """It read `+ faste▏^p palette`: the palette's key covered the last keys."""
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        footer = screen_lines(app)[-1]
+        assert footer.strip() == REPLAY_FOOTER, footer
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(160, 50)) as pilot:  # room for it: the palette's key too
+        await pilot.pause(0.1)
+        footer = screen_lines(app)[-1]
+        assert footer.strip().startswith(REPLAY_FOOTER) and footer.rstrip().endswith("^p palette"), footer
+
+
+def _fake_session(bus):
+    """The part of a Session the live screen reads: a running workload and a guard, so that every
+    live key is in the footer."""
+    w = SimpleNamespace(state="running", cfg=SimpleNamespace(preset="v2-lite", mode="train"), device_name="H200",
+                        unrecovered=None, manual=False, batch=8, precision="bf16", paused=False)
+    g = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=0, misses=0, unable=None)
+    return SimpleNamespace(workload=w, workloads=[w], guard=g, recorder=None, model_note="no risk model", bus=bus)
+
+
+async def test_live_footer_with_a_workload_and_a_guard_is_whole_at_80_columns():
+    src, bus = live_source()
+    app = make_app(src, session=_fake_session(bus))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        footer = screen_lines(app)[-1]
+        assert not _cut(footer), footer
+        for key in ("q quit", "? help", "space pause view", "+ batch+", "- batch-", "p precision", "m mark"):
+            assert key in footer, (key, footer)
+
+
+async def test_process_panel_header_is_whole_at_80_columns():
+    """It read `(sorted by memory; o: so…`."""
+    src, _ = live_source()
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("t")
+        for key in ("memory", "pid", "user", "command", "gpu"):
+            head = next(ln for ln in screen_lines(app) if "PID" in ln and "COMMAND" in ln)
+            assert head.rstrip().endswith(f"sorted by {key}; o: sort"), head
+            await pilot.press("o")
+
+
+async def test_help_is_two_aligned_columns_and_whole_at_80x24():
+    """`home / end start / end` ran together; every key now has its description in one column."""
+    app = make_app(ReplaySource(RAMP))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        lines = screen_lines(app)
+        screen = "\n".join(lines)
+        assert "home / end  start / end" in screen, screen
+        rows = {"space": "play / pause", "home / end": "start / end", "enter": "the event at the cursor",
+                "q": "quit", "?": "this help", "ctrl+p": "command palette"}
+        cols = set()
+        for keys, what in rows.items():
+            line = next(ln for ln in lines if f" {keys} " in ln and what in ln)
+            cols.add(line.index(what))
+        assert len(cols) == 1, (cols, screen)  # the descriptions start in one column
+        assert "esc closes" in screen and "Replay" in screen  # the top and the bottom of the help: all of it
+
+
+async def test_live_help_with_every_section_fits_80x24():
+    src, bus = live_source()
+    app = make_app(src, session=_fake_session(bus))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        screen = "\n".join(screen_lines(app))
+        for what in ("Live", "Workload", "Guard", "pause / resume the view", "hand control back", "esc closes"):
+            assert what in screen, (what, screen)
+
+
+async def test_risk_line_says_once_why_there_is_no_risk():
+    """At the start of the guarded replay it read `risk: not scored yet at this moment; risk no risk
+    scored; headroom 100.0% (100 …`: two reasons, and cut."""
+    app = make_app(ReplaySource(GUARDED))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        line = next(ln for ln in screen_lines(app) if ln.startswith("risk"))
+        assert line.startswith("risk: not scored yet at this moment; headroom "), line
+        assert "no risk scored" not in line and line.count("risk") == 1 and not _cut(line), line
+    src, _ = live_source()  # no model anywhere: said once too
+    app = make_app(src)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        line = next(ln for ln in screen_lines(app) if ln.startswith("risk"))
+        assert line.startswith("risk: no risk scored; headroom "), line
+
+
+async def test_a_terminal_smaller_than_80x24_says_so_until_resized_back():
+    """At 60x20 the help was clipped mid-word with no way to close it in sight."""
+    src = ReplaySource(RAMP)
+    app = make_app(src)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, TooSmallScreen)
+        assert "terminal too small (60x20, needs 80x24)" in "\n".join(screen_lines(app))
+        await pilot.press("question_mark", "space")  # the dashboard's keys wait; the screen stays
+        assert isinstance(app.screen, TooSmallScreen) and not src.playing
+        await pilot.resize_terminal(79, 30)
+        await pilot.pause(0.1)
+        assert "terminal too small (79x30, needs 80x24)" in "\n".join(screen_lines(app))
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, TooSmallScreen)
+        assert "REPLAY" in screen_lines(app)[0]
+        await pilot.press("question_mark")  # the help open, then the terminal shrinks, then grows back
+        await pilot.resize_terminal(60, 20)
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, TooSmallScreen)
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.resize_terminal(60, 20)
+        await pilot.pause(0.1)
+        await pilot.press("q")  # q quits from the too-small screen
+    assert app.return_code == 0
+
+
+async def test_q_on_the_too_small_screen_asks_first_while_a_workload_runs():
+    src, bus = live_source()
+    app = make_app(src, session=_fake_session(bus))
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause(0.1)
+        await pilot.press("q")
+        screen = "\n".join(screen_lines(app))
+        assert "Stop it and quit?" in screen and "yes / no" in screen, screen  # the question fits 60 columns
+        await pilot.press("n")
+        assert isinstance(app.screen, TooSmallScreen) and app.is_running
+        await pilot.press("q", "y")
+    assert app.return_code == 0
+
+
+async def test_replay_of_a_session_without_its_steps_file_says_so(tmp_path):
+    """Defect 4 (the replay half): a session whose meta.json names a workload but whose steps.parquet
+    is gone showed `workload: recorded`, as if its steps were there."""
+    d = tmp_path / "session"
+    shutil.copytree(RAMP, d)
+    (d / "steps.parquet").unlink()
+    for path, want in ((d, "workload: steps table missing"), (RAMP, "workload: recorded")):
+        app = make_app(ReplaySource(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.1)
+            work = next(ln for ln in screen_lines(app) if ln.startswith("work"))
+            assert work.strip() == want, work
