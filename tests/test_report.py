@@ -137,10 +137,14 @@ def test_health_matrix_on_the_sweep_holds_the_recordings_own_values():
     mfu = measured["mfu"].median()
     assert rows["Compute (TFLOP/s vs peak)"].value == pytest.approx(mfu)
     assert 0 < mfu < 1 and rows["Compute (TFLOP/s vs peak)"].passed is (mfu >= 0.6)
-    peak = samples["gpu_mem_used_bytes"].max()
-    total = json.loads((SWEEP / "meta.json").read_text())["gpus"][0]["mem_total_bytes"]
-    assert rows["Memory (peak vs limit)"].value == pytest.approx(peak / total)
-    assert rows["Memory (peak vs limit)"].passed is (peak / total <= 0.95)
+    # a schema-v1 session without a PID in meta.json: the one process NVML lists is the workload's
+    # (frames.own_memory), measured against what the card leaves it at its peak
+    own = samples["gpu_procs"].list.first().struct.field("used_bytes").cast(pl.Float64)
+    i = own.arg_max()
+    at = samples.row(i, named=True)
+    limit = at["gpu_mem_total_bytes"] - (at["gpu_mem_used_bytes"] - own[i]) - (at.get("gpu_mem_reserved_bytes") or 0)
+    assert rows["Memory (peak vs limit)"].value == pytest.approx(own[i] / limit)
+    assert rows["Memory (peak vs limit)"].passed is (own[i] / limit <= 0.95)
     tmax, slow = samples["gpu_temp_c"].max(), samples["gpu_temp_slowdown_c"].min()
     assert rows["Temperature"].value == tmax and rows["Temperature"].threshold == slow - 5
     assert rows["Temperature"].passed is (tmax < slow - 5)
@@ -162,9 +166,74 @@ def test_capped_session_is_judged_against_its_cap(reports):
     capped = RECORDINGS / "sample-h200-capped-ramp-train"
     cap = json.loads((capped / "meta.json").read_text())["config"]["workloads"][0]["faults"]["memory_limit_bytes"]
     mem = {r.name: r for r in health_matrix(open_recording(capped))}["Memory (peak vs limit)"]
-    assert mem.value == pytest.approx(_direct(capped, "samples")["gpu_mem_used_bytes"].max() / cap)
+    own, limit = _own_peak_and_limit(capped, cap)
+    assert mem.value == pytest.approx(own / limit)
     assert "cap" in mem.detail and mem.passed is False
     assert f"effective limit {cap / 2**30:.1f} GiB" in reports[capped.name][0].read_text()
+
+
+def _own_peak_and_limit(session: Path, cap: int) -> tuple[float, float]:
+    """Straight from the Parquet files: the workload process's highest own memory (its gpu_procs entry:
+    meta.json's pid, else the one process listed) and its cap + its memory outside torch (own - torch
+    reserved at the first sample after each step, median over the steps, 0..8 GiB)."""
+    samples, steps = _direct(session, "samples").sort("ts"), _direct(session, "steps").sort("ts")
+    pid = json.loads((session / "meta.json").read_text()).get("pid")
+    procs = samples["gpu_procs"]
+    if pid is None:
+        own = procs.list.first().struct.field("used_bytes")
+    else:
+        own = procs.list.eval(pl.element().filter(pl.element().struct.field("pid") == pid)
+                              .struct.field("used_bytes")).list.first()
+    own = own.cast(pl.Float64).fill_null(0.0).to_list()
+    ts = samples["ts"].to_list()
+    outside = []
+    for t, res in zip(steps["ts"].to_list(), steps["torch_reserved_bytes"].to_list()):
+        j = next((k for k, u in enumerate(ts) if u >= t), None)
+        if j is not None and res is not None:
+            outside.append(min(8 * 2**30, max(0.0, own[j] - res)))
+    outside.sort()
+    n = len(outside)
+    mid = (outside[n // 2] if n % 2 else (outside[n // 2 - 1] + outside[n // 2]) / 2) if n else 0.0
+    return max(own), cap + mid
+
+
+NEARCAP = RECORDINGS / "h200-nearcap-2026-12-01"
+SIDE_BY_SIDE = sorted(p for p in NEARCAP.glob("nc-*") if p.is_dir())  # set 1: 8 workloads at once on one H200
+
+
+@pytest.mark.parametrize("session", SIDE_BY_SIDE, ids=lambda p: p.name)
+def test_memory_row_of_a_shared_gpu_is_the_workload_process_own(session):
+    """Issue: eight capped workloads side by side on one H200 each read the whole GPU's memory against
+    their own cap (5627.2 %, 1562.0 %, ..., 244.6 %). The row reads the process's own memory (the rule
+    of the risk features, recording/frames.py), against its cap + its memory outside torch."""
+    rec = open_recording(session)
+    cap = rec.meta["config"]["workloads"][0]["faults"]["memory_limit_bytes"]
+    mem = {r.name: r for r in health_matrix(rec)}["Memory (peak vs limit)"]
+    own, limit = _own_peak_and_limit(session, cap)
+    whole = _direct(session, "samples")["gpu_mem_used_bytes"].max()
+    assert whole / cap > 2  # the GPU was shared: its whole memory is several caps
+    assert mem.value == pytest.approx(own / limit) and 0.5 < mem.value < 1.05, (mem.value, mem.detail)
+    assert "own memory" in mem.detail and "shared with other processes" in mem.detail
+    md = render(rec, "md")
+    assert "| Workload process memory | peak " in md and "(the whole GPU: every process on it)" in md
+
+
+def test_one_memory_rule_for_features_report_and_exporter():
+    """The process's own memory is one function (recording/frames.py): the risk features, the report's
+    health row and the Prometheus exporter call it, and none of them reads `gpu_procs` by PID itself."""
+    import ast
+
+    from conftest import ROOT
+
+    users = {"gpuwatch/predict/features.py": "process_memory", "gpuwatch/report/health.py": "own_peak",
+             "gpuwatch/export/prometheus.py": "process_memory"}
+    for path, name in users.items():
+        text = (ROOT / path).read_text()
+        tree = ast.parse(text)
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module == "gpuwatch.recording.frames" for a in n.names}
+        assert name in imported, path
+        assert "own_used(" not in text and 'struct.field("pid")' not in text, path
 
 
 def test_sweep_table_in_html_and_md(reports):

@@ -63,7 +63,7 @@ class LiveSource:
         self.bus, self.gpus, self.label, self.interval_s = bus, gpus, label, interval_s
         full = schema.TABLES["samples"]
         if sample_columns is not None and any(m.pid is None for m in gpus):
-            sample_columns = (*sample_columns, "gpu_procs")  # the process is found from NVML's list (_own)
+            sample_columns = (*sample_columns, "gpu_procs")  # the process is found from NVML's list (frames.own_memory)
         self._sample_schema = full if sample_columns is None else {k: v for k, v in full.items()
                                                                    if k in sample_columns or k in ("ts", "gpu")}
         self._seen = -1

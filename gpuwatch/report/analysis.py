@@ -16,7 +16,7 @@ import polars as pl
 
 from gpuwatch.recording.reader import Recording
 from gpuwatch.report.health import (
-    Row, Thresholds, active_window, effective_limits, measured_steps, mem_used_expr,
+    Row, Thresholds, active_window, effective_limits, gpu_memory, measured_steps, mem_used_expr,
     throttle_breakdown, throttle_row, workloads,
 )
 from gpuwatch.units import fmt_bytes
@@ -512,7 +512,13 @@ def summary(rec: Recording, en: dict[str, Any] | None) -> list[tuple[str, str]]:
     s = rec.samples.filter(pl.col("gpu").is_not_null() & pl.col("gpu_mem_used_bytes").is_not_null())
     if s.height:
         peak = s.select(mem_used_expr()).max().item()
-        rows.append(("Peak GPU memory", fmt_bytes(peak)))
+        own = [m for m in gpu_memory(rec).values() if m.own and m.workload and m.limit]
+        shared = any(m.whole_peak > m.peak * 1.05 + 2**30 for m in own)
+        rows.append(("Peak GPU memory", fmt_bytes(peak) + (" (the whole GPU: every process on it)" if shared else "")))
+        if own:  # the rule of the health row and the risk features (recording/frames.py process_memory)
+            rows.append(("Workload process memory", "; ".join(
+                f"{f'GPU {m.gpu}: ' if len(own) > 1 else ''}peak {fmt_bytes(m.peak)} of its limit {fmt_bytes(m.limit)}"
+                for m in own)))
         if s["gpu_power_w"].drop_nulls().len():
             rows.append(("Power", f"mean {s['gpu_power_w'].mean():.0f} W, max {s['gpu_power_w'].max():.0f} W"))
     if en:
