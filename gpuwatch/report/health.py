@@ -194,7 +194,7 @@ class GpuMemory:
     cap: float | None  # the workload's memory cap (--gpu-memory-limit), if one was set
     others: float  # other processes' memory at the peak (bytes)
     whole_peak: float  # the whole GPU's highest used + reserved (bytes), whoever held it
-    workload: bool = True  # the process is the session's workload (its PID in meta.json), not a lone other one
+    workload: bool = True  # the process is known as the session's workload (its PID in meta.json), not only the one listed
 
     @property
     def frac(self) -> float | None:
@@ -236,7 +236,7 @@ def gpu_memory(rec: Recording) -> dict[int, GpuMemory]:
         peak, basis = got
         whole = float(part.select(mem_used_expr()).max().item())
         out[g] = GpuMemory(g, peak, basis.limit, basis.own, float(cap) if cap else None, basis.others, whole,
-                           workload=pid is not None or bool(workloads(rec)))
+                           workload=pid is not None)
     return dict(sorted(out.items()))
 
 
