@@ -3,11 +3,13 @@
 No terminal UI here (no Textual): a progress line every `--progress` seconds on stderr, and at the end
 the verdict of the run as checks - no unrecovered failure and the integrity checks per workload, the
 recording, and one check per row of the health matrix (`gpuwatch.report.health`, the same rows as the
-HTML report). A health row fails the run only when its threshold was given with `--fail-on`; without
-one it is reported (pass / fail against the report's default) and the exit code says only what it
-said before (an unrecovered failure, a recording that failed, a signal).
+HTML report). Each row's status (pass, FAIL, FAIL (not enforced), FAIL (no data), no data (not
+enforced)) comes from one table, `gpuwatch.report.judgement`: a row fails the run only when `--fail-on`
+named its check; without that it is reported against the report's default and the exit code says only
+what it said before (an unrecovered failure, a recording that failed, a signal).
 
-Imported by `gpuwatch.cli` only; imports `gpuwatch.runtime` and below, and `gpuwatch.report.health`.
+Imported by `gpuwatch.cli` only; imports `gpuwatch.runtime` and below, `gpuwatch.report.health` and
+`gpuwatch.report.judgement`.
 """
 
 from __future__ import annotations
