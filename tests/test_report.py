@@ -406,3 +406,59 @@ def test_a_session_whose_steps_have_no_tflops_still_reports():
     rows = dict(summary(no_flops, None))
     assert "tokens/s" in rows["Throughput"] and "TFLOP/s" not in rows["Throughput"]
     assert "<html" in render(no_flops, "html").lower()
+
+
+# -- the report agrees with itself (issue: NO DATA above, "every check passed" below) --------------------
+def test_no_data_verdict_and_recommendations_agree():
+    """A session where no check could be judged said '**NO DATA**: no data: none of the 5 health checks
+    could be judged' and, below it, 'Nothing to change: every check passed'."""
+    md = render(_cpu_session(), "md")
+    assert "**NO DATA**" in md
+    recs = md.split("## Recommendations", 1)[1].split("##", 1)[0]
+    assert "every check passed" not in recs and "none of the 5 health checks could be judged" in recs, recs
+
+
+def test_a_failed_check_is_never_called_passed_in_the_recommendations():
+    from gpuwatch.report.analysis import nothing_to_change
+
+    from gpuwatch.report.health import Row
+
+    ok = Row("GPU utilization", 0.9, 0.85, True, "")
+    bad = Row("Memory (peak vs limit)", 1.2, 0.95, False, "")
+    none = Row("Temperature", None, None, None, "no temperature samples")
+    assert "every check passed" not in nothing_to_change([ok, bad], [])
+    assert "Memory (peak vs limit)" in nothing_to_change([ok, bad], [])
+    assert nothing_to_change([ok, none], []).startswith("Nothing to change: the 1 checks with data passed (1 had no data)")
+    assert nothing_to_change([ok], []) == "Nothing to change: every check passed; no anomaly was recorded."
+
+
+STEPLESS = RECORDINGS / "h200-nearcap-2026-12-01" / "nc-small-train-frag-b16"
+
+
+def test_a_session_without_steps_parquet_counts_its_steps_from_the_events(tmp_path):
+    """With steps.parquet deleted the report said only 'no workload steps in this session' of a session
+    that ran them; the workload_stop events still say how many, and the report says the file is missing."""
+    from gpuwatch.recording.recorded import recorded_steps
+    from gpuwatch.recording.source import ReplaySource
+
+    ran = _direct(STEPLESS, "steps").height
+    copy = tmp_path / STEPLESS.name
+    shutil.copytree(STEPLESS, copy)
+    (copy / "steps.parquet").unlink()
+    md = render(open_recording(copy), "md")
+    note = f"{ran:,} steps (from the workload_stop events: steps.parquet is missing)"
+    assert "no workload steps in this session" not in md
+    assert f"| Steps | {note} |" in md and "| missing table (warning) |" in md
+    assert f"| Compute (TFLOP/s vs peak) | - | >= 60.0 % | **n/a** | {note}" in md
+    # the seam the replay screen's status reads (it said "workload: recorded")
+    count = ReplaySource(copy).step_count()
+    assert count.steps == ran and count.table_missing and count.status != "recorded" and "steps.parquet" in count.status
+    whole = ReplaySource(STEPLESS).step_count()
+    assert whole.status == "recorded" and whole.steps == whole.rows == ran and not whole.table_missing
+    # two ranks, each its own workload_stop: counted per rank
+    two = tmp_path / "two-ranks"
+    shutil.copytree(RECORDINGS / "cpu-gloo-2rank-train", two)
+    (two / "steps.parquet").unlink()
+    rec = open_recording(two)
+    assert recorded_steps(two, rec.meta, rec.steps, rec.events).steps == _direct(
+        RECORDINGS / "cpu-gloo-2rank-train", "steps").height

@@ -15,7 +15,7 @@ import polars as pl
 
 from gpuwatch.recording.frames import own_peak
 from gpuwatch.recording.reader import Recording
-from gpuwatch.recording.recorded import recorded_caps, recorded_pid, sorted_by_time
+from gpuwatch.recording.recorded import STEPS_FILE, StepCount, recorded_caps, recorded_pid, recorded_steps, sorted_by_time
 from gpuwatch.telemetry.reasons import LIMITING, REASONS
 
 
@@ -114,6 +114,12 @@ def effective_limits(rec: Recording) -> dict[int, tuple[int | None, int | None, 
     return out
 
 
+def step_count(rec: Recording) -> StepCount:
+    """How many steps the session ran and where that is known from (recording/recorded.py): its steps
+    table, else its workload_stop events where steps.parquet is missing."""
+    return recorded_steps(rec.path, rec.meta, rec.steps, rec.events)
+
+
 def active_window(rec: Recording) -> tuple[datetime, datetime] | None:
     """While the workload ran (first to last step end), else the whole session."""
     if rec.steps.height >= 2:
@@ -168,7 +174,9 @@ def _mfu_row(rec: Recording, th: Thresholds) -> Row:
     st = measured_steps(rec.steps).filter(pl.col("mfu").is_not_null() & pl.col("mfu").is_finite()
                                           & pl.col("tflops").is_not_null())
     if st.is_empty():
-        why = "no workload steps in this session" if rec.steps.is_empty() else "no MFU recorded (peak unknown, e.g. CPU)"
+        why = step_count(rec).note if rec.steps.is_empty() else "no MFU recorded (peak unknown, e.g. CPU)"
+        if rec.steps.is_empty() and step_count(rec).table_missing:
+            why += ": no step to judge"
         return Row(name, None, th.min_mfu, None, why, "%")
     med = float(st["mfu"].median())
     tfl = float(st["tflops"].median())
@@ -251,6 +259,8 @@ def _mem_row(rec: Recording, ctx: _Ctx, th: Thresholds) -> Row:
     m = max(judged, key=lambda x: x.frac)
     ooms = rec.events.filter(pl.col("kind") == "oom").height
     detail = f"{_gpu_note(m.gpu, len(mem))}peak {_gib(m.peak)} of {_gib(m.limit)} ({m.what})"
+    if m.own and m.cap and m.limit == m.cap and step_count(rec).table_missing:
+        detail += f"; its memory outside torch is not known without {STEPS_FILE} (torch's reserved bytes)"
     if m.own and m.whole_peak > m.peak * 1.05 + 2**30:
         detail += f"; the whole GPU peaked at {_gib(m.whole_peak)}, shared with other processes"
     if ooms:
