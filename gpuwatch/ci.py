@@ -3,11 +3,13 @@
 No terminal UI here (no Textual): a progress line every `--progress` seconds on stderr, and at the end
 the verdict of the run as checks - no unrecovered failure and the integrity checks per workload, the
 recording, and one check per row of the health matrix (`gpuwatch.report.health`, the same rows as the
-HTML report). A health row fails the run only when its threshold was given with `--fail-on`; without
-one it is reported (pass / fail against the report's default) and the exit code says only what it
-said before (an unrecovered failure, a recording that failed, a signal).
+HTML report). Each row's status (pass, FAIL, FAIL (not enforced), FAIL (no data), no data (not
+enforced)) comes from one table, `gpuwatch.report.judgement`: a row fails the run only when `--fail-on`
+named its check; without that it is reported against the report's default and the exit code says only
+what it said before (an unrecovered failure, a recording that failed, a signal).
 
-Imported by `gpuwatch.cli` only; imports `gpuwatch.runtime` and below, and `gpuwatch.report.health`.
+Imported by `gpuwatch.cli` only; imports `gpuwatch.runtime` and below, `gpuwatch.report.health` and
+`gpuwatch.report.judgement`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from xml.etree import ElementTree as ET
 
 from gpuwatch import __version__
 from gpuwatch.errors import UsageError
+from gpuwatch.report.judgement import by_status, help_text, judge
 from gpuwatch.units import hms  # noqa: F401 - ci.hms, used by the CLI too
 
 # --fail-on KEY: (the comparison that fails the run, the Thresholds field it sets, the health row it
@@ -41,8 +44,8 @@ FAIL_ON_HELP = ("fail the run (exit 1) when a health row crosses VALUE; comma-se
                 "util<PCT (mean GPU utilization while the workload ran, 0-100), mfu<FRAC (median MFU, 0-1 or N%%), "
                 "mem_peak>FRAC (peak memory / limit, 0-1 or N%%), temp_margin<C (degrees below the slowdown "
                 "temperature), throttled>FRAC (share of samples with a limiting clock reason, 0-1 or N%%). "
-                "E.g. --fail-on util<85,mfu<0.6,temp_margin<5,throttled>0.05,mem_peak>0.95. Without it the rows "
-                "are reported but never fail the run; a row named here with no data (no GPU) fails it: no data is not a pass")
+                "E.g. --fail-on util<85,mfu<0.6,temp_margin<5,throttled>0.05,mem_peak>0.95. Each health row "
+                "then reads " + help_text())
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*([<>])\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
 
@@ -211,7 +214,7 @@ def health_rows(rec, fail_on: dict[str, float]) -> list[dict[str, Any]]:
         enforced = key in fail_on
         out.append({"name": row.name, "key": key, "value": row.value, "threshold": row.threshold, "op": row.op,
                     "unit": row.unit, "status": row.status, "enforced": enforced,
-                    "verdict": "n/a" if row.passed is None else ("fail" if enforced and not row.passed else "pass"),
+                    "verdict": judge(row.passed, enforced).status,  # report/judgement.py: the one table
                     "value_text": row.value_text, "threshold_text": row.threshold_text, "detail": row.detail})
     return out
 
@@ -310,34 +313,38 @@ def _recording_check(session, checks: list[dict[str, Any]], reasons: list[str]) 
 
 
 def _health_checks(rows: list[dict[str, Any]], checks: list[dict[str, Any]], reasons: list[str]) -> None:
-    """One check per health-matrix row: enforced by --fail-on or only reported."""
+    """One check per health-matrix row, judged by the one table (report/judgement.py): its JUnit status,
+    whether it fails the run, and the status it says."""
     for row in rows:
-        name = f"health: {row['name']}"
-        if row["status"] == "n/a" and row["enforced"]:  # asked to check it, and nothing to check: not a pass
-            checks.append({"name": name, "status": "fail", "message": f"no data: {row['detail']}"})
-            reasons.append(f"health: {row['name']}: no data ({row['detail']}) for --fail-on {row['key']}")
-        elif row["status"] == "n/a":
-            checks.append({"name": name, "status": "skipped", "message": row["detail"]})
-        elif row["verdict"] == "fail":
-            msg = f"{row['value_text']}, needs {row['threshold_text']} ({row['detail']})"
-            checks.append({"name": name, "status": "fail", "message": msg})
+        j = by_status()[row["verdict"]]
+        what = f"{row['value_text']} ({row['threshold_text']})"
+        if j.status == "FAIL":
+            msg = f"FAIL: {row['value_text']}, needs {row['threshold_text']} ({row['detail']})"
             reasons.append(f"health: {row['name']} {row['value_text']}, needs {row['threshold_text']}")
+        elif j.status == "FAIL (no data)":
+            msg = f"FAIL (no data): {row['detail']}"
+            reasons.append(f"health: {row['name']}: FAIL (no data: {row['detail']}) for --fail-on {row['key']}")
+        elif j.status == "FAIL (not enforced)":
+            msg = f"FAIL (not enforced): {what}: {row['detail']} (--fail-on {row['key']}... enforces it)"
+        elif j.status == "no data (not enforced)":
+            msg = f"no data (not enforced): {row['detail']}"
         else:
-            note = f"{row['value_text']} ({row['threshold_text']}): {row['detail']}"
-            if row["status"] == "fail":
-                note += f" - fails the report's default threshold, not enforced (--fail-on {row['key']}...)"
-            checks.append({"name": name, "status": "pass", "message": note})
+            msg = f"pass: {what}: {row['detail']}"
+        checks.append({"name": f"health: {row['name']}", "status": j.check, "message": msg})
 
 
 def health_lines(summary: dict[str, Any]) -> list[str]:
+    """stdout's health lines: each row's value, threshold and status (report/judgement.py), and why
+    where there is no data."""
     h = summary["health"]
     if not h["checked"]:
         return [f"health: {h['note']}"]
     out = []
     for row in h["rows"]:
-        mark = {"pass": "pass", "fail": "FAIL", "n/a": "n/a"}[row["verdict"]]
-        extra = " (default threshold: fails, not enforced)" if row["verdict"] == "pass" and row["status"] == "fail" else ""
-        out.append(f"health: {row['name']}: {row['value_text']} ({row['threshold_text']}) {mark}{extra}")
+        line = f"health: {row['name']}: {row['value_text']} ({row['threshold_text']}) {row['verdict']}"
+        if row["value"] is None:
+            line += f": {row['detail']}"
+        out.append(line)
     return out
 
 
@@ -370,8 +377,9 @@ def junit_xml(summary: dict[str, Any]) -> str:
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="gpuwatch.stress", name=c["name"], time="0")
         if c["status"] == "fail":
-            ET.SubElement(case, "failure", message=c["message"][:500], type="threshold" if c["name"].startswith("health")
-                          else "check").text = c["message"]
+            kind = ("check" if not c["name"].startswith("health")
+                    else "no data" if c["message"].startswith("FAIL (no data)") else "threshold")
+            ET.SubElement(case, "failure", message=c["message"][:500], type=kind).text = c["message"]
         elif c["status"] == "skipped":
             ET.SubElement(case, "skipped", message=c["message"][:500])
         else:

@@ -142,7 +142,7 @@ class Session:
 
             host, port = cfg.prometheus
             self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port,
-                                               interval_s=cfg.interval_s)
+                                               interval_s=cfg.interval_s, workloads=self.source.gpus)
 
     def _restore(self, point: ResumePoint) -> None:
         """Put each workload back where the interrupted run left it (gpuwatch/resume.py)."""

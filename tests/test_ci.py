@@ -24,7 +24,7 @@ from gpuwatch.recording.reader import open_recording
 from gpuwatch.runtime import wait_until
 from gpuwatch.workload.schedule import Schedule
 
-from conftest import SWEEP
+from conftest import ROOT, SWEEP
 
 CPU = ["--preset", "tiny", "--device", "cpu", "--no-model"]
 
@@ -107,9 +107,9 @@ def test_threshold_failure_exits_1_with_junit_and_summary(runs):
     assert s["workloads"][0]["preset"] == "tiny" and s["workloads"][0]["steps"] >= 1
     assert s["recording"]["complete"] is True and s["recording"]["rows"] > 0
     rows = {r["name"]: r for r in s["health"]["rows"]}
-    assert rows["Throttling"]["verdict"] == "fail" and rows["Throttling"]["enforced"]
+    assert rows["Throttling"]["verdict"] == "FAIL" and rows["Throttling"]["enforced"]
     assert rows["Temperature"]["verdict"] == "pass" and rows["Temperature"]["threshold"] == 84.0
-    assert rows["Compute (TFLOP/s vs peak)"]["verdict"] == "n/a"  # no MFU on a CPU
+    assert rows["Compute (TFLOP/s vs peak)"]["verdict"] == "no data (not enforced)"  # no MFU on a CPU
     root = ET.parse(runs["tmp"] / "j.xml").getroot()
     suites = root.findall("testsuite")
     assert len(suites) == 1 and suites[0].get("name") == "gpuwatch stress"
@@ -224,15 +224,16 @@ def test_fail_on_needs_a_recording_and_outputs_need_a_folder(tmp_path, capsys):
 def test_thresholds_on_a_shipped_recording():
     rec = open_recording(SWEEP)
     rows = {r["name"]: r for r in ci.health_rows(rec, {})}
-    assert all(r["verdict"] != "fail" for r in rows.values())  # nothing given: reported, never failing
+    assert all(r["verdict"] not in ("FAIL", "FAIL (no data)") for r in rows.values())  # nothing given: never failing
     assert rows["Throttling"]["status"] == "fail"  # ... though the report's default says fail
+    assert rows["Throttling"]["verdict"] == "FAIL (not enforced)"  # and it says so
     rows = {r["name"]: r for r in ci.health_rows(rec, {"util": 90, "mfu": 0.2, "throttled": 0.95, "temp_margin": 30})}
     assert rows["GPU utilization"]["verdict"] == "pass"  # 94.9 % > 90
     assert rows["Compute (TFLOP/s vs peak)"]["verdict"] == "pass"  # 25 % >= 20 %
     assert rows["Throttling"]["verdict"] == "pass"  # 90 % <= 95 %
-    assert rows["Temperature"]["verdict"] == "fail" and rows["Temperature"]["threshold"] == 59.0  # 67 °C, 89 - 30
+    assert rows["Temperature"]["verdict"] == "FAIL" and rows["Temperature"]["threshold"] == 59.0  # 67 °C, 89 - 30
     rows = {r["name"]: r for r in ci.health_rows(rec, {"util": 96, "mem_peak": 0.3})}
-    assert rows["GPU utilization"]["verdict"] == "fail" and rows["Memory (peak vs limit)"]["verdict"] == "fail"
+    assert rows["GPU utilization"]["verdict"] == "FAIL" and rows["Memory (peak vs limit)"]["verdict"] == "FAIL"
 
 
 def test_junit_shape_of_a_summary():
@@ -345,3 +346,69 @@ def test_resume_of_a_finished_session_is_refused(runs, capsys):
     assert "finished" in capsys.readouterr().err
     assert json.loads((session / "meta.json").read_text()) == before
     assert sorted(p.name for p in session.iterdir()) == files
+
+
+# -- one table for every status (gpuwatch/report/judgement.py) -------------------------------------------
+def _cpu_recording():
+    import dataclasses
+
+    import polars as pl
+
+    rec = open_recording(SWEEP)
+    gpu_cols = [c for c in rec.samples.columns if c.startswith("gpu")]
+    return dataclasses.replace(rec, meta={**rec.meta, "gpus": []}, samples=rec.samples.with_columns(
+        *(pl.lit(None).cast(rec.samples.schema[c]).alias(c) for c in gpu_cols)))
+
+
+def _judged(rec, fail_on: str | None):
+    from types import SimpleNamespace
+
+    session = SimpleNamespace(workloads=[], recorder=None, guard=None, model_note=None)
+    info = ci.RunInfo(fail_on=ci.parse_fail_on(fail_on) if fail_on else {})
+    summary = ci.verdict(session, "done", info, [], rec, None)
+    lines = {ln.split(":")[1].strip(): ln for ln in ci.health_lines(summary)}
+    root = ET.fromstring(ci.junit_xml({**summary, "this_run_s": 0.0}).split("\n", 1)[1])
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    return summary, lines, cases
+
+
+def test_a_row_past_its_threshold_never_says_pass():
+    """Issue: `GPU utilization: 22.6 % (> 85.0 %) pass (default threshold: fails, not enforced)`."""
+    summary, lines, cases = _judged(open_recording(SWEEP), None)  # the sweep: throttled 90 % of its samples
+    line = lines["Throttling"]
+    assert line.endswith(") FAIL (not enforced)") and " pass" not in line, line
+    assert summary["exit"]["code"] == 0  # not enforced: the run does not fail
+    case = cases["health: Throttling"]
+    assert case.find("failure") is None and case.find("system-out").text.startswith("FAIL (not enforced): ")
+    assert lines["GPU utilization"].endswith(") pass")  # 94.9 % > 85 %
+
+
+def test_no_data_says_the_same_on_stdout_junit_json_and_exit_code():
+    """Issue: with no data stdout said `n/a` while `--fail-on util` exited 1 and JUnit failed the row (and
+    docs/CI.md said such a row is skipped)."""
+    summary, lines, cases = _judged(_cpu_recording(), "util<85")
+    rows = {r["name"]: r for r in summary["health"]["rows"]}
+    assert rows["GPU utilization"]["verdict"] == "FAIL (no data)"
+    assert ") FAIL (no data): no utilization samples" in lines["GPU utilization"], lines
+    assert "n/a" not in "\n".join(lines.values())
+    f = cases["health: GPU utilization"].find("failure")
+    assert f is not None and f.get("message").startswith("FAIL (no data)") and f.get("type") == "no data"
+    assert summary["exit"]["code"] == 1 and any("FAIL (no data" in w for w in summary["exit"]["why"])
+    assert rows["Throttling"]["verdict"] == "no data (not enforced)"
+    assert ") no data (not enforced)" in lines["Throttling"]
+    assert cases["health: Throttling"].find("skipped") is not None
+
+
+def test_every_status_comes_from_the_one_table(capsys):
+    from gpuwatch.report.judgement import RULES, STATUSES, docs_table
+
+    assert STATUSES == ("pass", "FAIL", "FAIL (not enforced)", "FAIL (no data)", "no data (not enforced)")
+    assert {(k, j.fails_run) for k, j in RULES.items()} == {
+        ((True, True), False), ((True, False), False), ((False, True), True), ((False, False), False),
+        ((None, True), True), ((None, False), False)}
+    assert docs_table() in (ROOT / "docs" / "CI.md").read_text()  # the docs say what the code does
+    with pytest.raises(SystemExit):
+        main(["stress", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for s in STATUSES:
+        assert f"{s}: {' '.join(RULES[next(k for k, j in RULES.items() if j.status == s)].means.split())}" in text, s

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import polars as pl
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -420,3 +421,41 @@ def test_watch_source_exports_the_recorded_host_not_this_machine():
     mem = fams["gpuwatch_host_memory_total_bytes"].samples
     assert mem and mem[0].labels["Hostname"] == recorded_host != "this-machine"
     assert mem[0].value == float(feed.host_row["host_mem_total_bytes"])
+
+
+SHARED = ROOT / "recordings" / "h200-nearcap-2026-12-01" / "nc-small-decode-b32"  # 8 workloads on one H200
+
+
+def test_workload_process_memory_is_its_own_not_the_shared_gpus():
+    """A workload beside seven others on one H200: its own memory (NVML's per-process entry), its limit
+    (cap + memory outside torch) and their ratio, by the rule the risk features read (frames.py): the
+    ratio is the features' mem_used_frac of the replayed window ending at that tick."""
+    from gpuwatch.predict.features import features
+    from gpuwatch.recording.source import ReplaySource
+    from gpuwatch.telemetry.bus import Tick
+
+    rec = open_recording(SHARED)
+    src = ReplaySource(SHARED)
+    row = rec.samples.filter(pl.col("gpu") == 0).sort("ts").row(3000, named=True)
+    t = _us(row["ts"])
+    bus = Bus()
+    bus.ticks.append(Tick(1, t, [{**row, "ts": t}]))
+    for s in rec.steps.filter(pl.col("ts") <= row["ts"]).sort("ts").to_dicts():
+        bus.steps.append({**s, "ts": _us(s["ts"])})
+    exp = PrometheusExporter(bus, _gpus_from_meta(rec), port=0, hostname="h200-test", workloads=src.gpus)
+    exp.start()
+    try:
+        fams = scrape(exp.url)
+    finally:
+        exp.stop()
+    pid = rec.meta["pid"]
+    own = next(p["used_bytes"] for p in row["gpu_procs"] if p["pid"] == pid)
+    used = value(fams, "gpuwatch_workload_gpu_memory_used_bytes", gpu="0")
+    limit = value(fams, "gpuwatch_workload_gpu_memory_limit_bytes", gpu="0")
+    ratio = value(fams, "gpuwatch_workload_gpu_memory_used_ratio", gpu="0")
+    assert used == own and ratio == pytest.approx(used / limit)
+    cap = rec.meta["config"]["workloads"][0]["faults"]["memory_limit_bytes"]
+    assert cap < limit < cap + 2 * 2**30  # its cap + its memory outside torch (CUDA context, cuBLAS)
+    assert value(fams, "DCGM_FI_DEV_FB_USED", gpu="0") * MIB > 20 * cap  # the whole GPU: every process on it
+    assert ratio == pytest.approx(features(src.window_at(0, t))["mem_used_frac"], rel=1e-12)
+    assert 0.5 < ratio < 1.0

@@ -137,10 +137,14 @@ def test_health_matrix_on_the_sweep_holds_the_recordings_own_values():
     mfu = measured["mfu"].median()
     assert rows["Compute (TFLOP/s vs peak)"].value == pytest.approx(mfu)
     assert 0 < mfu < 1 and rows["Compute (TFLOP/s vs peak)"].passed is (mfu >= 0.6)
-    peak = samples["gpu_mem_used_bytes"].max()
-    total = json.loads((SWEEP / "meta.json").read_text())["gpus"][0]["mem_total_bytes"]
-    assert rows["Memory (peak vs limit)"].value == pytest.approx(peak / total)
-    assert rows["Memory (peak vs limit)"].passed is (peak / total <= 0.95)
+    # a schema-v1 session without a PID in meta.json: the one process NVML lists is the workload's
+    # (frames.own_memory), measured against what the card leaves it at its peak
+    own = samples["gpu_procs"].list.first().struct.field("used_bytes").cast(pl.Float64)
+    i = own.arg_max()
+    at = samples.row(i, named=True)
+    limit = at["gpu_mem_total_bytes"] - (at["gpu_mem_used_bytes"] - own[i]) - (at.get("gpu_mem_reserved_bytes") or 0)
+    assert rows["Memory (peak vs limit)"].value == pytest.approx(own[i] / limit)
+    assert rows["Memory (peak vs limit)"].passed is (own[i] / limit <= 0.95)
     tmax, slow = samples["gpu_temp_c"].max(), samples["gpu_temp_slowdown_c"].min()
     assert rows["Temperature"].value == tmax and rows["Temperature"].threshold == slow - 5
     assert rows["Temperature"].passed is (tmax < slow - 5)
@@ -162,9 +166,74 @@ def test_capped_session_is_judged_against_its_cap(reports):
     capped = RECORDINGS / "sample-h200-capped-ramp-train"
     cap = json.loads((capped / "meta.json").read_text())["config"]["workloads"][0]["faults"]["memory_limit_bytes"]
     mem = {r.name: r for r in health_matrix(open_recording(capped))}["Memory (peak vs limit)"]
-    assert mem.value == pytest.approx(_direct(capped, "samples")["gpu_mem_used_bytes"].max() / cap)
+    own, limit = _own_peak_and_limit(capped, cap)
+    assert mem.value == pytest.approx(own / limit)
     assert "cap" in mem.detail and mem.passed is False
     assert f"effective limit {cap / 2**30:.1f} GiB" in reports[capped.name][0].read_text()
+
+
+def _own_peak_and_limit(session: Path, cap: int) -> tuple[float, float]:
+    """Straight from the Parquet files: the workload process's highest own memory (its gpu_procs entry:
+    meta.json's pid, else the one process listed) and its cap + its memory outside torch (own - torch
+    reserved at the first sample after each step, median over the steps, 0..8 GiB)."""
+    samples, steps = _direct(session, "samples").sort("ts"), _direct(session, "steps").sort("ts")
+    pid = json.loads((session / "meta.json").read_text()).get("pid")
+    procs = samples["gpu_procs"]
+    if pid is None:
+        own = procs.list.first().struct.field("used_bytes")
+    else:
+        own = procs.list.eval(pl.element().filter(pl.element().struct.field("pid") == pid)
+                              .struct.field("used_bytes")).list.first()
+    own = own.cast(pl.Float64).fill_null(0.0).to_list()
+    ts = samples["ts"].to_list()
+    outside = []
+    for t, res in zip(steps["ts"].to_list(), steps["torch_reserved_bytes"].to_list()):
+        j = next((k for k, u in enumerate(ts) if u >= t), None)
+        if j is not None and res is not None:
+            outside.append(min(8 * 2**30, max(0.0, own[j] - res)))
+    outside.sort()
+    n = len(outside)
+    mid = (outside[n // 2] if n % 2 else (outside[n // 2 - 1] + outside[n // 2]) / 2) if n else 0.0
+    return max(own), cap + mid
+
+
+NEARCAP = RECORDINGS / "h200-nearcap-2026-12-01"
+SIDE_BY_SIDE = sorted(p for p in NEARCAP.glob("nc-*") if p.is_dir())  # set 1: 8 workloads at once on one H200
+
+
+@pytest.mark.parametrize("session", SIDE_BY_SIDE, ids=lambda p: p.name)
+def test_memory_row_of_a_shared_gpu_is_the_workload_process_own(session):
+    """Issue: eight capped workloads side by side on one H200 each read the whole GPU's memory against
+    their own cap (5627.2 %, 1562.0 %, ..., 244.6 %). The row reads the process's own memory (the rule
+    of the risk features, recording/frames.py), against its cap + its memory outside torch."""
+    rec = open_recording(session)
+    cap = rec.meta["config"]["workloads"][0]["faults"]["memory_limit_bytes"]
+    mem = {r.name: r for r in health_matrix(rec)}["Memory (peak vs limit)"]
+    own, limit = _own_peak_and_limit(session, cap)
+    whole = _direct(session, "samples")["gpu_mem_used_bytes"].max()
+    assert whole / cap > 2  # the GPU was shared: its whole memory is several caps
+    assert mem.value == pytest.approx(own / limit) and 0.5 < mem.value < 1.05, (mem.value, mem.detail)
+    assert "own memory" in mem.detail and "shared with other processes" in mem.detail
+    md = render(rec, "md")
+    assert "| Workload process memory | peak " in md and "(the whole GPU: every process on it)" in md
+
+
+def test_one_memory_rule_for_features_report_and_exporter():
+    """The process's own memory is one function (recording/frames.py): the risk features, the report's
+    health row and the Prometheus exporter call it, and none of them reads `gpu_procs` by PID itself."""
+    import ast
+
+    from conftest import ROOT
+
+    users = {"gpuwatch/predict/features.py": "process_memory", "gpuwatch/report/health.py": "own_peak",
+             "gpuwatch/export/prometheus.py": "process_memory"}
+    for path, name in users.items():
+        text = (ROOT / path).read_text()
+        tree = ast.parse(text)
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module == "gpuwatch.recording.frames" for a in n.names}
+        assert name in imported, path
+        assert "own_used(" not in text and 'struct.field("pid")' not in text, path
 
 
 def test_sweep_table_in_html_and_md(reports):
@@ -337,3 +406,59 @@ def test_a_session_whose_steps_have_no_tflops_still_reports():
     rows = dict(summary(no_flops, None))
     assert "tokens/s" in rows["Throughput"] and "TFLOP/s" not in rows["Throughput"]
     assert "<html" in render(no_flops, "html").lower()
+
+
+# -- the report agrees with itself (issue: NO DATA above, "every check passed" below) --------------------
+def test_no_data_verdict_and_recommendations_agree():
+    """A session where no check could be judged said '**NO DATA**: no data: none of the 5 health checks
+    could be judged' and, below it, 'Nothing to change: every check passed'."""
+    md = render(_cpu_session(), "md")
+    assert "**NO DATA**" in md
+    recs = md.split("## Recommendations", 1)[1].split("##", 1)[0]
+    assert "every check passed" not in recs and "none of the 5 health checks could be judged" in recs, recs
+
+
+def test_a_failed_check_is_never_called_passed_in_the_recommendations():
+    from gpuwatch.report.analysis import nothing_to_change
+
+    from gpuwatch.report.health import Row
+
+    ok = Row("GPU utilization", 0.9, 0.85, True, "")
+    bad = Row("Memory (peak vs limit)", 1.2, 0.95, False, "")
+    none = Row("Temperature", None, None, None, "no temperature samples")
+    assert "every check passed" not in nothing_to_change([ok, bad], [])
+    assert "Memory (peak vs limit)" in nothing_to_change([ok, bad], [])
+    assert nothing_to_change([ok, none], []).startswith("Nothing to change: the 1 checks with data passed (1 had no data)")
+    assert nothing_to_change([ok], []) == "Nothing to change: every check passed; no anomaly was recorded."
+
+
+STEPLESS = RECORDINGS / "h200-nearcap-2026-12-01" / "nc-small-train-frag-b16"
+
+
+def test_a_session_without_steps_parquet_counts_its_steps_from_the_events(tmp_path):
+    """With steps.parquet deleted the report said only 'no workload steps in this session' of a session
+    that ran them; the workload_stop events still say how many, and the report says the file is missing."""
+    from gpuwatch.recording.recorded import recorded_steps
+    from gpuwatch.recording.source import ReplaySource
+
+    ran = _direct(STEPLESS, "steps").height
+    copy = tmp_path / STEPLESS.name
+    shutil.copytree(STEPLESS, copy)
+    (copy / "steps.parquet").unlink()
+    md = render(open_recording(copy), "md")
+    note = f"{ran:,} steps (from the workload_stop events: steps.parquet is missing)"
+    assert "no workload steps in this session" not in md
+    assert f"| Steps | {note} |" in md and "| missing table (warning) |" in md
+    assert f"| Compute (TFLOP/s vs peak) | - | >= 60.0 % | **n/a** | {note}" in md
+    # the seam the replay screen's status reads (it said "workload: recorded")
+    count = ReplaySource(copy).step_count()
+    assert count.steps == ran and count.table_missing and count.status != "recorded" and "steps.parquet" in count.status
+    whole = ReplaySource(STEPLESS).step_count()
+    assert whole.status == "recorded" and whole.steps == whole.rows == ran and not whole.table_missing
+    # two ranks, each its own workload_stop: counted per rank
+    two = tmp_path / "two-ranks"
+    shutil.copytree(RECORDINGS / "cpu-gloo-2rank-train", two)
+    (two / "steps.parquet").unlink()
+    rec = open_recording(two)
+    assert recorded_steps(two, rec.meta, rec.steps, rec.events).steps == _direct(
+        RECORDINGS / "cpu-gloo-2rank-train", "steps").height

@@ -20,12 +20,16 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+import polars as pl
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from gpuwatch.errors import UsageError
+from gpuwatch.recording.frames import ProcessMemory, own_of_rows, process_memory
+from gpuwatch.recording.schema import TABLES
+from gpuwatch.recording.window import GpuMeta
 from gpuwatch.telemetry.bus import Bus, Event, Tick
 from gpuwatch.telemetry.nvml import GpuInfo
 from gpuwatch.telemetry.reasons import LIMITING, REASONS
@@ -113,6 +117,7 @@ def _reason_label(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+SAMPLES = TABLES["samples"]
 REASON_LABELS = {bit: _reason_label(name) for bit, name in REASONS.items()}
 
 
@@ -162,10 +167,13 @@ def _num(v: Any) -> float | None:
 class BusCollector(Collector):
     """Reads the bus at each scrape. Thread-safe (scrapes may overlap); cursors advance only here."""
 
-    def __init__(self, bus: Bus, gpus: list[GpuInfo], hostname: str, interval_s: float = 0.1) -> None:
+    def __init__(self, bus: Bus, gpus: list[GpuInfo], hostname: str, interval_s: float = 0.1,
+                 workloads: Iterable[GpuMeta] = ()) -> None:
         self.bus, self.hostname, self.interval_s = bus, hostname, interval_s
         self.host_override: Callable[[], dict[str, Any]] | None = None  # set by attach_feed (replayed host)
         self.gpus = {g.index: g for g in gpus}
+        # per GPU with a workload: its process's PID and memory cap (the runtime's GpuMeta, as the scorer's)
+        self.workloads = {m.index: m for m in workloads if m.pid is not None}
         self._lock = threading.Lock()
         self._cur = {"ticks": 0, "steps": 0, "risk": 0, "events": 0}
         self.missed = {"ticks": 0, "steps": 0, "risk": 0, "events": 0}
@@ -234,6 +242,20 @@ class BusCollector(Collector):
             elif ev.kind == "xid" and _num(detail.get("xid")) is not None:
                 self._last_xid[ev.gpu] = _num(detail.get("xid"))
 
+    def process_memory(self, row: dict[str, Any]) -> ProcessMemory | None:
+        """The workload process's own memory on a tick row's GPU and the limit it meets, by the one rule
+        the risk features and the report read (recording/frames.py process_memory; torch's reserved
+        bytes of the GPU's last step). None where no workload of this process runs on the GPU."""
+        meta = self.workloads.get(row.get("gpu"))
+        if meta is None:
+            return None
+        cols = ("gpu_mem_used_bytes", "gpu_mem_reserved_bytes", "gpu_mem_total_bytes")
+        frame = pl.DataFrame({c: [row.get(c)] for c in cols}, schema={c: SAMPLES[c] for c in cols})
+        step = self._last_step.get(row.get("gpu")) or {}
+        reserved = _num(step.get("torch_reserved_bytes"))
+        return process_memory(frame, meta.pid, float(meta.mem_limit_bytes) if meta.mem_limit_bytes else None,
+                              reserved, meta.mem_total_bytes, own_of_rows([row], meta.pid))
+
     # -- the scrape ---------------------------------------------------------------------------------
     def collect(self) -> Iterator[Any]:
         with self._lock:
@@ -299,6 +321,24 @@ class BusCollector(Collector):
         yield reason
         yield limited
         yield procs
+        own = GaugeMetricFamily("gpuwatch_workload_gpu_memory_used_bytes", "GPU memory the workload's own "
+                                "process holds (its entry in NVML's process list), latest tick; absent where NVML "
+                                "does not list it (another PID namespace).", labels=lab)
+        own_limit = GaugeMetricFamily("gpuwatch_workload_gpu_memory_limit_bytes", "What the workload process's "
+                                      "memory is measured against: its memory cap + its memory outside torch, or "
+                                      "what the card leaves it beside the other processes.", labels=lab)
+        own_ratio = GaugeMetricFamily("gpuwatch_workload_gpu_memory_used_ratio", "The workload process's own GPU "
+                                      "memory / its limit (0..1; the risk features' mem_used_frac).", labels=lab)
+        for r in rows:
+            m = self.process_memory(r)
+            if m is None or not m.own or not m.used.size or m.used[-1] != m.used[-1]:
+                continue
+            ls = self.labels(r["gpu"])
+            own.add_metric(ls, float(m.used[-1]))
+            if m.limit:
+                own_limit.add_metric(ls, float(m.limit))
+                own_ratio.add_metric(ls, float(m.used[-1]) / m.limit)
+        yield from (own, own_limit, own_ratio)
 
         # host, monitored process, sampler
         for name, col, help_, mult in HOST_GAUGES:
@@ -456,10 +496,10 @@ class PrometheusExporter:
     raises UsageError naming host:port); `stop()` shuts the server down and frees the port."""
 
     def __init__(self, bus: Bus, gpus: list[GpuInfo], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 hostname: str | None = None, interval_s: float = 0.1) -> None:
+                 hostname: str | None = None, interval_s: float = 0.1, workloads: Iterable[GpuMeta] = ()) -> None:
         self.host, self.port = host, port
         self.hostname = hostname or socket.gethostname()
-        self.collector = BusCollector(bus, list(gpus), self.hostname, interval_s)
+        self.collector = BusCollector(bus, list(gpus), self.hostname, interval_s, workloads)
         self.registry = _TimedRegistry(self.collector.scraped)
         self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes...

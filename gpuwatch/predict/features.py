@@ -18,7 +18,7 @@ import polars as pl
 
 from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
                                    nanmedian, usable_limit)
-from gpuwatch.recording.frames import epoch_us, own_used
+from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.source import Window
 from gpuwatch.telemetry.reasons import LIMITING
@@ -67,7 +67,6 @@ _HEALTH_COLS = ("gpu_temp_c", "gpu_temp_slowdown_c", "gpu_clocks_event_reasons",
 SAMPLE_COLUMNS = ("gpu_mem_used_bytes", "gpu_mem_reserved_bytes", "gpu_mem_total_bytes", "sampler_interval_us",
                   *_HEALTH_COLS)
 NAN = float("nan")
-NONTORCH_MAX = 8 * GiB  # a process's memory outside torch's allocator (CUDA context, NCCL, cuBLAS) above this is not believed
 
 
 @dataclass
@@ -106,10 +105,8 @@ def vector(f: dict[str, float]) -> list[float]:
 
 
 def limits(w: Window) -> Limits:
-    """Memory in use and the limits it meets. Where the workload's process is known (its PID in
-    meta, NVML's per-process list), the process's own memory counts and other processes on the GPU
-    lower its limit - right on a shared GPU, and the same as the whole GPU's figures when the
-    process is alone. Otherwise the whole GPU's used + reserved (v1's "used" included the reserve)."""
+    """Memory in use and the limits it meets: the workload process's own memory where it is known, by the
+    one rule of recording/frames.py (process_memory), which the report and the exporter read too."""
     s = w.samples
     cap = float(w.meta.mem_limit_bytes) if w.meta is not None and w.meta.mem_limit_bytes else None
     empty = np.empty(0)
@@ -117,62 +114,12 @@ def limits(w: Window) -> Limits:
         return Limits(empty, empty, cap, cap, 0.0, None)
     ts_us = _us(s["ts"])
     t = (ts_us - w.end_us) / 1e6
-    whole = _f64(s["gpu_mem_used_bytes"])
-    drv = _f64(s["gpu_mem_reserved_bytes"])
-    drv = np.where(np.isnan(drv), 0.0, drv)  # not np.nan_to_num: ~65 us a call, per window
-    tot = _f64(s["gpu_mem_total_bytes"])
-    tot = tot[np.isfinite(tot)]
-    total = float(tot[-1]) if tot.size else (float(w.meta.mem_total_bytes) if w.meta and w.meta.mem_total_bytes else None)
     st = w.steps
     reserved = float(st["torch_reserved_bytes"][-1]) if st.height and st["torch_reserved_bytes"][-1] is not None else None
-    own = _own(s, w.meta.pid if w.meta is not None else None, bool(reserved), w.own)
-    if own is not None and np.isfinite(own[-1]):
-        used = own
-        others = max(0.0, float(whole[-1]) - float(own[-1])) if np.isfinite(whole[-1]) else 0.0
-        nontorch = min(NONTORCH_MAX, max(0.0, float(own[-1]) - reserved)) if reserved is not None else 0.0
-        if cap:
-            limit, alloc = cap + nontorch, cap
-        elif total:
-            limit = total - others - float(drv[-1])
-            alloc = limit - nontorch
-        else:
-            limit = alloc = None
-    else:
-        used = whole + drv
-        others = 0.0
-        limit = cap or total
-        nontorch = min(NONTORCH_MAX, max(0.0, float(used[-1]) - reserved)) if reserved is not None and np.isfinite(used[-1]) else 0.0
-        alloc = cap if cap else (total - nontorch if total else None)
-    ok = ~np.isnan(used)
-    return Limits(used[ok], t[ok], limit, alloc, others, total, ts_us)
-
-
-def _own(s: pl.DataFrame, pid: int | None, torch_active: bool,
-         pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
-    """The process's own NVML memory per sample, or None where it cannot be told. A listed process
-    list without the PID is 0 (nothing allocated yet) - unless torch already holds memory, where
-    NVML sees another PID namespace (a container) and the process cannot be found: None. Without a
-    PID (sessions recorded before meta.json had one), the one process NVML lists, where it is alone."""
-    if pid is not None and pre is not None:  # a live window: the rows' own memory, kept as they came
-        out, listed = pre
-        if not np.isfinite(out).any() and torch_active:
-            return None
-        out = np.where(np.isnan(out) & listed, 0.0, out)
-        return out if np.isfinite(out).any() else None
-    if "gpu_procs" not in s.columns:
-        return None
-    procs = s["gpu_procs"]
-    if pid is None:  # an older session (no pid in meta): a process alone on the GPU is the workload's
-        if procs.list.len().max() != 1:
-            return None
-        own = procs.list.first().struct.field("used_bytes")
-        out = _f64(own)
-        return np.where(np.isnan(out) & procs.is_not_null().to_numpy(), 0.0, out)
-    out, listed = own_used(procs, pid)
-    if not np.isfinite(out).any() and torch_active:
-        return None
-    out = np.where(np.isnan(out) & listed, 0.0, out)
-    return out if np.isfinite(out).any() else None
+    m = process_memory(s, w.meta.pid if w.meta is not None else None, cap, reserved,
+                       w.meta.mem_total_bytes if w.meta is not None else None, w.own)
+    ok = ~np.isnan(m.used)
+    return Limits(m.used[ok], t[ok], m.limit, m.alloc_limit, m.others, m.total, ts_us)
 
 
 def _memory(out: dict[str, float], lim: Limits) -> None:

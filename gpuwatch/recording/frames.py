@@ -4,6 +4,8 @@ process's own memory per sample (its entry in NVML's process list)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import polars as pl
 
@@ -67,3 +69,145 @@ def own_of_rows(rows: list[dict], pid: int) -> tuple[np.ndarray, np.ndarray]:
         if v is not None:
             own[i] = float(v)
     return own, listed
+
+
+# -- the workload process's own memory: THE rule ---------------------------------------------------------
+# One place says whose memory a GPU's figures are and what they meet: the risk features (predict/features.py),
+# the report's health row and summary (report/health.py, report/analysis.py) and the Prometheus exporter
+# (export/prometheus.py) all call it. On a GPU shared with other processes the whole GPU's used memory is
+# theirs too: four capped workloads side by side on one H200 each read 190-3500 % of their caps that way.
+
+NONTORCH_MAX = 8 * 2**30  # a process's memory outside torch's allocator (CUDA context, NCCL, cuBLAS) above this is not believed
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """The memory basis of a run of samples of one GPU: whose memory, against what."""
+
+    used: np.ndarray  # bytes in use per sample: the process's own where known (NaN where a sample has none)
+    own: bool  # whether `used` is the workload process's own memory (else the whole GPU's used + reserved)
+    limit: float | None  # what `used` is measured against (cap + its memory outside torch, or what the card leaves it)
+    alloc_limit: float | None  # what torch may allocate (the cap, else what the card leaves it)
+    others: float  # other processes' memory, last sample (bytes)
+    total: float | None  # the card's memory
+
+
+def f64(col: pl.Series) -> np.ndarray:
+    """A numeric column as float64 with NaN for nulls, without a polars expression."""
+    return np.asarray(col.to_numpy(), dtype=np.float64)
+
+
+def own_memory(s: pl.DataFrame, pid: int | None, torch_active: bool,
+               pre: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+    """The process's own NVML memory per sample (`gpu_procs`' entry at `pid`), or None where it cannot
+    be told. A listed process list without the PID is 0 (nothing allocated yet) - unless torch already
+    holds memory, where NVML sees another PID namespace (a container) and the process cannot be found:
+    None. Without a PID (sessions recorded before meta.json had one), the one process NVML lists, where
+    it is alone. `pre`: own_used's figures for these rows where a source computed them once."""
+    if pid is not None and pre is not None:  # a live window: the rows' own memory, kept as they came
+        out, listed = pre
+        if not np.isfinite(out).any() and torch_active:
+            return None
+        out = np.where(np.isnan(out) & listed, 0.0, out)
+        return out if np.isfinite(out).any() else None
+    if "gpu_procs" not in s.columns:
+        return None
+    procs = s["gpu_procs"]
+    if pid is None:  # an older session (no pid in meta): a process alone on the GPU is the workload's
+        if procs.list.len().max() != 1:
+            return None
+        own = procs.list.first().struct.field("used_bytes")
+        out = f64(own)
+        return np.where(np.isnan(out) & procs.is_not_null().to_numpy(), 0.0, out)
+    out, listed = own_used(procs, pid)
+    if not np.isfinite(out).any() and torch_active:
+        return None
+    out = np.where(np.isnan(out) & listed, 0.0, out)
+    return out if np.isfinite(out).any() else None
+
+
+def outside_torch(own: float, reserved: float | None) -> float:
+    """The process's memory outside torch's allocator (CUDA context, NCCL, cuBLAS workspaces): its own
+    memory - torch's reserved bytes, 0..NONTORCH_MAX (0 where torch's figure is not known)."""
+    return min(NONTORCH_MAX, max(0.0, own - reserved)) if reserved is not None else 0.0
+
+
+def process_memory(s: pl.DataFrame, pid: int | None, cap: float | None, reserved: float | None,
+                   meta_total: float | None = None, pre: tuple[np.ndarray, np.ndarray] | None = None,
+                   nontorch: float | None = None) -> ProcessMemory:
+    """Memory in use over samples `s` of one GPU (samples schema, time order, at least one row) and the
+    limits it meets, as of the last sample. Where the workload's process is known (`pid`, NVML's
+    per-process list) its own memory counts and other processes on the GPU lower its limit - right on
+    a shared GPU, and the same as the whole GPU's figures when the process is alone; its memory outside
+    torch (own - `reserved`, torch's reserved bytes at its last step) is added to a cap `cap` (torch's
+    cap leaves that memory out). Otherwise the whole GPU's used + reserved (v1's "used" included the
+    driver's reserve) against the cap, else the card. `nontorch`: the memory outside torch where the
+    caller measured it otherwise (a whole session's, at its steps' ends) instead of at the last sample."""
+    whole = f64(s["gpu_mem_used_bytes"])
+    drv = f64(s["gpu_mem_reserved_bytes"])
+    drv = np.where(np.isnan(drv), 0.0, drv)  # not np.nan_to_num: ~65 us a call, per window
+    tot = f64(s["gpu_mem_total_bytes"])
+    tot = tot[np.isfinite(tot)]
+    total = float(tot[-1]) if tot.size else (float(meta_total) if meta_total else None)
+    own = own_memory(s, pid, bool(reserved), pre)
+    if own is not None and np.isfinite(own[-1]):
+        used = own
+        others = max(0.0, float(whole[-1]) - float(own[-1])) if np.isfinite(whole[-1]) else 0.0
+        nontorch = outside_torch(float(own[-1]), reserved) if nontorch is None else nontorch
+        if cap:
+            limit, alloc = cap + nontorch, cap
+        elif total:
+            limit = total - others - float(drv[-1])
+            alloc = limit - nontorch
+        else:
+            limit = alloc = None
+        return ProcessMemory(used, True, limit, alloc, others, total)
+    used = whole + drv
+    if nontorch is None:
+        nontorch = outside_torch(float(used[-1]), reserved) if np.isfinite(used[-1]) else 0.0
+    alloc = cap if cap else (total - nontorch if total else None)
+    return ProcessMemory(used, False, cap or total, alloc, 0.0, total)
+
+
+def own_peak(s: pl.DataFrame, steps: pl.DataFrame, pid: int | None, cap: float | None,
+             meta_total: float | None = None) -> tuple[float, ProcessMemory] | None:
+    """A whole run of one GPU (a session, for the report): the highest memory in use and the basis as of
+    that sample (process_memory over the samples up to the peak). The memory outside torch is measured
+    where torch's figure is exact - at each step's end, the first sample after it - and its median
+    taken: at the peak (a step growing, an OOM) the process holds more than the last step's reserved
+    bytes, and that is torch's, not outside it. `s` and `steps`: this GPU's, in time order. None
+    without a memory sample."""
+    s = s.filter(pl.col("gpu_mem_used_bytes").is_not_null())
+    if not s.height:
+        return None
+    st = steps.filter(pl.col("torch_reserved_bytes").is_not_null()) if steps.height else steps
+    own = own_memory(s, pid, bool(st.height and st["torch_reserved_bytes"][-1]))
+    nontorch = None
+    if own is not None:
+        i = int(np.nanargmax(own))
+        if st.height:
+            at = np.searchsorted(epoch_us(s["ts"]), epoch_us(st["ts"]), side="left")
+            ok = at < s.height
+            res = f64(st["torch_reserved_bytes"])[ok]
+            o = own[at[ok]]
+            fin = np.isfinite(o) & np.isfinite(res)
+            if fin.any():
+                nontorch = float(np.median([outside_torch(float(a), float(b)) for a, b in zip(o[fin], res[fin])]))
+        nontorch = 0.0 if nontorch is None else nontorch
+    else:
+        used = f64(s["gpu_mem_used_bytes"]) + np.nan_to_num(f64(s["gpu_mem_reserved_bytes"]))
+        i = int(np.nanargmax(used))
+    basis = process_memory(s.head(i + 1), pid, cap, None, meta_total, nontorch=nontorch)
+    if not np.isfinite(basis.used).any():
+        return None
+    return float(np.nanmax(basis.used)), basis
+
+
+def own_of_row(row: dict, pid: int | None, torch_active: bool) -> float | None:
+    """One sample row as a dict (the live bus's latest tick): the process's own memory by the same rule
+    as own_memory (None where it cannot be told)."""
+    if pid is None or row.get("gpu_procs") is None:
+        return None
+    own, listed = own_of_rows([row], pid)
+    out = own_memory(pl.DataFrame(), pid, torch_active, (own, listed))
+    return float(out[-1]) if out is not None else None

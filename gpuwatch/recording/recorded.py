@@ -6,13 +6,17 @@ event's detail, and rows in time order."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from gpuwatch.recording import schema
 
-__all__ = ["event_detail", "fill_plans", "recorded_caps", "recorded_interval", "sorted_by_time"]
+__all__ = ["StepCount", "event_detail", "fill_plans", "recorded_caps", "recorded_interval", "recorded_steps",
+           "sorted_by_time"]
 
 
 def recorded_interval(meta: dict[str, Any]) -> float:
@@ -141,3 +145,84 @@ def recorded_pid(meta: dict[str, Any], gpu: int) -> int | None:
     if not isinstance(pid, int) or not any(isinstance(w, dict) and w.get("gpu_index") == gpu for w in loads):
         return None
     return pid
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """How many workload steps a session ran, and where that is known from: its steps table, else the
+    workloads' `workload_stop` events ("workload finished after 2768 steps"). The report, `stress
+    --resume`'s summaries and the replay's status line say the same with it."""
+
+    steps: int | None  # steps the session's workloads ran; None where nothing recorded says
+    rows: int  # step rows read from the steps table
+    source: str  # "steps table", "workload_stop events" or "none"
+    table_missing: bool  # a session with a workload whose folder holds no steps table file at all
+
+    @property
+    def note(self) -> str:
+        """One line: '2,768 steps', '2,768 steps (from the workload_stop events: steps.parquet is missing)',
+        'no workload steps in this session', ..."""
+        if self.source == "steps table":
+            return f"{self.rows:,} steps"
+        if self.table_missing:
+            if self.steps is not None:
+                return f"{self.steps:,} steps (from the workload_stop events: {STEPS_FILE} is missing)"
+            return f"{STEPS_FILE} is missing, and no workload_stop event says how many steps ran"
+        if self.steps:
+            return f"{self.steps:,} steps (from the workload_stop events: the steps table has no rows)"
+        return "no workload steps in this session"
+
+    @property
+    def status(self) -> str:
+        """The replay's status word for the workload: 'recorded' where steps can be replayed, else why not."""
+        if self.source == "steps table":
+            return "recorded"
+        return f"steps not recorded: {self.note}" if self.table_missing or self.steps else "no workload"
+
+
+STEPS_FILE = "steps.parquet"
+_AFTER = re.compile(r"after (\d+) steps?\b")
+_RANK = re.compile(r"^rank (\d+):")
+
+
+def stop_counts(events: pl.DataFrame) -> dict[tuple[Any, Any], int]:
+    """Per (GPU, rank): the step count of its last `workload_stop` event (a resumed session's count goes
+    on from the earlier parts, so the last one is the whole session's)."""
+    if events.is_empty():
+        return {}
+    out: dict[tuple[Any, Any], int] = {}
+    stops = events.filter(pl.col("kind") == "workload_stop").sort("ts", maintain_order=True)
+    for gpu, msg, detail in zip(stops["gpu"].to_list(), stops["message"].to_list(), stops["detail"].to_list()):
+        m = _AFTER.search(str(msg or ""))
+        if not m:
+            continue
+        rank = event_detail({"detail": detail}).get("rank")
+        if rank is None and (r := _RANK.match(str(msg or ""))):
+            rank = int(r.group(1))
+        out[(gpu, rank)] = int(m.group(1))
+    return out
+
+
+def recorded_steps(folder: Path | str | None, meta: dict[str, Any], steps: pl.DataFrame,
+                   events: pl.DataFrame) -> StepCount:
+    """How many steps the session at `folder` ran (its meta.json, steps and events tables as read). The
+    public seam for anything that says so: the report, and replay's status (SessionReader: its path and
+    meta; ReplaySource: steps_df, events_df)."""
+    from gpuwatch.recording.layout import table_files
+
+    counts = stop_counts(events)
+    from_events = sum(counts.values()) if counts else None
+    ran_workload = bool((meta.get("config") or {}).get("workloads")) if isinstance(meta.get("config"), dict) else False
+    ran_workload = ran_workload or (not events.is_empty() and events.filter(
+        pl.col("kind").is_in(["workload_start", "workload_stop"])).height > 0)
+    missing = False
+    if folder is not None and Path(folder).is_dir() and ran_workload:
+        try:
+            missing = not table_files(folder, "steps")
+        except OSError:
+            missing = False
+    if steps.height:
+        return StepCount(steps.height, steps.height, "steps table", missing)
+    if from_events is not None:
+        return StepCount(from_events, 0, "workload_stop events", missing)
+    return StepCount(None if missing else 0, 0, "none", missing)

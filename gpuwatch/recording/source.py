@@ -18,7 +18,8 @@ from gpuwatch.recording import schema
 from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (event_detail, fill_plans, first_plan, recorded_caps,  # noqa: F401 - re-exported
-                                         recorded_interval, recorded_pid, recorded_workload, sorted_by_time)
+                                         recorded_interval, recorded_pid, recorded_steps, recorded_workload,
+                                         sorted_by_time, StepCount)
 from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window  # noqa: F401 - re-exported
 from gpuwatch.telemetry.bus import Bus
 
@@ -63,7 +64,7 @@ class LiveSource:
         self.bus, self.gpus, self.label, self.interval_s = bus, gpus, label, interval_s
         full = schema.TABLES["samples"]
         if sample_columns is not None and any(m.pid is None for m in gpus):
-            sample_columns = (*sample_columns, "gpu_procs")  # the process is found from NVML's list (_own)
+            sample_columns = (*sample_columns, "gpu_procs")  # the process is found from NVML's list (frames.own_memory)
         self._sample_schema = full if sample_columns is None else {k: v for k, v in full.items()
                                                                    if k in sample_columns or k in ("ts", "gpu")}
         self._seen = -1
@@ -289,6 +290,12 @@ class ReplaySource:
         """GPU `gpu`'s sample times (UTC us, sorted), or None where it has no rows: what scoring and
         training walk a recording by."""
         return self._ts.get(gpu)
+
+    def step_count(self) -> StepCount:
+        """How many steps the replayed session ran and where that is known from (recording/recorded.py
+        recorded_steps): its steps table, else its workload_stop events where steps.parquet is missing.
+        `.status` is the workload's status word for the replay screen ('recorded', or why not)."""
+        return recorded_steps(self.reader.path, self.reader.meta, self.steps_df, self.events_df)
 
     def set_risk(self, df: pl.DataFrame, note: str) -> None:
         """Risk rows computed after the fact (an older session scored on the fly, maybe on another

@@ -69,7 +69,7 @@ def build_context(rec: Recording, fmt: str = "html", th: Thresholds | None = Non
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "verdict": word, "verdict_text": sentence, "summary": A.summary(rec, en),
         "matrix": matrix, "thresholds": th, "anomalies": anomalies,
-        "recommendations": A.recommendations(rec, matrix, th, sweep),
+        "recommendations": A.recommendations(rec, matrix, th, sweep, anomalies),
         "energy": en, "charts": charts, "sweep": sweep, "sweep_chart": sweep_chart,
         "method_lines": lines, "workloads": wls, "environment": A.environment(rec),
         "has_risk": rec.risk.height > 0, "warnings": rec.warnings, **multigpu(rec),

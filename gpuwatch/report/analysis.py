@@ -16,9 +16,10 @@ import polars as pl
 
 from gpuwatch.recording.reader import Recording
 from gpuwatch.report.health import (
-    Row, Thresholds, active_window, effective_limits, measured_steps, mem_used_expr,
+    Row, Thresholds, active_window, effective_limits, gpu_memory, measured_steps, mem_used_expr, step_count,
     throttle_breakdown, throttle_row, workloads,
 )
+from gpuwatch.recording.recorded import STEPS_FILE
 from gpuwatch.units import fmt_bytes
 
 # event kinds that are problems (the anomalies table), in display order
@@ -140,7 +141,7 @@ def method(rec: Recording) -> tuple[list[str], list[dict[str, str]]]:
                      + ("" if rec.complete else "; the session did not stop cleanly (incomplete)"))
     if cfg.get("interval_s"):
         lines.append(f"Sampling every {cfg['interval_s'] * 1000:.0f} ms; "
-                     f"{rec.samples.height:,} samples, {rec.steps.height:,} steps, {rec.events.height:,} events")
+                     f"{rec.samples.height:,} samples, {step_count(rec).note}, {rec.events.height:,} events")
     out = []
     for w in workloads(rec):
         faults = w.get("faults") or {}
@@ -269,6 +270,11 @@ def anomalies(rec: Recording, th: Thresholds) -> list[Anomaly]:
                            "still recording)", "none: everything written up to the end was read", "warning"))
     for w in rec.warnings:
         out.append(Anomaly("unreadable file", 1, "-", "-", w, "skipped; the rest of the session was read", "warning"))
+    n = step_count(rec)
+    if n.table_missing:
+        out.append(Anomaly("missing table", 1, "-", "-", f"{STEPS_FILE} is missing from the session folder",
+                           (f"the workload ran {n.note}" if n.steps is not None else n.note)
+                           + "; nothing per step (throughput, MFU, torch memory, batch table) can be shown", "warning"))
     return out
 
 
@@ -415,9 +421,11 @@ def _batch_recommendations(rec: Recording, th: Thresholds) -> list[str]:
     return out
 
 
-def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sweep | None) -> list[str]:
+def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sweep | None,
+                    anomalies_: list[Anomaly] | None = None) -> list[str]:
     """What to change, in sentences: per batch shape, throughput, precision, integrity, the health rows,
-    telemetry gaps; one line saying nothing needs changing when nothing does."""
+    telemetry gaps; where none applies, one line that says what the matrix and the anomalies say (never
+    "every check passed" of checks that could not be judged or that failed)."""
     st = rec.steps
     ev = rec.events
     out = _batch_recommendations(rec, th)
@@ -467,8 +475,25 @@ def recommendations(rec: Recording, matrix: list[Row], th: Thresholds, sweep: Sw
                    f"{gaps['sampler_interval_us'].max() / 1e6:.1f} s): the sampler stalled; if it recurs outside "
                    "start-up, keep the sampler in its own process (the default) and check host load.")
     if not out:
-        out.append("Nothing to change: every check passed and no anomaly was recorded.")
+        out.append(nothing_to_change(matrix, anomalies_))
     return out
+
+
+def nothing_to_change(matrix: list[Row], anomalies_: list[Anomaly] | None) -> str:
+    """The line where no recommendation applies, as the verdict sees the same rows and anomalies."""
+    judged = [r for r in matrix if r.passed is not None]
+    failed = [r.name for r in judged if not r.passed]
+    seen = ("no anomaly was recorded" if not anomalies_
+            else "see the anomalies above" if anomalies_ is not None else "")
+    tail = f"; {seen}." if seen else "."
+    if failed:
+        return f"No change to suggest for the failed checks ({', '.join(failed)}): see the health matrix{tail}"
+    if not judged:
+        return f"Nothing to recommend: none of the {len(matrix)} health checks could be judged (no data){tail}"
+    if len(judged) < len(matrix):
+        return (f"Nothing to change: the {len(judged)} checks with data passed "
+                f"({len(matrix) - len(judged)} had no data){tail}")
+    return f"Nothing to change: every check passed{tail}"
 
 
 # ---------------------------------------------------------------- verdict and summary
@@ -504,6 +529,8 @@ def summary(rec: Recording, en: dict[str, Any] | None) -> list[tuple[str, str]]:
     st = measured_steps(rec.steps)
     if rec.steps.height:
         rows.append(("Steps", f"{rec.steps.height:,} ({session_tokens(rec.steps):,.0f} tokens)"))
+    elif (n := step_count(rec)).table_missing or n.steps:
+        rows.append(("Steps", n.note))
     if st.height:
         tps, tf = st["tokens_per_s"].median(), st["tflops"].median()  # None where no step recorded it
         rows.append(("Throughput", ", ".join(x for x in (
@@ -512,7 +539,13 @@ def summary(rec: Recording, en: dict[str, Any] | None) -> list[tuple[str, str]]:
     s = rec.samples.filter(pl.col("gpu").is_not_null() & pl.col("gpu_mem_used_bytes").is_not_null())
     if s.height:
         peak = s.select(mem_used_expr()).max().item()
-        rows.append(("Peak GPU memory", fmt_bytes(peak)))
+        own = [m for m in gpu_memory(rec).values() if m.own and m.workload and m.limit]
+        shared = any(m.whole_peak > m.peak * 1.05 + 2**30 for m in own)
+        rows.append(("Peak GPU memory", fmt_bytes(peak) + (" (the whole GPU: every process on it)" if shared else "")))
+        if own:  # the rule of the health row and the risk features (recording/frames.py process_memory)
+            rows.append(("Workload process memory", "; ".join(
+                f"{f'GPU {m.gpu}: ' if len(own) > 1 else ''}peak {fmt_bytes(m.peak)} of its limit {fmt_bytes(m.limit)}"
+                for m in own)))
         if s["gpu_power_w"].drop_nulls().len():
             rows.append(("Power", f"mean {s['gpu_power_w'].mean():.0f} W, max {s['gpu_power_w'].max():.0f} W"))
     if en:

@@ -13,7 +13,9 @@ from typing import Any
 
 import polars as pl
 
+from gpuwatch.recording.frames import own_peak
 from gpuwatch.recording.reader import Recording
+from gpuwatch.recording.recorded import STEPS_FILE, StepCount, recorded_caps, recorded_pid, recorded_steps, sorted_by_time
 from gpuwatch.telemetry.reasons import LIMITING, REASONS
 
 
@@ -112,6 +114,12 @@ def effective_limits(rec: Recording) -> dict[int, tuple[int | None, int | None, 
     return out
 
 
+def step_count(rec: Recording) -> StepCount:
+    """How many steps the session ran and where that is known from (recording/recorded.py): its steps
+    table, else its workload_stop events where steps.parquet is missing."""
+    return recorded_steps(rec.path, rec.meta, rec.steps, rec.events)
+
+
 def active_window(rec: Recording) -> tuple[datetime, datetime] | None:
     """While the workload ran (first to last step end), else the whole session."""
     if rec.steps.height >= 2:
@@ -166,7 +174,9 @@ def _mfu_row(rec: Recording, th: Thresholds) -> Row:
     st = measured_steps(rec.steps).filter(pl.col("mfu").is_not_null() & pl.col("mfu").is_finite()
                                           & pl.col("tflops").is_not_null())
     if st.is_empty():
-        why = "no workload steps in this session" if rec.steps.is_empty() else "no MFU recorded (peak unknown, e.g. CPU)"
+        why = step_count(rec).note if rec.steps.is_empty() else "no MFU recorded (peak unknown, e.g. CPU)"
+        if rec.steps.is_empty() and step_count(rec).table_missing:
+            why += ": no step to judge"
         return Row(name, None, th.min_mfu, None, why, "%")
     med = float(st["mfu"].median())
     tfl = float(st["tflops"].median())
@@ -180,28 +190,82 @@ def _mfu_row(rec: Recording, th: Thresholds) -> Row:
     return Row(name, med, th.min_mfu, med >= th.min_mfu, detail, "%")
 
 
+@dataclass(frozen=True)
+class GpuMemory:
+    """One GPU's memory over a session by the one rule (recording/frames.py process_memory): the peak of
+    the workload process's own memory where NVML listed it, else of the whole GPU, and its limit then."""
+
+    gpu: int
+    peak: float  # bytes
+    limit: float | None  # bytes: what the peak is measured against
+    own: bool  # peak is the workload process's own memory (else the whole GPU's used + reserved)
+    cap: float | None  # the workload's memory cap (--gpu-memory-limit), if one was set
+    others: float  # other processes' memory at the peak (bytes)
+    whole_peak: float  # the whole GPU's highest used + reserved (bytes), whoever held it
+    workload: bool = True  # the process is known as the session's workload (its PID in meta.json), not only the one listed
+
+    @property
+    def frac(self) -> float | None:
+        return self.peak / self.limit if self.limit else None
+
+    @property
+    def what(self) -> str:
+        """What the peak and the limit are, in words."""
+        who = "the workload process's own memory" if self.workload else "the memory of the GPU's one process"
+        if self.own and self.cap:
+            extra = (self.limit or 0) - self.cap
+            return f"{who} vs its memory cap {_gib(self.cap)}" + (f" + {_gib(extra)} outside torch" if extra > 2**20 else "")
+        if self.own:
+            return f"{who} vs what the card leaves it" + (
+                f"; other processes held {_gib(self.others)}" if self.others > 2**30 else "")
+        return "workload memory cap" if self.cap and self.limit == self.cap else "card total"
+
+
+def gpu_memory(rec: Recording) -> dict[int, GpuMemory]:
+    """Per GPU of `rec`: its memory peak and limit by the process's-own-memory rule (the health row, the
+    report's summary; the risk features read the same rule per window)."""
+    s = rec.samples.filter(pl.col("gpu").is_not_null() & pl.col("gpu_mem_used_bytes").is_not_null())
+    if s.is_empty():
+        return {}
+    s = sorted_by_time(s)
+    caps = recorded_caps(rec.meta)
+    totals = {int(g["index"]): g.get("mem_total_bytes") for g in rec.meta.get("gpus") or []
+              if isinstance(g, dict) and g.get("index") is not None}
+    out = {}
+    for (gpu,), part in s.group_by(["gpu"], maintain_order=True):
+        g = int(gpu)
+        steps = rec.steps.filter(pl.col("gpu") == g) if rec.steps.height else rec.steps
+        cap = caps.get(g)
+        pid = recorded_pid(rec.meta, g)
+        got = own_peak(part, sorted_by_time(steps) if steps.height else steps, pid, float(cap) if cap else None,
+                       totals.get(g))
+        if got is None:
+            continue
+        peak, basis = got
+        whole = float(part.select(mem_used_expr()).max().item())
+        out[g] = GpuMemory(g, peak, basis.limit, basis.own, float(cap) if cap else None, basis.others, whole,
+                           workload=pid is not None)
+    return dict(sorted(out.items()))
+
+
 def _mem_row(rec: Recording, ctx: _Ctx, th: Thresholds) -> Row:
     name = "Memory (peak vs limit)"
-    s = ctx.samples.filter(pl.col("gpu_mem_used_bytes").is_not_null())
-    if s.is_empty():
+    mem = gpu_memory(rec)
+    if not mem:
         return Row(name, None, th.max_mem_frac, None, "no memory samples", "%", "<=")
-    peaks = s.with_columns(mem_used_expr()).group_by("gpu").agg(pl.col("mem_used").max()).sort("gpu")
-    worst = None
-    for gpu, peak in peaks.iter_rows():
-        limit, total, what = ctx.limits.get(int(gpu), (None, None, ""))
-        if not limit:
-            continue
-        frac = peak / limit
-        if worst is None or frac > worst[1]:
-            worst = (gpu, frac, peak, limit, what)
-    if worst is None:
+    judged = [m for m in mem.values() if m.frac is not None]
+    if not judged:
         return Row(name, None, th.max_mem_frac, None, "card memory size unknown", "%", "<=")
-    gpu, frac, peak, limit, what = worst
+    m = max(judged, key=lambda x: x.frac)
     ooms = rec.events.filter(pl.col("kind") == "oom").height
-    detail = f"{_gpu_note(gpu, peaks.height)}peak {_gib(peak)} of {_gib(limit)} ({what})"
+    detail = f"{_gpu_note(m.gpu, len(mem))}peak {_gib(m.peak)} of {_gib(m.limit)} ({m.what})"
+    if m.own and m.cap and m.limit == m.cap and step_count(rec).table_missing:
+        detail += f"; its memory outside torch is not known without {STEPS_FILE} (torch's reserved bytes)"
+    if m.own and m.whole_peak > m.peak * 1.05 + 2**30:
+        detail += f"; the whole GPU peaked at {_gib(m.whole_peak)}, shared with other processes"
     if ooms:
         detail += f"; {ooms} OOM{'s' if ooms > 1 else ''}"
-    return Row(name, frac, th.max_mem_frac, frac <= th.max_mem_frac, detail, "%", "<=")
+    return Row(name, m.frac, th.max_mem_frac, m.frac <= th.max_mem_frac, detail, "%", "<=")
 
 
 def slowdown_temps(rec: Recording) -> dict[int, int]:
