@@ -57,9 +57,15 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": torch.randint(0, cfg.vocab_size, (s,), generator=gen)} for s in lens for _ in range(B)]
 
-    def collate(rows):
-        ids = torch.stack([r["input_ids"] for r in rows])
-        return {"input_ids": ids, "labels": ids}
+    def collate(rows):  # dynamic padding (a batch that straddles two lengths: autofind's smaller batches)
+        n = max(len(r["input_ids"]) for r in rows)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        labels = torch.full((len(rows), n), -100, dtype=torch.long)
+        mask = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, r in enumerate(rows):
+            x = r["input_ids"]
+            ids[i, :len(x)], labels[i, :len(x)], mask[i, :len(x)] = x, x, 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     cap = None if "nocap" in arm or not dev_ok else int(a.cap_gib * 2**30)
     if cap and arm not in ("planner", "threshold"):
