@@ -114,10 +114,11 @@ def plan_changes(steps: pl.DataFrame) -> np.ndarray:
     return steps["ts"].dt.epoch("us").to_numpy()[changed].astype(np.int64)
 
 
-def session_timelines(path: Path | str, stride: int = 1, horizon_s: float = HORIZON_S,
+def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_s: float = HORIZON_S,
                       feature_fn: Callable = features) -> list[Timeline]:
-    """Every GPU of one recorded session, scored at every `stride`-th sample."""
-    src = ReplaySource(path)
+    """Every GPU of one recorded session (a folder, or the session already opened), scored at every
+    `stride`-th sample."""
+    src = path if isinstance(path, ReplaySource) else ReplaySource(path)
     meta = src.reader.meta
     out = []
     for g in [m.index for m in src.gpus] or [None]:
@@ -148,37 +149,53 @@ def default_sessions(root: Path) -> list[Path]:
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
                   horizon_s: float = HORIZON_S, counterfactual: Path | None = None,
                   feature_fn: Callable | None = None) -> tuple[list[Timeline], list[str]]:
-    """Timelines of every readable session; unreadable ones are skipped with a one-line warning. With
-    `counterfactual` (a folder), each session's counterfactual-cap copies are derived there and
-    loaded too, marked `derived` (predict/counterfactual.py). `feature_fn`: the feature function's stand-in
-    (evaluation with a model's shape library: `functools.partial(features, prior=...)`)."""
-    from gpuwatch.predict.counterfactual import derive
-
-    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
+    """Timelines of every usable session (predict/usable.py); one that is not is left out, said in one
+    line beginning "skipped: " among the warnings. With `counterfactual` (a folder), each session's
+    counterfactual-cap copies are derived there and loaded too, marked `derived`
+    (predict/counterfactual.py). `feature_fn`: the feature function's stand-in (evaluation with a model's
+    shape library: `functools.partial(features, prior=...)`)."""
     out, warnings = [], []
-    for p in paths:
-        try:
-            tls = session_timelines(p, stride, horizon_s, **ff)
-        except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
-            warnings.append(_why_unreadable(p, e))
-            continue
-        out += tls
-        n_derived = 0
-        if counterfactual is not None and tls:
-            try:
-                for r in derive(Path(p), counterfactual, tls[0].scenario):
-                    d = session_timelines(r.path, stride, horizon_s, **ff)
-                    n_derived += len(d)
-                    out += d
-            except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
-                warnings.append(f"{Path(p).name}: no counterfactual copies ({_why_unreadable(p, e)})")
-        if progress:
-            progress(f"{Path(p).name}: {sum(t.ts_us.size for t in tls)} windows"
-                     + (f", {n_derived} counterfactual-cap copies" if n_derived else ""))
+    for i, p in enumerate(paths):
+        tls, derived, said, line = load_one(Path(p), stride, horizon_s,
+                                            None if counterfactual is None else Path(counterfactual) / f"{i:05d}",
+                                            feature_fn)
+        out += tls + derived
+        warnings += said
+        if progress and line:
+            progress(line)
     return out, warnings
 
 
-def _why_unreadable(p: Path, e: Exception) -> str:
+def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None, feature_fn: Callable | None
+             ) -> tuple[list[Timeline], list[Timeline], list[str], str | None]:
+    """One session's (timelines, counterfactual copies' timelines, warnings, progress line); an unusable
+    session gives no timelines and its one "skipped: " line. Its copies go under `counterfactual`, a
+    folder of its own (two sessions of one name never share it)."""
+    from gpuwatch.predict.counterfactual import derive
+    from gpuwatch.predict.usable import Unusable, open_usable
+
+    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
+    try:
+        tls = session_timelines(open_usable(p), stride, horizon_s, **ff)
+    except Unusable as e:
+        return [], [], [f"skipped: {e}"], None
+    except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
+        return [], [], [f"skipped: {_why_unusable(p, e)}"], None
+    derived: list[Timeline] = []
+    warnings: list[str] = []
+    if counterfactual is not None and tls:
+        try:
+            for r in derive(p, counterfactual, tls[0].scenario):
+                derived += session_timelines(r.path, stride, horizon_s, **ff)
+        except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
+            warnings.append(f"{p.name}: no counterfactual copies ({_why_unusable(p, e)})")
+            derived = []
+    n = len({t.session for t in derived})
+    return tls, derived, warnings, (f"{p.name}: {sum(t.ts_us.size for t in tls)} windows"
+                                    + (f", {n} counterfactual-cap copies" if n else ""))
+
+
+def _why_unusable(p: Path, e: Exception) -> str:
     """One line for a session that cannot be cut into windows (a retyped or truncated table, say)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text if str(p) in text else f"{p}: unusable for training ({text[:160]})"

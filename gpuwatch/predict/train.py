@@ -261,20 +261,20 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              + (", with counterfactual-cap copies" if counterfactual else "") + "...")
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cf-") as cf:
         tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None)
-    for w in warnings:
-        progress(f"warning: {w}")
+    for w in warnings:  # a session left out: "skipped: <session>: why", one line each
+        progress(w if w.startswith("skipped: ") else f"warning: {w}")
     if not [t for t in tls if not t.derived]:
-        raise UsageError("no readable session to train on")
+        raise UsageError(f"no usable session to train on ({len(sessions)} given, every one skipped)")
     data = describe(tls)
     progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
              f"{data['sessions']} sessions ({data['healthy_minutes']} healthy minutes); "
              f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
-    cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
     from gpuwatch.predict.first_step import leave_one_out
     from gpuwatch.predict.prior import from_parts, read_parts
 
     read = [Path(p) for p in sessions if Path(p).name in {t.session for t in tls if not t.derived}]
+    cfv = validate(read) if counterfactual else {}  # the sessions read: none that was skipped
     parts = read_parts(read)
     library = from_parts(parts.values())  # the first step's a-priori estimate (predict/prior.py)
     progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries"

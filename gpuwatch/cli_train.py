@@ -1,0 +1,62 @@
+"""`gpuwatch train`: its flags and its handler, beside the one parser in cli.py (which calls
+`add_train_parser` with its own argument types, so this module imports nothing of the CLI's).
+
+Sessions: with none given, the shipped H200 set (predict/dataset.py `default_sessions`, what models/README.md
+reproduces). A path given is a session when it is one (it has meta.json or data files): named, so one that
+is unusable (predict/usable.py) is a one-line error before anything is read further.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from gpuwatch.errors import UsageError
+
+__all__ = ["add_train_parser", "cmd_train"]
+
+
+def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> argparse.ArgumentParser:
+    t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
+    t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
+    t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
+                   help="where the model, its manifest and its card go (default models/risk.joblib, the shipped "
+                        "model: replacing an existing file needs --force)")
+    t.add_argument("--force", action="store_true", help="replace an existing model at -o")
+    t.add_argument("--no-counterfactual", action="store_true",
+                   help="train on the recorded sessions only, without their counterfactual-cap copies")
+    t.add_argument("--stride", type=pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
+    t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
+    t.add_argument("--threshold", type=unit, default=None,
+                   help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
+    t.add_argument("--horizon", type=dur, default=None, metavar="DUR",
+                   help="predict failures this far ahead (default 5s)")
+    return t
+
+
+def cmd_train(args, status: Callable[[str], None]) -> int:
+    from gpuwatch.predict.dataset import HORIZON_S, default_sessions
+    from gpuwatch.predict.model import check_output
+    from gpuwatch.predict.train import train
+    from gpuwatch.predict.usable import open_usable
+
+    root = Path(__file__).resolve().parents[1]
+    sessions = args.sessions or default_sessions(root)
+    if not sessions:
+        raise UsageError("no sessions given and none shipped under recordings/")
+    check_output(args.output, args.force)
+    for p in args.sessions:  # named: an unusable one is the reader's (or the rule's) one line, exit 1
+        open_usable(p)
+    command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
+        (" --no-counterfactual" if args.no_counterfactual else "") + f" -o {args.output}" + \
+        ("" if not args.sessions else f" <{len(sessions)} sessions>")
+    rep = train(sessions, args.output, progress=status, stride=args.stride, evaluate=not args.no_eval,
+                horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
+                counterfactual=not args.no_counterfactual, command=command)
+    m = rep.by_scenario
+    if m is not None:
+        print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "
+              f"({m.caught}/{m.oom_events}), {m.false_alarms} false alarm(s) in {m.healthy_hours * 60:.1f} healthy min; "
+              f"card {rep.card_path}")
+    return 0

@@ -1,0 +1,139 @@
+"""Which sessions `train` and `score` use (predict/usable.py: one rule, one line per session left out),
+how `train` finds them (folders searched, meta.json filters), its parallel jobs (the same model bytes for
+any --jobs) and the threads its fits run with. Bad sessions are copies of real ones in tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import ROOT
+
+CAPPED = ROOT / "recordings" / "sample-h200-capped-ramp-train"  # 3 OOMs under an 80 GiB cap
+ALONE = ROOT / "recordings" / "h200-oom-2026-11-30" / "ok-small-prefill-cap20"
+CPU = ROOT / "recordings" / "cpu-gloo-2rank-train"  # NVML unavailable: no GPU in its samples
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _steps_renamed_and_retyped(d: Path) -> Path:
+    st = pl.read_parquet(d / "steps.parquet")
+    st.rename({"batch": "batchx"}).with_columns(pl.col("step_time_s").cast(pl.String)).write_parquet(d / "steps.parquet")
+    return d
+
+
+def _steps_renamed(d: Path) -> Path:
+    pl.read_parquet(d / "steps.parquet").rename({"batch": "batchx"}).write_parquet(d / "steps.parquet")
+    return d
+
+
+def _meta_list(d: Path) -> Path:
+    (d / "meta.json").write_text("[]")
+    return d
+
+
+def _no_steps(d: Path) -> Path:
+    (d / "steps.parquet").unlink()
+    return d
+
+
+def _gpuwatch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_error_line(r: subprocess.CompletedProcess, needle: str) -> str:
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)  # a recording that cannot be used: as replay says it
+    errs = [ln for ln in r.stderr.splitlines() if ln.startswith("gpuwatch: error:")]
+    assert len(errs) == 1 and needle in errs[0], r.stderr
+    return errs[0]
+
+
+# -- defect 1: one bad session among good ones, with the counterfactual copies on ---------------------------
+@pytest.mark.parametrize("make,needle", [(_steps_renamed_and_retyped, "steps table cannot be read"),
+                                         (_meta_list, "meta.json: not a JSON object (a list)")])
+def test_train_named_bad_session_is_one_line_and_no_model(tmp_path, make, needle):
+    bad = make(_copy(ALONE, tmp_path / "bad"))
+    out = tmp_path / "out" / "m.joblib"
+    r = _gpuwatch("train", str(bad), str(CAPPED), "--stride", "20", "--no-eval", "-o", str(out))
+    line = _one_error_line(r, needle)
+    assert str(bad) in line
+    assert not out.exists() and not out.with_suffix(".md").exists()
+    assert not list(out.parent.glob("*")) if out.parent.exists() else True
+
+
+def test_train_skips_unusable_sessions_among_good_ones_by_name(tmp_path):
+    """The counterfactual copies read each session as replay does: a retyped steps table or a meta.json
+    that is a list is the reader's one line, the session left out, never a traceback (defect 1); a CPU-only
+    session and one whose steps.parquet is missing are left out too, by the rule `score` applies (defect 11)."""
+    from gpuwatch.predict.train import train
+
+    bad = {"bad-steps": ("steps table cannot be read", _steps_renamed_and_retyped(_copy(ALONE, tmp_path / "bad-steps"))),
+           "bad-meta": ("not a JSON object", _meta_list(_copy(ALONE, tmp_path / "bad-meta"))),
+           "cpu": ("no GPU in its samples", _copy(CPU, tmp_path / "cpu")),
+           "no-steps": ("no steps table", _no_steps(_copy(ALONE, tmp_path / "no-steps")))}
+    said: list[str] = []
+    train([p for _, p in bad.values()] + [CAPPED], tmp_path / "m.joblib", progress=said.append, stride=20,
+          evaluate=False)
+    skipped = [m for m in said if m.startswith("skipped")]
+    assert len(skipped) == len(bad), said
+    for name, (why, _) in bad.items():
+        assert sum(f"{name}" in m and why in m for m in skipped) == 1, (name, skipped)
+    man = json.loads((tmp_path / "m.manifest.json").read_text())
+    assert man["training_sessions"] == [CAPPED.name]
+
+
+# -- defect 11: one rule for a usable session, the same in score and train ------------------------------------
+@pytest.mark.parametrize("make,needle", [
+    (lambda t: _copy(CPU, t / "cpu"), "no GPU in its samples: a CPU-only session"),
+    (lambda t: _no_steps(_copy(ALONE, t / "no-steps")), "no steps table (steps.parquet missing)"),
+    (lambda t: _steps_renamed_and_retyped(_copy(ALONE, t / "bad-steps")), "steps table cannot be read"),
+    (lambda t: _meta_list(_copy(ALONE, t / "bad-meta")), "not a JSON object (a list)"),
+])
+def test_score_and_train_refuse_an_unusable_session_with_the_same_line(tmp_path, make, needle):
+    from gpuwatch.predict.usable import Unusable, open_usable
+
+    s = make(tmp_path)
+    with pytest.raises(Unusable) as e:
+        open_usable(s)
+    assert needle in str(e.value) and str(s) in str(e.value)
+    score = _one_error_line(_gpuwatch("score", str(s), "--stride", "50"), needle)
+    train = _one_error_line(_gpuwatch("train", str(s), "--no-eval", "-o", str(tmp_path / "m.joblib")), needle)
+    assert score == train == f"gpuwatch: error: {e.value}"
+    assert not (tmp_path / "m.joblib").exists()
+
+
+def test_a_session_of_no_workload_needs_no_steps(tmp_path):
+    """`watch`/`record` sessions have no steps to miss: usable (the samples are all there is)."""
+    from gpuwatch.predict.usable import open_usable
+
+    s = _no_steps(_copy(ALONE, tmp_path / "watched"))
+    meta = json.loads((s / "meta.json").read_text())
+    meta["config"]["workloads"] = []
+    (s / "meta.json").write_text(json.dumps(meta))
+    assert open_usable(s).gpus
+
+
+def test_counterfactual_copies_read_the_tables_as_the_reader_does(tmp_path):
+    """A renamed column reads as a missing one (null), as replay reads it: relabeling copes (the KeyError
+    'batch' of defect 1); validate leaves out a session whose meta.json is a list (its AttributeError)."""
+    from gpuwatch.predict import counterfactual as CF
+
+    ren = _steps_renamed(_copy(CAPPED, tmp_path / "renamed"))
+    copies = CF.derive(ren, tmp_path / "cf", "ramp-train")
+    assert copies and any(c.virtual_oom for c in copies)
+    lst = _meta_list(_copy(ALONE, tmp_path / "list"))
+    assert CF.validate([lst, ren])["capped_sessions"] == 1
