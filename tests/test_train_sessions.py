@@ -137,3 +137,31 @@ def test_counterfactual_copies_read_the_tables_as_the_reader_does(tmp_path):
     assert copies and any(c.virtual_oom for c in copies)
     lst = _meta_list(_copy(ALONE, tmp_path / "list"))
     assert CF.validate([lst, ren])["capped_sessions"] == 1
+
+
+# -- defect 13: compact of a bad meta.json; train of a symbolic link loop ------------------------------------
+@pytest.mark.parametrize("text,needle", [("[]", "meta.json: not a JSON object (a list)"),
+                                         ('{"schema_version": 99}', "meta.json: schema version 99")])
+def test_compact_of_a_bad_meta_json_is_an_error_and_changes_nothing(tmp_path, capsys, text, needle):
+    from gpuwatch.cli import main
+
+    s = _copy(ALONE, tmp_path / "s")
+    (s / "meta.json").write_text(text)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in s.iterdir()}
+    assert main(["compact", str(s)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "already compact" not in err, err
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in s.iterdir()} == before
+
+
+def test_a_symbolic_link_loop_is_said_so_by_train_compact_and_score(tmp_path, capsys):
+    from gpuwatch.cli import main
+
+    loop = tmp_path / "loop"
+    os.symlink(loop.name, loop)  # points at itself
+    for argv in (["train", str(loop), "--no-eval", "-o", str(tmp_path / "m.joblib")], ["compact", str(loop)],
+                 ["score", str(loop)], ["replay", str(loop)]):
+        assert main(argv) != 0, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{loop}: symbolic link loop" in err, (argv, err)
+    assert not (tmp_path / "m.joblib").exists()
