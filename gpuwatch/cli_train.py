@@ -32,13 +32,15 @@ def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> a
                    help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
     t.add_argument("--horizon", type=dur, default=None, metavar="DUR",
                    help="predict failures this far ahead (default 5s)")
+    t.add_argument("--threads", type=pos_int, default=None, metavar="N",
+                   help="OpenMP threads per fit (default 2: the shipped model's bytes; 1 gives other bits)")
     return t
 
 
 def cmd_train(args, status: Callable[[str], None]) -> int:
     from gpuwatch.predict.dataset import HORIZON_S, default_sessions
     from gpuwatch.predict.model import check_output
-    from gpuwatch.predict.train import train
+    from gpuwatch.predict.train import FIT_THREADS, train
     from gpuwatch.predict.usable import open_usable
 
     root = Path(__file__).resolve().parents[1]
@@ -49,11 +51,12 @@ def cmd_train(args, status: Callable[[str], None]) -> int:
     for p in args.sessions:  # named: an unusable one is the reader's (or the rule's) one line, exit 1
         open_usable(p)
     command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
-        (" --no-counterfactual" if args.no_counterfactual else "") + f" -o {args.output}" + \
+        (" --no-counterfactual" if args.no_counterfactual else "") + \
+        (f" --threads {args.threads}" if args.threads not in (None, FIT_THREADS) else "") + f" -o {args.output}" + \
         ("" if not args.sessions else f" <{len(sessions)} sessions>")
     rep = train(sessions, args.output, progress=status, stride=args.stride, evaluate=not args.no_eval,
                 horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
-                counterfactual=not args.no_counterfactual, command=command)
+                counterfactual=not args.no_counterfactual, command=command, threads=args.threads or FIT_THREADS)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "

@@ -165,3 +165,48 @@ def test_a_symbolic_link_loop_is_said_so_by_train_compact_and_score(tmp_path, ca
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{loop}: symbolic link loop" in err, (argv, err)
     assert not (tmp_path / "m.joblib").exists()
+
+
+# -- issue 31 (1): the fits run with the threads they were given -------------------------------------------
+_SPY = """
+import json, sys
+from pathlib import Path
+from gpuwatch.predict import train as T
+assert "sklearn" not in sys.modules  # as in `gpuwatch train`: scikit-learn is first imported by the fit
+seen = []
+make = T.make_estimator
+class Spy:
+    def __init__(self, est):
+        self.est, self.steps = est, getattr(est, "steps", None)
+    def fit(self, X, y, **kw):
+        from threadpoolctl import threadpool_info
+        seen.append(sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "openmp"}))
+        self.est.fit(X, y, **kw)
+        return self
+    def predict_proba(self, X):
+        return self.est.predict_proba(X)
+T.make_estimator = lambda *a, **k: Spy(make(*a, **k))
+kw = json.loads(sys.argv[3])
+T.train([Path(sys.argv[1])], Path(sys.argv[2]), progress=lambda m: None, stride=20, evaluate=False, **kw)
+print(json.dumps(seen))
+"""
+
+
+def _threads_in_fit(tmp_path, **kw) -> list[list[int]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", _SPY, str(CAPPED), str(tmp_path / "m.joblib"), json.dumps(kw)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_fit_runs_with_the_threads_it_was_given(tmp_path):
+    """threadpoolctl limits only the OpenMP runtimes already loaded: scikit-learn's libgomp, first loaded by
+    the fit, ran every fit with all the cores (issue 31 item 1). The default is 2 (train.FIT_THREADS: the
+    shipped model's bytes; one thread gives other bits)."""
+    from gpuwatch.predict.train import FIT_THREADS
+
+    assert FIT_THREADS == 2 and _threads_in_fit(tmp_path) == [[FIT_THREADS]]
+    assert _threads_in_fit(tmp_path, threads=1) == [[1]]
+    assert _threads_in_fit(tmp_path, threads=3) == [[3]]

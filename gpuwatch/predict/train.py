@@ -121,12 +121,22 @@ def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
     return w / w.mean() if w.size else w
 
 
-def one_thread():
-    """OpenMP spinning on a shared 2-core machine costs more than it gains (a fit took 31 s with the
-    default threads beside other work, 13 s with one): train and score with one thread."""
+# OpenMP threads per fit. 2, not 1: the trees' bits depend on it - one thread sums the gradients in
+# another order (the shipped model from one thread hashes 461b7ec8..., not 614e14a9...), while 2, 3, 4
+# and 16 threads all give the shipped bytes (measured on the shipped sessions' windows, the final fit).
+# The shipped model was fit with 2: the old one-thread limit never held (scikit-learn's libgomp was not
+# loaded yet when it was applied), so every fit ran with the 2 cores of the machine that made it.
+FIT_THREADS = 2
+
+
+def fit_threads(n: int = FIT_THREADS):
+    """A context in which scikit-learn's fits use `n` OpenMP threads. threadpoolctl limits only the
+    runtimes already loaded, so scikit-learn's (libgomp, loaded by its gradient-boosting module) is
+    imported first - without it the limit held for nothing and each fit took every core."""
+    import sklearn.ensemble  # noqa: F401 - loads the OpenMP runtime the limit must reach
     from threadpoolctl import threadpool_limits
 
-    return threadpool_limits(limits=1, user_api="openmp")
+    return threadpool_limits(limits=n, user_api="openmp")
 
 
 def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
@@ -251,7 +261,7 @@ class Report:
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
           horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None,
-          counterfactual: bool = True, command: str | None = None) -> Report:
+          counterfactual: bool = True, command: str | None = None, threads: int = FIT_THREADS) -> Report:
     import tempfile
 
     from gpuwatch.predict.counterfactual import validate
@@ -280,7 +290,7 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
     progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries"
              + ("; each session's first step judged by the others' library..." if evaluate else ""))
     first = leave_one_out(read, 1.0, parts) if evaluate else []  # p only: the alarm is counted at the operating point
-    with one_thread():
+    with fit_threads(threads):
         rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
                      library, first)
     return rep
