@@ -210,3 +210,96 @@ def test_a_fit_runs_with_the_threads_it_was_given(tmp_path):
     assert FIT_THREADS == 2 and _threads_in_fit(tmp_path) == [[FIT_THREADS]]
     assert _threads_in_fit(tmp_path, threads=1) == [[1]]
     assert _threads_in_fit(tmp_path, threads=3) == [[3]]
+
+
+# -- issue 31 (2): --jobs N, the same model bytes for any N --------------------------------------------------
+LEAK = ROOT / "recordings" / "sample-h200-leak-oom"
+
+
+def test_jobs_give_the_same_model_bytes_and_figures(tmp_path):
+    """Sessions cut into windows and the cross-validation folds fit in N processes: results in order, the
+    same model file byte for byte, the same card figures and progress lines, for N = 1 and 2."""
+    from gpuwatch.predict.train import train
+
+    runs = {}
+    for n in (1, 2):
+        said: list[str] = []
+        rep = train([CAPPED, ALONE, LEAK], tmp_path / f"j{n}" / "m.joblib", progress=said.append, stride=20, jobs=n)
+        runs[n] = (hashlib.sha256(rep.model_path.read_bytes()).hexdigest(), rep.by_session.row(),
+                   rep.by_scenario.row(), rep.operating_point, [m for m in said if not m.startswith("wrote")])
+    assert runs[1] == runs[2]
+    assert any("fold 3/3" in m for m in runs[1][4])
+
+
+# -- issue 31 (4): sessions found under folders, filtered by what meta.json says --------------------------------
+def _meta_edit(d: Path, **change) -> Path:
+    meta = json.loads((d / "meta.json").read_text())
+    meta.update(change)
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """root/a/capped (ramp-train, host h1, 2026-11-30), root/b/c/alone (nearcap-prefill, host h2,
+    2026-12-02), root/b/cpu (CPU-only), root/notes (no session), root/b/c/alone/sub (never searched)."""
+    root = tmp_path / "root"
+    _meta_edit(_copy(CAPPED, root / "a" / "capped"), host="h1", start="2026-11-30T10:58:15+00:00")
+    alone = _meta_edit(_copy(ALONE, root / "b" / "c" / "alone"), host="h2", start="2026-12-02T17:32:19+00:00")
+    _copy(ALONE, alone / "sub")  # inside a session: not another one
+    _copy(CPU, root / "b" / "cpu")
+    (root / "notes").mkdir()
+    (root / "notes" / "README.md").write_text("no session here")
+    return root
+
+
+def test_sessions_are_found_under_folders_in_order(tree):
+    from gpuwatch.predict.dataset import Filters, find_sessions
+
+    found = find_sessions([tree], Filters())
+    assert found.sessions == [tree / "a" / "capped", tree / "b" / "c" / "alone", tree / "b" / "cpu"]
+    assert found.named == []
+    named = find_sessions([tree / "b" / "c" / "alone", tree], Filters())  # named first, then found, once each
+    assert named.sessions == [tree / "b" / "c" / "alone", tree / "a" / "capped", tree / "b" / "cpu"]
+    assert named.named == [tree / "b" / "c" / "alone"]
+
+
+@pytest.mark.parametrize("filters,want", [
+    (dict(host=["h1"]), ["capped"]),
+    (dict(host=["h*"]), ["capped", "alone"]),
+    (dict(scenario=["nearcap-*"]), ["alone"]),
+    (dict(scenario=["ramp-train", "steady-train"]), ["capped", "cpu"]),
+    (dict(since="2026-12-01"), ["alone", "cpu"]),
+    (dict(until="2026-11-30"), ["capped"]),  # a bare date: through that day
+    (dict(since="2026-11-30T11:00:00", until="2026-12-02T00:00:00Z"), ["cpu"]),
+])
+def test_filters_from_meta_json(tree, filters, want):
+    from gpuwatch.cli_train import parse_when
+    from gpuwatch.predict.dataset import Filters, find_sessions
+
+    kw = {k: (parse_when(v, end=k == "until") if k in ("since", "until") else v) for k, v in filters.items()}
+    found = find_sessions([tree], Filters(**kw))
+    assert [p.name for p in found.sessions] == want
+    assert any("left out by the filters" in m for m in found.said)
+
+
+def test_train_of_a_folder_skips_what_is_unusable_and_names_it(tree, tmp_path):
+    r = _gpuwatch("train", str(tree), "--stride", "20", "--no-eval", "--jobs", "2", "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    skipped = [ln for ln in r.stderr.splitlines() if "skipped:" in ln]
+    assert len(skipped) == 1 and "cpu" in skipped[0] and "no GPU in its samples" in skipped[0], r.stderr
+    man = json.loads((tmp_path / "m.manifest.json").read_text())
+    assert man["training_sessions"] == ["alone", "capped"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--host", "nowhere"], "no session matches the filters"),
+    (["--since", "yesterday"], "--since: not a date or time"),
+])
+def test_train_of_a_folder_with_nothing_to_train_on_is_one_line(tree, tmp_path, args, needle):
+    r = _gpuwatch("train", str(tree), *args, "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _gpuwatch("train", str(tree / "notes"), "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 2 and "no session under it" in r.stderr, r.stderr
+    assert not (tmp_path / "m.joblib").exists()
