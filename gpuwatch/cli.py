@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from gpuwatch import __version__
+from gpuwatch.cli_train import add_train_parser, cmd_train as _cmd_train
 from gpuwatch.errors import GpuwatchError, UsageError
 from gpuwatch.units import parse_duration, parse_size
 
@@ -222,20 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--collectives", type=_size, metavar="SIZE", help="ranks: first an nccl-tests-like check to SIZE")
     s.add_argument("--dp", choices=["ddp", "fsdp"], help="ranks: DDP (default), or FSDP sharded per decoder layer")
     s.add_argument("--peak-gbps", type=_nonneg, help="busbw peak per direction (default: 450 on H100/H200 NVLink 4)")
-    t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
-    t.add_argument("sessions", nargs="*", type=Path, help="session folders (default: the shipped H200 sessions)")
-    t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
-                   help="where the model, its manifest and its card go (default models/risk.joblib, the shipped "
-                        "model: replacing an existing file needs --force)")
-    t.add_argument("--force", action="store_true", help="replace an existing model at -o")
-    t.add_argument("--no-counterfactual", action="store_true",
-                   help="train on the recorded sessions only, without their counterfactual-cap copies")
-    t.add_argument("--stride", type=_pos_int, default=1, help="score every Nth sample (default 1 = every 100 ms)")
-    t.add_argument("--no-eval", action="store_true", help="fit only; skip cross-validation and the card's figures")
-    t.add_argument("--threshold", type=_unit, default=None,
-                   help="with --no-eval: the alarm threshold to write (e.g. the shipped model's)")
-    t.add_argument("--horizon", type=_dur, default=None, metavar="DUR",
-                   help="predict failures this far ahead (default 5s)")
+    add_train_parser(sub, _pos_int, _unit, _dur)
     cp = sub.add_parser("compact", help="turn a session that was killed (its stream files) into one Parquet "
                         "file per table, as a clean stop does",
                         description="Merge a killed session's Arrow stream files and Parquet chunks into one "
@@ -443,32 +431,7 @@ def cmd_stress(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from gpuwatch.predict.dataset import default_sessions
-    from gpuwatch.predict.train import train
-
-    root = Path(__file__).resolve().parents[1]
-    sessions = args.sessions or default_sessions(root)
-    if not sessions:
-        raise UsageError("no sessions given and none shipped under recordings/")
-    for p in sessions:
-        if not p.exists():
-            raise UsageError(f"{p}: no such session")
-    from gpuwatch.predict.dataset import HORIZON_S
-    from gpuwatch.predict.model import check_output
-
-    check_output(args.output, args.force)
-    command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
-        (" --no-counterfactual" if args.no_counterfactual else "") + f" -o {args.output}" + \
-        ("" if not args.sessions else f" <{len(sessions)} sessions>")
-    rep = train(sessions, args.output, progress=_status, stride=args.stride, evaluate=not args.no_eval,
-                horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
-                counterfactual=not args.no_counterfactual, command=command)
-    m = rep.by_scenario
-    if m is not None:
-        print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "
-              f"({m.caught}/{m.oom_events}), {m.false_alarms} false alarm(s) in {m.healthy_hours * 60:.1f} healthy min; "
-              f"card {rep.card_path}")
-    return 0
+    return _cmd_train(args, _status)
 
 
 def cmd_compact(args) -> int:
@@ -481,7 +444,7 @@ def cmd_compact(args) -> int:
 def cmd_score(args) -> int:
     from gpuwatch.predict.model import load_model
     from gpuwatch.predict.scorer import alarms, guard_actions, score_source
-    from gpuwatch.recording.source import ReplaySource
+    from gpuwatch.predict.usable import open_usable
 
     if args.no_model:
         raise UsageError("score needs a model (drop --no-model)")
@@ -490,7 +453,7 @@ def cmd_score(args) -> int:
 
         check_output_file(args.output, "-o")
     model = load_model(args.model, trust=args.trust_model, threshold=args.risk_threshold)
-    src = ReplaySource(args.session)
+    src = open_usable(args.session)  # the rule `train` uses too (predict/usable.py): else one line, exit 1
     if src.reader.meta.get("single_file"):
         _status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "
                 "from what the file holds alone (score the session folder for the full picture)")

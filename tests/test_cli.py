@@ -105,7 +105,9 @@ def test_record_no_record_is_refused(capsys):
 
 
 def test_score_warns_when_steps_are_missing(tmp_path, capsys):
-    """Issue 17 (5): `score` of a folder holding only samples.parquet gave fewer alarms, no warning."""
+    """Issue 17 (5): `score` of a folder holding only samples.parquet gave fewer alarms, no warning. Since
+    defect 11 (predict/usable.py, the rule `train` applies too): a session that ran a workload without its
+    steps table is refused in one line; one file alone is scored from what it holds, with a warning."""
     import shutil
 
     from gpuwatch.cli import main
@@ -113,7 +115,10 @@ def test_score_warns_when_steps_are_missing(tmp_path, capsys):
 
     shutil.copy(RAMP / "samples.parquet", tmp_path / "samples.parquet")
     shutil.copy(RAMP / "meta.json", tmp_path / "meta.json")
-    assert main(["score", str(tmp_path), "--stride", "20"]) == 0
+    assert main(["score", str(tmp_path), "--stride", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error" in err and "no steps table" in err, err
+    assert main(["score", str(tmp_path / "samples.parquet"), "--stride", "20"]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "no steps" in err, err
 

@@ -249,20 +249,19 @@ def test_train_cli_refuses_the_shipped_model_and_a_bad_path_before_fitting(py, e
     assert not list(tmp_path.iterdir())
 
 
-def test_train_skips_a_session_with_a_broken_steps_table(py, env, tmp_path):
+def test_train_refuses_a_named_session_with_a_broken_steps_table(py, env, tmp_path):
+    """A session named on the command line that cannot be used is a one-line error before any fitting (defect
+    11: it was a warning and exit 0); one found under a folder is skipped instead (tests/test_train_sessions.py)."""
     bad = tmp_path / "bad"
     shutil.copytree(ALONE, bad)
     st = pl.read_parquet(bad / "steps.parquet")
     st.with_columns(pl.col("step_time_s").cast(pl.String)).write_parquet(bad / "steps.parquet")
-    renamed = tmp_path / "renamed"
-    shutil.copytree(ALONE, renamed)
-    st.rename({"batch": "batchx"}).write_parquet(renamed / "steps.parquet")
-    r = subprocess.run([py, "-m", "gpuwatch", "train", str(bad), str(renamed), str(CAPPED), "--stride", "20",
+    r = subprocess.run([py, "-m", "gpuwatch", "train", str(bad), str(CAPPED), "--stride", "20",
                         "--no-eval", "--no-counterfactual", "-o", str(tmp_path / "m.joblib")],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "Traceback" not in r.stderr, r.stderr
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "m.joblib").exists()
+    assert r.returncode == 1 and "steps table cannot be read" in r.stderr and str(bad) in r.stderr, r.stderr
+    assert not (tmp_path / "m.joblib").exists()
 
 
 def test_the_tree_walker_gives_predict_probas_numbers():

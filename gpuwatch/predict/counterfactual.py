@@ -50,12 +50,16 @@ class Relabeled:
     oom_step: int | None
 
 
-def _tables(src: Path) -> dict[str, pl.DataFrame]:
-    out = {}
-    for t in ("samples", "steps", "events"):
-        f = src / f"{t}.parquet"
-        out[t] = pl.read_parquet(f) if f.exists() else None
-    return out
+def _read(src: Path) -> tuple[dict[str, Any], dict[str, pl.DataFrame]]:
+    """meta.json and the tables of `src` as every other reader sees them (`recording.reader`): meta.json
+    checked, each table conformed to its schema (a renamed column reads as missing, a retyped one as a
+    damaged table), so a session replay refuses is refused here too, with the reader's one line
+    (RecordingError), and one it reads gives every column relabeling needs."""
+    from gpuwatch.recording.reader import SessionReader
+
+    reader = SessionReader(src)
+    frames = reader.load_new()
+    return reader.meta, {t: frames[t] for t in ("samples", "steps", "events")}
 
 
 def caps_for(steps: pl.DataFrame, real_cap: int | None, total: int | None) -> list[int]:
@@ -86,11 +90,10 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
     """Write `src` relabeled under a virtual cap of `cap` bytes to the folder `out`; `scenario` (the
     source's kind of run, for grouped evaluation) is kept in its meta.json."""
     src = Path(src)
-    meta = json.loads((src / "meta.json").read_text())
-    t = _tables(src)
+    meta, t = _read(src)
     samples, steps, events = t["samples"], t["steps"], t["events"]
-    if samples is None or steps is None or events is None:
-        raise ValueError(f"{src}: needs samples, steps and events")
+    if samples.is_empty() or steps.is_empty():
+        raise ValueError(f"{src}: needs samples and steps")
     usable = usable_limit(cap)
     peaks = steps["torch_peak_bytes"].cast(pl.Float64).fill_null(0.0).to_numpy()
     over = np.where(peaks > usable)[0]
@@ -123,8 +126,11 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
 
 
 def _write_like(orig: Path, df: pl.DataFrame, dest: Path) -> None:
-    """Write `df` as a Parquet file carrying the original's key-value metadata (the schema version)."""
-    md = pl.read_parquet_metadata(orig)
+    """Write `df` as a Parquet file carrying the original's key-value metadata (the schema version), or,
+    where the table was no one Parquet file (a killed session's stream files), what the recorder writes."""
+    from gpuwatch.recording.writer import FILE_META
+
+    md = pl.read_parquet_metadata(orig) if orig.is_file() else FILE_META
     df.write_parquet(dest, metadata=md or None)
 
 
@@ -165,14 +171,14 @@ def _meta_under(meta: dict[str, Any], cap: int, source: str, failed: bool) -> di
 
 
 def derive(src: Path, out_root: Path, scenario: str = "") -> list[Relabeled]:
-    """Every counterfactual copy of one session worth training on, under `out_root/<name>@<GiB>`."""
-    meta = json.loads((Path(src) / "meta.json").read_text())
+    """Every counterfactual copy of one session worth training on, under `out_root/<name>@<GiB>`.
+    RecordingError (one line) where the session cannot be read."""
+    meta, t = _read(Path(src))
     if meta.get("derived"):
         return []
-    steps_f = Path(src) / "steps.parquet"
-    if not steps_f.exists():
+    steps = t["steps"]
+    if steps.is_empty():
         return []
-    steps = pl.read_parquet(steps_f)
     if steps["gpu"].drop_nulls().n_unique() > 1:
         return []  # one workload per session only (a cap is per GPU)
     caps = recorded_caps(meta)
@@ -192,19 +198,24 @@ def validate(sessions: list[Path]) -> dict[str, Any]:
     - steps that ran under a real cap and that the rule would have failed (false virtual OOMs);
     - real OOMs whose failing shape ran elsewhere (same preset, mode, precision, batch, sequence
       length; not a leak): does that shape's peak exceed the usable limit of the cap it failed under?
-    Peaks are also reported as fractions of the cap, for both, so the margin can be read off."""
+    Peaks are also reported as fractions of the cap, for both, so the margin can be read off.
+    A session the reader refuses is left out (training says why once, where it skips it)."""
+    from gpuwatch.errors import RecordingError
+
     table: dict[tuple, float] = {}
     runs = []
     for p in sessions:
-        meta = json.loads((p / "meta.json").read_text())
+        try:
+            meta, t = _read(Path(p))
+        except RecordingError:
+            continue
         if meta.get("derived"):
             continue
         w = ((meta.get("config") or {}).get("workloads") or [{}])[0]
         if not isinstance(w, dict) or (w.get("faults") or {}).get("leak_mib"):
             continue
-        st = pl.read_parquet(p / "steps.parquet") if (p / "steps.parquet").exists() else None
-        ev = pl.read_parquet(p / "events.parquet") if (p / "events.parquet").exists() else None
-        if st is None or not st.height:
+        st, ev = t["steps"], t["events"]
+        if not st.height:
             continue
         key0 = (w.get("preset"), w.get("mode"), tuple(sorted((w.get("overrides") or {}).items())))
         for r in st.group_by(["precision", "batch", "seq_len"]).agg(pl.col("torch_peak_bytes").max()).iter_rows():
@@ -221,7 +232,7 @@ def validate(sessions: list[Path]) -> dict[str, Any]:
         steps_n += peaks.size
         false_ooms += int((peaks > usable_limit(cap)).sum())
         ok_fracs += (peaks / cap).tolist()
-        for msg in (ev.filter(pl.col("kind") == "oom")["message"].to_list() if ev is not None else []):
+        for msg in ev.filter(pl.col("kind") == "oom")["message"].to_list():
             shape = _shape_of(msg)
             pk = table.get(key0 + shape) if shape else None
             if pk is None:

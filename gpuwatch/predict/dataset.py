@@ -13,15 +13,18 @@ Labels (per GPU, kind "oom"): a window ending at t is
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import polars as pl
 
-from gpuwatch.errors import RecordingError
+from gpuwatch.errors import RecordingError, UsageError
 from gpuwatch.predict.features import NAMES, features, vector
+from gpuwatch.recording.reader import SessionReader
 from gpuwatch.recording.source import ReplaySource
 
 HORIZON_S = 5.0
@@ -114,10 +117,11 @@ def plan_changes(steps: pl.DataFrame) -> np.ndarray:
     return steps["ts"].dt.epoch("us").to_numpy()[changed].astype(np.int64)
 
 
-def session_timelines(path: Path | str, stride: int = 1, horizon_s: float = HORIZON_S,
+def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_s: float = HORIZON_S,
                       feature_fn: Callable = features) -> list[Timeline]:
-    """Every GPU of one recorded session, scored at every `stride`-th sample."""
-    src = ReplaySource(path)
+    """Every GPU of one recorded session (a folder, or the session already opened), scored at every
+    `stride`-th sample."""
+    src = path if isinstance(path, ReplaySource) else ReplaySource(path)
     meta = src.reader.meta
     out = []
     for g in [m.index for m in src.gpus] or [None]:
@@ -145,40 +149,170 @@ def default_sessions(root: Path) -> list[Path]:
     return found
 
 
+@dataclass(frozen=True)
+class Filters:
+    """Which sessions to train on, from their meta.json: started at or after `since` and before `until`
+    (aware datetimes), on a host matching one of `host`, of a scenario (`scenario_of`) matching one of
+    `scenario` (shell patterns: `nearcap-*`). Empty: every session."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    host: list[str] | None = None
+    scenario: list[str] | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.since, self.until, self.host, self.scenario))
+
+    def match(self, meta: dict[str, Any]) -> bool:
+        from fnmatch import fnmatchcase
+
+        if self.since is not None or self.until is not None:
+            start = _start(meta)
+            if start is None or (self.since is not None and start < self.since) or (
+                    self.until is not None and start >= self.until):
+                return False
+        if self.host is not None and not any(fnmatchcase(str(meta.get("host") or ""), h) for h in self.host):
+            return False
+        return self.scenario is None or any(fnmatchcase(scenario_of(meta), s) for s in self.scenario)
+
+
+def _start(meta: dict[str, Any]) -> datetime | None:
+    try:
+        t = datetime.fromisoformat(str(meta.get("start")).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+@dataclass
+class Found:
+    sessions: list[Path]  # in order: each path given, a folder's sessions sorted by path
+    named: list[Path]  # those given as sessions themselves (an unusable one is an error, not a skip)
+    said: list[str]  # one line each: what the filters left out, a meta.json they could not read
+
+
+def is_session(p: Path) -> bool:
+    """A folder that holds a session: its meta.json (even a broken one: the reader says what is wrong)
+    or data files of its own."""
+    from gpuwatch.recording.layout import data_names
+
+    try:
+        return p.is_dir() and (os.path.lexists(p / "meta.json") or bool(data_names(p)))
+    except OSError:
+        return False
+
+
+def sessions_under(root: Path) -> list[Path]:
+    """Every session folder under `root`, sorted; never into a session (its subfolders are its own) nor
+    through a symbolic link to a folder (no loop, no session counted twice)."""
+    out = []
+    for d, dirs, _files in os.walk(root, onerror=lambda e: None):
+        here = Path(d)
+        if here != root and is_session(here):
+            out.append(here)
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+    return sorted(out)
+
+
+def find_sessions(paths: Iterable[Path], filters: Filters = Filters()) -> Found:
+    """The sessions `gpuwatch train PATH...` trains on: a path that is a session is named; a folder is
+    searched (`sessions_under`); anything else (no such path, a link loop) is named, for the reader to
+    refuse in its own words. Each session once, in the order given. UsageError: a folder holding none."""
+    seen: set[str] = set()
+    out, named, said = [], [], []
+    for p in map(Path, paths):
+        if p.is_dir() and not is_session(p):
+            under = sessions_under(p)
+            if not under:
+                raise UsageError(f"{p}: no session under it (a session folder holds meta.json)")
+        else:
+            under = [p]
+            named.append(p)
+        for s in under:
+            k = os.path.realpath(s)
+            if k not in seen:
+                seen.add(k)
+                out.append(s)
+    if not filters:
+        return Found(out, named, said)
+    kept, unread = [], 0
+    for s in out:
+        try:
+            meta = SessionReader(s).meta  # meta.json alone: cheap
+        except RecordingError as e:
+            said.append(f"skipped: {e}")
+            unread += 1
+            continue
+        if filters.match(meta):
+            kept.append(s)
+    said.append(f"{len(kept)} of {len(out)} session(s) kept, {len(out) - len(kept) - unread} left out by the filters")
+    if not kept:
+        raise UsageError(f"no session matches the filters ({len(out)} found)")
+    return Found(kept, [p for p in named if p in kept], said)
+
+
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
                   horizon_s: float = HORIZON_S, counterfactual: Path | None = None,
-                  feature_fn: Callable | None = None) -> tuple[list[Timeline], list[str]]:
-    """Timelines of every readable session; unreadable ones are skipped with a one-line warning. With
-    `counterfactual` (a folder), each session's counterfactual-cap copies are derived there and
-    loaded too, marked `derived` (predict/counterfactual.py). `feature_fn`: the feature function's stand-in
-    (evaluation with a model's shape library: `functools.partial(features, prior=...)`)."""
-    from gpuwatch.predict.counterfactual import derive
-
-    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
+                  feature_fn: Callable | None = None, jobs: int = 1) -> tuple[list[Timeline], list[str]]:
+    """Timelines of every usable session (predict/usable.py); one that is not is left out, said in one
+    line beginning "skipped: " among the warnings. With `counterfactual` (a folder), each session's
+    counterfactual-cap copies are derived there and loaded too, marked `derived`
+    (predict/counterfactual.py). `feature_fn`: the feature function's stand-in (evaluation with a model's
+    shape library: `functools.partial(features, prior=...)`). `jobs` > 1: sessions are cut in that many
+    processes (joblib), their results taken in the order given - the same timelines as one process."""
+    work = [(Path(p), stride, horizon_s, None if counterfactual is None else Path(counterfactual) / f"{i:05d}",
+             feature_fn) for i, p in enumerate(paths)]
     out, warnings = [], []
-    for p in paths:
-        try:
-            tls = session_timelines(p, stride, horizon_s, **ff)
-        except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
-            warnings.append(_why_unreadable(p, e))
-            continue
-        out += tls
-        n_derived = 0
-        if counterfactual is not None and tls:
-            try:
-                for r in derive(Path(p), counterfactual, tls[0].scenario):
-                    d = session_timelines(r.path, stride, horizon_s, **ff)
-                    n_derived += len(d)
-                    out += d
-            except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
-                warnings.append(f"{Path(p).name}: no counterfactual copies ({_why_unreadable(p, e)})")
-        if progress:
-            progress(f"{Path(p).name}: {sum(t.ts_us.size for t in tls)} windows"
-                     + (f", {n_derived} counterfactual-cap copies" if n_derived else ""))
+    for tls, derived, said, line in in_order(load_one, work, jobs):
+        out += tls + derived
+        warnings += said
+        if progress and line:
+            progress(line)
     return out, warnings
 
 
-def _why_unreadable(p: Path, e: Exception) -> str:
+def in_order(fn: Callable, work: Iterable[tuple], jobs: int = 1) -> Iterable:
+    """fn(*args) for each args of `work` (taken lazily), in order: here where `jobs` <= 1, else in `jobs`
+    processes (joblib's loky), each result handed back as soon as it and those before it are done."""
+    if jobs <= 1:
+        return (fn(*a) for a in work)
+    from joblib import Parallel, delayed
+
+    return Parallel(n_jobs=jobs, return_as="generator")(delayed(fn)(*a) for a in work)
+
+
+def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None, feature_fn: Callable | None
+             ) -> tuple[list[Timeline], list[Timeline], list[str], str | None]:
+    """One session's (timelines, counterfactual copies' timelines, warnings, progress line); an unusable
+    session gives no timelines and its one "skipped: " line. Its copies go under `counterfactual`, a
+    folder of its own (two sessions of one name never share it)."""
+    from gpuwatch.predict.counterfactual import derive
+    from gpuwatch.predict.usable import Unusable, open_usable
+
+    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
+    try:
+        tls = session_timelines(open_usable(p), stride, horizon_s, **ff)
+    except Unusable as e:
+        return [], [], [f"skipped: {e}"], None
+    except (RecordingError, pl.exceptions.PolarsError, ValueError) as e:
+        return [], [], [f"skipped: {_why_unusable(p, e)}"], None
+    derived: list[Timeline] = []
+    warnings: list[str] = []
+    if counterfactual is not None and tls:
+        try:
+            for r in derive(p, counterfactual, tls[0].scenario):
+                derived += session_timelines(r.path, stride, horizon_s, **ff)
+        except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
+            warnings.append(f"{p.name}: no counterfactual copies ({_why_unusable(p, e)})")
+            derived = []
+    n = len({t.session for t in derived})
+    return tls, derived, warnings, (f"{p.name}: {sum(t.ts_us.size for t in tls)} windows"
+                                    + (f", {n} counterfactual-cap copies" if n else ""))
+
+
+def _why_unusable(p: Path, e: Exception) -> str:
     """One line for a session that cannot be cut into windows (a retyped or truncated table, say)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text if str(p) in text else f"{p}: unusable for training ({text[:160]})"

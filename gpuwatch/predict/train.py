@@ -121,12 +121,22 @@ def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
     return w / w.mean() if w.size else w
 
 
-def one_thread():
-    """OpenMP spinning on a shared 2-core machine costs more than it gains (a fit took 31 s with the
-    default threads beside other work, 13 s with one): train and score with one thread."""
+# OpenMP threads per fit. 2, not 1: the trees' bits depend on it - one thread sums the gradients in
+# another order (the shipped model from one thread hashes 461b7ec8..., not 614e14a9...), while 2, 3, 4
+# and 16 threads all give the shipped bytes (measured on the shipped sessions' windows, the final fit).
+# The shipped model was fit with 2: the old one-thread limit never held (scikit-learn's libgomp was not
+# loaded yet when it was applied), so every fit ran with the 2 cores of the machine that made it.
+FIT_THREADS = 2
+
+
+def fit_threads(n: int = FIT_THREADS):
+    """A context in which scikit-learn's fits use `n` OpenMP threads. threadpoolctl limits only the
+    runtimes already loaded, so scikit-learn's (libgomp, loaded by its gradient-boosting module) is
+    imported first - without it the limit held for nothing and each fit took every core."""
+    import sklearn.ensemble  # noqa: F401 - loads the OpenMP runtime the limit must reach
     from threadpoolctl import threadpool_limits
 
-    return threadpool_limits(limits=1, user_api="openmp")
+    return threadpool_limits(limits=n, user_api="openmp")
 
 
 def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
@@ -196,11 +206,13 @@ def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
 
 
 def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None,
-                kind: str | None = None, balance: bool = True) -> list[np.ndarray]:
+                kind: str | None = None, balance: bool = True, jobs: int = 1, threads: int = FIT_THREADS
+                ) -> list[np.ndarray]:
     """Scores of each *recorded* timeline by a model that never saw its group (session or scenario):
     counterfactual copies train alongside their source, so a held-out session's copies are held out
     with it. With `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else
-    one fold each. Returns one array per timeline (empty for derived ones: never scored)."""
+    one fold each. Returns one array per timeline (empty for derived ones: never scored). `jobs` > 1:
+    the folds fit in that many processes, `threads` OpenMP threads each - the same scores as one."""
     groups = sorted({key(t) for t in tls if not t.derived})
     if folds and folds < len(groups):
         fold_of = {g: i % folds for i, g in enumerate(groups)}
@@ -208,21 +220,35 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
         key = lambda t: f"fold {fold_of.get(k0(t), -1) + 1}"  # noqa: E731
         groups = sorted({key(t) for t in tls if not t.derived})
     out: list[np.ndarray] = [np.zeros(0)] * len(tls)
-    for i, g in enumerate(groups):
-        train = [t for t in tls if key(t) != g]
-        X, y = _xy(train) if train else (np.empty((0, len(NAMES))), np.array([]))
-        held = [j for j, t in enumerate(tls) if key(t) == g and not t.derived]
-        if len(set(y.tolist())) < 2:
-            for j in held:
-                out[j] = np.zeros(tls[j].y.size)
-            continue
-        est = make_estimator(kind=kind)
-        _fit(est, X, y, weights(train, balance))
-        for j in held:
-            out[j] = est.predict_proba(tls[j].X)[:, 1]
-        if progress:
+    held = [[j for j, t in enumerate(tls) if key(t) == g and not t.derived] for g in groups]
+
+    def work():  # one fold's training data at a time (a generator: joblib takes them as workers free up)
+        for g, h in zip(groups, held):
+            train = [t for t in tls if key(t) != g]
+            X, y = _xy(train) if train else (np.empty((0, len(NAMES))), np.array([]))
+            yield (X, y, weights(train, balance) if len(set(y.tolist())) >= 2 else None,
+                   [tls[j].X for j in h], kind, threads)
+
+    from gpuwatch.predict.dataset import in_order
+
+    for i, (g, h, scores) in enumerate(zip(groups, held, in_order(fold_scores, work(), jobs))):
+        for j, sc in zip(h, scores if scores is not None else [np.zeros(tls[j].y.size) for j in h]):
+            out[j] = sc
+        if progress and scores is not None:
             progress(f"  fold {i + 1}/{len(groups)}: held out {g}")
     return out
+
+
+def fold_scores(X: np.ndarray, y: np.ndarray, w: np.ndarray | None, held: list[np.ndarray], kind: str | None,
+                threads: int = FIT_THREADS) -> list[np.ndarray] | None:
+    """One fold: the classifier fit on (X, y, w), its scores of each held-out timeline's windows; None
+    where the training side has one class only (w None). Run here or in a worker process alike."""
+    if w is None:
+        return None
+    with fit_threads(threads):
+        est = make_estimator(kind=kind)
+        _fit(est, X, y, w)
+        return [est.predict_proba(x)[:, 1] for x in held]
 
 
 @dataclass
@@ -251,7 +277,11 @@ class Report:
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
           horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None,
-          counterfactual: bool = True, command: str | None = None) -> Report:
+          counterfactual: bool = True, command: str | None = None, threads: int = FIT_THREADS, jobs: int = 1
+          ) -> Report:
+    """Fit on `sessions` (each usable one: predict/usable.py; the others skipped, one line each) and write the
+    model, its manifest and card at `out`. `jobs`: processes for cutting windows and for the cross-validation
+    folds; `threads`: OpenMP threads per fit. The model's bytes are the same for any `jobs`."""
     import tempfile
 
     from gpuwatch.predict.counterfactual import validate
@@ -260,34 +290,37 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
     progress(f"reading {len(sessions)} session(s) and cutting windows (every {stride} sample(s))"
              + (", with counterfactual-cap copies" if counterfactual else "") + "...")
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cf-") as cf:
-        tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None)
-    for w in warnings:
-        progress(f"warning: {w}")
+        tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None,
+                                      jobs=jobs)
+    for w in warnings:  # a session left out: "skipped: <session>: why", one line each
+        progress(w if w.startswith("skipped: ") else f"warning: {w}")
     if not [t for t in tls if not t.derived]:
-        raise UsageError("no readable session to train on")
+        raise UsageError(f"no usable session to train on ({len(sessions)} given, every one skipped)")
     data = describe(tls)
     progress(f"{data['windows']} windows, {data['positives']} positive, {data['failures']} OOM events, "
              f"{data['sessions']} sessions ({data['healthy_minutes']} healthy minutes); "
              f"{data['derived_sessions']} counterfactual copies ({data['derived_windows']} windows, "
              f"{data['derived_failures']} virtual OOMs) for training only; scenarios: {', '.join(data['scenarios'])}")
-    cfv = validate([Path(p) for p in sessions]) if counterfactual else {}
     from gpuwatch.predict.first_step import leave_one_out
     from gpuwatch.predict.prior import from_parts, read_parts
 
     read = [Path(p) for p in sessions if Path(p).name in {t.session for t in tls if not t.derived}]
+    cfv = validate(read) if counterfactual else {}  # the sessions read: none that was skipped
     parts = read_parts(read)
     library = from_parts(parts.values())  # the first step's a-priori estimate (predict/prior.py)
     progress(f"shape library for a session's first step: {len(library)} model/mode/precision entries"
              + ("; each session's first step judged by the others' library..." if evaluate else ""))
     first = leave_one_out(read, 1.0, parts) if evaluate else []  # p only: the alarm is counted at the operating point
-    with one_thread():
+    with fit_threads(threads):
         rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
-                     library, first)
+                     library, first, par={"jobs": jobs, "threads": threads})
     return rep
 
 
 def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
-           cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None) -> Report:
+           cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None,
+           par: dict | None = None) -> Report:
+    par = par or {}
     by_session = by_scenario = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
@@ -304,13 +337,13 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
         progress(f"cross-validation grouped by session ({folds} folds of {n_groups} sessions; "
                  "no session, nor its counterfactual copies, on both sides)...")
         p_est = estimator_scores(real)
-        oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds, kind="hgb-context", balance=False), real_idx)
+        oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds, kind="hgb-context", balance=False, **par), real_idx)
         t_e, t_c, by_session, why = pick_operating_point(real, p_est, oof, horizon_s)
         threshold = ALARM
         by_session = E.event_metrics(real, composite_scores(p_est, oof, t_e, t_c), ALARM, horizon_s, with_auc=True)
         scen = sorted({t.scenario for t in real})
         progress(f"cross-validation grouped by scenario ({len(scen)} folds: leave one scenario out)...")
-        oos = _real(out_of_fold(tls, lambda t: t.scenario, progress, kind="hgb-context", balance=False), real_idx)
+        oos = _real(out_of_fold(tls, lambda t: t.scenario, progress, kind="hgb-context", balance=False, **par), real_idx)
         comp_s = composite_scores(p_est, oos, t_e, t_c)
         by_scenario = E.event_metrics(real, comp_s, ALARM, horizon_s, with_auc=True)
         for sc in scen:
@@ -323,7 +356,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
             at_fa[name] = E.recall_at_fa(real, comp, fa, horizon_s, near=True)
         progress("ablation: each part alone, and one classifier over both (grouped by session)...")
         te_only, _, _, _ = pick_operating_point(real, p_est, [np.zeros_like(x) for x in p_est], horizon_s)
-        oof_core = _real(out_of_fold(tls, lambda t: t.source, None, folds, kind="hgb-core"), real_idx)
+        oof_core = _real(out_of_fold(tls, lambda t: t.source, None, folds, kind="hgb-core", **par), real_idx)
         t_core, _ = E.pick_threshold(real, oof_core, MAX_FA_PER_HOUR, horizon_s, near=True)
         t_ctx, _ = E.pick_threshold(real, oof, MAX_FA_PER_HOUR, horizon_s, near=True)
         ablation = {

@@ -5,14 +5,16 @@ was not closed cleanly. The CLI only parses the folder and prints the line this 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
 from gpuwatch.errors import GpuwatchError, RecordingError, UsageError
 from gpuwatch.recording import schema
-from gpuwatch.recording.reader import read_table_file, table_max
-from gpuwatch.recording.layout import session_locked, table_files
+from gpuwatch.recording.layout import os_why, session_locked, table_files
+from gpuwatch.recording.reader import SessionReader, read_table_file, table_max
 from gpuwatch.recording.writer import Recorder, write_json_atomic
 from gpuwatch.telemetry.bus import Bus
 
@@ -20,15 +22,23 @@ __all__ = ["compact_session"]
 
 
 def compact_session(folder: Path) -> str:
-    """Compact `folder` in place; returns the one status line to show. UsageError: no such folder, not a
-    session, or one still being recorded; GpuwatchError: a damaged file or meta.json (nothing changed)."""
+    """Compact `folder` in place; returns the one status line to show. UsageError: no such folder (or a
+    symbolic link loop), not a session, or one still being recorded; GpuwatchError: a damaged file or a
+    meta.json replay would refuse (the reader's line: a list, an unknown schema version...), nothing changed."""
     folder = Path(folder)
-    if not folder.exists():
-        raise UsageError(f"{folder}: no such folder")
+    try:
+        os.stat(folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{folder}: symbolic link loop") from None
+        if e.errno == errno.ENOENT:
+            raise UsageError(f"{folder}: no such folder") from None
+        raise UsageError(f"{folder}: cannot read ({os_why(e)})") from None
     if not folder.is_dir() or not (folder / "meta.json").is_file():
         raise UsageError(f"{folder}: not a session folder (no meta.json)")
     if session_locked(folder):
         raise UsageError(f"{folder}: still being recorded by a running gpuwatch; stop it first")
+    SessionReader(folder)  # meta.json as every reader checks it: RecordingError (one line) before anything
     files = [p for t in schema.TABLES for p in table_files(folder, t)]
     parts = [p for p in files if p.name not in {f"{t}.parquet" for t in schema.TABLES}]
     if not parts:

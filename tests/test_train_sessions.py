@@ -1,0 +1,305 @@
+"""Which sessions `train` and `score` use (predict/usable.py: one rule, one line per session left out),
+how `train` finds them (folders searched, meta.json filters), its parallel jobs (the same model bytes for
+any --jobs) and the threads its fits run with. Bad sessions are copies of real ones in tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import ROOT
+
+CAPPED = ROOT / "recordings" / "sample-h200-capped-ramp-train"  # 3 OOMs under an 80 GiB cap
+ALONE = ROOT / "recordings" / "h200-oom-2026-11-30" / "ok-small-prefill-cap20"
+CPU = ROOT / "recordings" / "cpu-gloo-2rank-train"  # NVML unavailable: no GPU in its samples
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _steps_renamed_and_retyped(d: Path) -> Path:
+    st = pl.read_parquet(d / "steps.parquet")
+    st.rename({"batch": "batchx"}).with_columns(pl.col("step_time_s").cast(pl.String)).write_parquet(d / "steps.parquet")
+    return d
+
+
+def _steps_renamed(d: Path) -> Path:
+    pl.read_parquet(d / "steps.parquet").rename({"batch": "batchx"}).write_parquet(d / "steps.parquet")
+    return d
+
+
+def _meta_list(d: Path) -> Path:
+    (d / "meta.json").write_text("[]")
+    return d
+
+
+def _no_steps(d: Path) -> Path:
+    (d / "steps.parquet").unlink()
+    return d
+
+
+def _gpuwatch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_error_line(r: subprocess.CompletedProcess, needle: str) -> str:
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)  # a recording that cannot be used: as replay says it
+    errs = [ln for ln in r.stderr.splitlines() if ln.startswith("gpuwatch: error:")]
+    assert len(errs) == 1 and needle in errs[0], r.stderr
+    return errs[0]
+
+
+# -- defect 1: one bad session among good ones, with the counterfactual copies on ---------------------------
+@pytest.mark.parametrize("make,needle", [(_steps_renamed_and_retyped, "steps table cannot be read"),
+                                         (_meta_list, "meta.json: not a JSON object (a list)")])
+def test_train_named_bad_session_is_one_line_and_no_model(tmp_path, make, needle):
+    bad = make(_copy(ALONE, tmp_path / "bad"))
+    out = tmp_path / "out" / "m.joblib"
+    r = _gpuwatch("train", str(bad), str(CAPPED), "--stride", "20", "--no-eval", "-o", str(out))
+    line = _one_error_line(r, needle)
+    assert str(bad) in line
+    assert not out.exists() and not out.with_suffix(".md").exists()
+    assert not list(out.parent.glob("*")) if out.parent.exists() else True
+
+
+def test_train_skips_unusable_sessions_among_good_ones_by_name(tmp_path):
+    """The counterfactual copies read each session as replay does: a retyped steps table or a meta.json
+    that is a list is the reader's one line, the session left out, never a traceback (defect 1); a CPU-only
+    session and one whose steps.parquet is missing are left out too, by the rule `score` applies (defect 11)."""
+    from gpuwatch.predict.train import train
+
+    bad = {"bad-steps": ("steps table cannot be read", _steps_renamed_and_retyped(_copy(ALONE, tmp_path / "bad-steps"))),
+           "bad-meta": ("not a JSON object", _meta_list(_copy(ALONE, tmp_path / "bad-meta"))),
+           "cpu": ("no GPU in its samples", _copy(CPU, tmp_path / "cpu")),
+           "no-steps": ("no steps table", _no_steps(_copy(ALONE, tmp_path / "no-steps")))}
+    said: list[str] = []
+    train([p for _, p in bad.values()] + [CAPPED], tmp_path / "m.joblib", progress=said.append, stride=20,
+          evaluate=False)
+    skipped = [m for m in said if m.startswith("skipped")]
+    assert len(skipped) == len(bad), said
+    for name, (why, _) in bad.items():
+        assert sum(f"{name}" in m and why in m for m in skipped) == 1, (name, skipped)
+    man = json.loads((tmp_path / "m.manifest.json").read_text())
+    assert man["training_sessions"] == [CAPPED.name]
+
+
+# -- defect 11: one rule for a usable session, the same in score and train ------------------------------------
+@pytest.mark.parametrize("make,needle", [
+    (lambda t: _copy(CPU, t / "cpu"), "no GPU in its samples: a CPU-only session"),
+    (lambda t: _no_steps(_copy(ALONE, t / "no-steps")), "no steps table (steps.parquet missing)"),
+    (lambda t: _steps_renamed_and_retyped(_copy(ALONE, t / "bad-steps")), "steps table cannot be read"),
+    (lambda t: _meta_list(_copy(ALONE, t / "bad-meta")), "not a JSON object (a list)"),
+])
+def test_score_and_train_refuse_an_unusable_session_with_the_same_line(tmp_path, make, needle):
+    from gpuwatch.predict.usable import Unusable, open_usable
+
+    s = make(tmp_path)
+    with pytest.raises(Unusable) as e:
+        open_usable(s)
+    assert needle in str(e.value) and str(s) in str(e.value)
+    score = _one_error_line(_gpuwatch("score", str(s), "--stride", "50"), needle)
+    train = _one_error_line(_gpuwatch("train", str(s), "--no-eval", "-o", str(tmp_path / "m.joblib")), needle)
+    assert score == train == f"gpuwatch: error: {e.value}"
+    assert not (tmp_path / "m.joblib").exists()
+
+
+def test_a_session_of_no_workload_needs_no_steps(tmp_path):
+    """`watch`/`record` sessions have no steps to miss: usable (the samples are all there is)."""
+    from gpuwatch.predict.usable import open_usable
+
+    s = _no_steps(_copy(ALONE, tmp_path / "watched"))
+    meta = json.loads((s / "meta.json").read_text())
+    meta["config"]["workloads"] = []
+    (s / "meta.json").write_text(json.dumps(meta))
+    assert open_usable(s).gpus
+
+
+def test_counterfactual_copies_read_the_tables_as_the_reader_does(tmp_path):
+    """A renamed column reads as a missing one (null), as replay reads it: relabeling copes (the KeyError
+    'batch' of defect 1); validate leaves out a session whose meta.json is a list (its AttributeError)."""
+    from gpuwatch.predict import counterfactual as CF
+
+    ren = _steps_renamed(_copy(CAPPED, tmp_path / "renamed"))
+    copies = CF.derive(ren, tmp_path / "cf", "ramp-train")
+    assert copies and any(c.virtual_oom for c in copies)
+    lst = _meta_list(_copy(ALONE, tmp_path / "list"))
+    assert CF.validate([lst, ren])["capped_sessions"] == 1
+
+
+# -- defect 13: compact of a bad meta.json; train of a symbolic link loop ------------------------------------
+@pytest.mark.parametrize("text,needle", [("[]", "meta.json: not a JSON object (a list)"),
+                                         ('{"schema_version": 99}', "meta.json: schema version 99")])
+def test_compact_of_a_bad_meta_json_is_an_error_and_changes_nothing(tmp_path, capsys, text, needle):
+    from gpuwatch.cli import main
+
+    s = _copy(ALONE, tmp_path / "s")
+    (s / "meta.json").write_text(text)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in s.iterdir()}
+    assert main(["compact", str(s)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "already compact" not in err, err
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in s.iterdir()} == before
+
+
+def test_a_symbolic_link_loop_is_said_so_by_train_compact_and_score(tmp_path, capsys):
+    from gpuwatch.cli import main
+
+    loop = tmp_path / "loop"
+    os.symlink(loop.name, loop)  # points at itself
+    for argv in (["train", str(loop), "--no-eval", "-o", str(tmp_path / "m.joblib")], ["compact", str(loop)],
+                 ["score", str(loop)], ["replay", str(loop)]):
+        assert main(argv) != 0, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{loop}: symbolic link loop" in err, (argv, err)
+    assert not (tmp_path / "m.joblib").exists()
+
+
+# -- issue 31 (1): the fits run with the threads they were given -------------------------------------------
+_SPY = """
+import json, sys
+from pathlib import Path
+from gpuwatch.predict import train as T
+assert "sklearn" not in sys.modules  # as in `gpuwatch train`: scikit-learn is first imported by the fit
+seen = []
+make = T.make_estimator
+class Spy:
+    def __init__(self, est):
+        self.est, self.steps = est, getattr(est, "steps", None)
+    def fit(self, X, y, **kw):
+        from threadpoolctl import threadpool_info
+        seen.append(sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "openmp"}))
+        self.est.fit(X, y, **kw)
+        return self
+    def predict_proba(self, X):
+        return self.est.predict_proba(X)
+T.make_estimator = lambda *a, **k: Spy(make(*a, **k))
+kw = json.loads(sys.argv[3])
+T.train([Path(sys.argv[1])], Path(sys.argv[2]), progress=lambda m: None, stride=20, evaluate=False, **kw)
+print(json.dumps(seen))
+"""
+
+
+def _threads_in_fit(tmp_path, **kw) -> list[list[int]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", _SPY, str(CAPPED), str(tmp_path / "m.joblib"), json.dumps(kw)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_fit_runs_with_the_threads_it_was_given(tmp_path):
+    """threadpoolctl limits only the OpenMP runtimes already loaded: scikit-learn's libgomp, first loaded by
+    the fit, ran every fit with all the cores (issue 31 item 1). The default is 2 (train.FIT_THREADS: the
+    shipped model's bytes; one thread gives other bits)."""
+    from gpuwatch.predict.train import FIT_THREADS
+
+    assert FIT_THREADS == 2 and _threads_in_fit(tmp_path) == [[FIT_THREADS]]
+    assert _threads_in_fit(tmp_path, threads=1) == [[1]]
+    assert _threads_in_fit(tmp_path, threads=3) == [[3]]
+
+
+# -- issue 31 (2): --jobs N, the same model bytes for any N --------------------------------------------------
+LEAK = ROOT / "recordings" / "sample-h200-leak-oom"
+
+
+def test_jobs_give_the_same_model_bytes_and_figures(tmp_path):
+    """Sessions cut into windows and the cross-validation folds fit in N processes: results in order, the
+    same model file byte for byte, the same card figures and progress lines, for N = 1 and 2."""
+    from gpuwatch.predict.train import train
+
+    runs = {}
+    for n in (1, 2):
+        said: list[str] = []
+        rep = train([CAPPED, ALONE, LEAK], tmp_path / f"j{n}" / "m.joblib", progress=said.append, stride=20, jobs=n)
+        runs[n] = (hashlib.sha256(rep.model_path.read_bytes()).hexdigest(), rep.by_session.row(),
+                   rep.by_scenario.row(), rep.operating_point, [m for m in said if not m.startswith("wrote")])
+    assert runs[1] == runs[2]
+    assert any("fold 3/3" in m for m in runs[1][4])
+
+
+# -- issue 31 (4): sessions found under folders, filtered by what meta.json says --------------------------------
+def _meta_edit(d: Path, **change) -> Path:
+    meta = json.loads((d / "meta.json").read_text())
+    meta.update(change)
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """root/a/capped (ramp-train, host h1, 2026-11-30), root/b/c/alone (nearcap-prefill, host h2,
+    2026-12-02), root/b/cpu (CPU-only), root/notes (no session), root/b/c/alone/sub (never searched)."""
+    root = tmp_path / "root"
+    _meta_edit(_copy(CAPPED, root / "a" / "capped"), host="h1", start="2026-11-30T10:58:15+00:00")
+    alone = _meta_edit(_copy(ALONE, root / "b" / "c" / "alone"), host="h2", start="2026-12-02T17:32:19+00:00")
+    _copy(ALONE, alone / "sub")  # inside a session: not another one
+    _copy(CPU, root / "b" / "cpu")
+    (root / "notes").mkdir()
+    (root / "notes" / "README.md").write_text("no session here")
+    return root
+
+
+def test_sessions_are_found_under_folders_in_order(tree):
+    from gpuwatch.predict.dataset import Filters, find_sessions
+
+    found = find_sessions([tree], Filters())
+    assert found.sessions == [tree / "a" / "capped", tree / "b" / "c" / "alone", tree / "b" / "cpu"]
+    assert found.named == []
+    named = find_sessions([tree / "b" / "c" / "alone", tree], Filters())  # named first, then found, once each
+    assert named.sessions == [tree / "b" / "c" / "alone", tree / "a" / "capped", tree / "b" / "cpu"]
+    assert named.named == [tree / "b" / "c" / "alone"]
+
+
+@pytest.mark.parametrize("filters,want", [
+    (dict(host=["h1"]), ["capped"]),
+    (dict(host=["h*"]), ["capped", "alone"]),
+    (dict(scenario=["nearcap-*"]), ["alone"]),
+    (dict(scenario=["ramp-train", "steady-train"]), ["capped", "cpu"]),
+    (dict(since="2026-12-01"), ["alone", "cpu"]),
+    (dict(until="2026-11-30"), ["capped"]),  # a bare date: through that day
+    (dict(since="2026-11-30T11:00:00", until="2026-12-02T00:00:00Z"), ["cpu"]),
+])
+def test_filters_from_meta_json(tree, filters, want):
+    from gpuwatch.cli_train import parse_when
+    from gpuwatch.predict.dataset import Filters, find_sessions
+
+    kw = {k: (parse_when(v, end=k == "until") if k in ("since", "until") else v) for k, v in filters.items()}
+    found = find_sessions([tree], Filters(**kw))
+    assert [p.name for p in found.sessions] == want
+    assert any("left out by the filters" in m for m in found.said)
+
+
+def test_train_of_a_folder_skips_what_is_unusable_and_names_it(tree, tmp_path):
+    r = _gpuwatch("train", str(tree), "--stride", "20", "--no-eval", "--jobs", "2", "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    skipped = [ln for ln in r.stderr.splitlines() if "skipped:" in ln]
+    assert len(skipped) == 1 and "cpu" in skipped[0] and "no GPU in its samples" in skipped[0], r.stderr
+    man = json.loads((tmp_path / "m.manifest.json").read_text())
+    assert man["training_sessions"] == ["alone", "capped"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--host", "nowhere"], "no session matches the filters"),
+    (["--since", "yesterday"], "--since: not a date or time"),
+])
+def test_train_of_a_folder_with_nothing_to_train_on_is_one_line(tree, tmp_path, args, needle):
+    r = _gpuwatch("train", str(tree), *args, "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _gpuwatch("train", str(tree / "notes"), "-o", str(tmp_path / "m.joblib"))
+    assert r.returncode == 2 and "no session under it" in r.stderr, r.stderr
+    assert not (tmp_path / "m.joblib").exists()
