@@ -324,3 +324,16 @@ def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carr
     d3 = p.decide(plan(8, 1000), view(len(lens) + 3, 8, 1000, restart=1.0, can_ckpt=False), calm, risk=0.0,
                   threshold=0.5)
     assert d3.change and d3.chosen.config.micro_batch == 16, d3.why
+
+
+def test_checkpointing_off_at_a_smaller_micro_batch_is_not_taking_memory_back():
+    """H200 call 7: at 16 + checkpointing, 4 x 4 without it was faster and needed less memory, but counted as
+    "checkpointing off" = more memory, which waits for a calm classifier; it never came."""
+    p = Planner()
+    feed(p, [1000] * 5, micro=16, ckpt=True, step_s=lambda m, s: 1.4 * (0.02 + 1e-4 * m * s))
+    feed(p, [1000] * 5, micro=4, step_s=lambda m, s: 0.02 + 1e-4 * m * s, start=6)
+    est = memory_model(per_token=5e-5)  # 16 + ckpt: 0.7; 4 without: 0.5
+    cur = plan(16, 1000, ckpt=True)
+    d = p.decide(cur, view(10, 16, 1000, ckpt=True, restart=2.0), est, risk=0.45, threshold=0.5)
+    assert d.change and not d.chosen.config.checkpointing and d.chosen.config.micro_batch <= 8, d.why
+    assert d.chosen.peak.mean <= d.current.peak.mean  # no more memory than now, so no calm classifier needed

@@ -263,8 +263,7 @@ class Planner:
         if cur.fits:
             dwell = view.steps - self._changed_at < cfg.min_dwell_steps
             better = [] if dwell else [w for w in fitting if w is not cur and w.value >= (1 + cfg.min_gain) * cur.value
-                      and (not self._needs_more(w.config, current) or
-                           (risk is not None and risk < clear_ratio * threshold))]
+                      and (not _needs_more(w, cur) or (risk is not None and risk < clear_ratio * threshold))]
             if not better:
                 return Decision(cur, cur, tuple(weighed), False, False,
                                 f"kept: peak {_est(cur)} fits the coming steps (seq {cur.seq_len})")
@@ -305,10 +304,15 @@ class Planner:
         cost = view.restart_cost_s or RESTART_PRIOR_S  # 0.0: none measured yet
         return max(0.0, self.cfg.horizon_s - cost) / self.cfg.horizon_s
 
-    @staticmethod
-    def _needs_more(c: Config, cur: Config) -> bool:
-        return c.micro_batch > cur.micro_batch or (cur.checkpointing and not c.checkpointing) or \
-            _bytes(c.precision) > _bytes(cur.precision)
+
+def _needs_more(w: Weighed, cur: Weighed) -> bool:
+    """The change takes more memory than the current configuration: by the estimates (checkpointing off at a
+    quarter of the micro-batch may need less than checkpointing on at the whole: H200 call 7 kept
+    checkpointing for 110 steps because switching it off counted as taking memory back)."""
+    if w.peak is not None and cur.peak is not None:
+        return w.peak.mean > cur.peak.mean
+    c, k = w.config, cur.config
+    return c.micro_batch > k.micro_batch or (k.checkpointing and not c.checkpointing) or _bytes(c.precision) > _bytes(k.precision)
 
 
 def _bytes(p: str) -> int:
