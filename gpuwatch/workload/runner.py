@@ -10,6 +10,7 @@ micro-batches with gradient accumulation, so the effective batch (and the loss c
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import threading
@@ -274,7 +275,15 @@ class Workload:
 
     def run(self) -> None:
         try:
-            self._build()
+            try:
+                with self._cancellable_build():
+                    self._build()
+            except BuildCancelled:
+                self.bus.emit("control", "build abandoned: the run was stopped or its deadline passed while the "
+                              "model was being built", gpu=self.cfg.gpu_index, control="stop", who="schedule")
+            if self._stop.is_set() or self.past_end():  # stopped, or --duration ran out, while building:
+                self._stop.wait()  # no step starts (the session stops it now, as after a last step)
+                return
             while not self._stop.is_set():
                 if not self._resume.is_set():
                     self.state = "paused"
@@ -305,6 +314,23 @@ class Workload:
             by = f" by the guard: {self.stopped_by}" if self.stopped_by else ""
             self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps{by}", gpu=self.cfg.gpu_index,
                           stopped_by=self.stopped_by)
+
+    @contextlib.contextmanager
+    def _cancellable_build(self):
+        """While this thread builds the model, every parameter it registers checks whether the run was
+        stopped or its deadline passed, and ends the build there (a large preset takes tens of seconds to
+        build, and `--duration`'s stop used to wait for all of it). A torch-wide hook, acting on this thread only."""
+        me = threading.get_ident()
+
+        def check(_module, _name, _param):
+            if threading.get_ident() == me and (self._stop.is_set() or self.past_end()):
+                raise BuildCancelled("stopped during the build")
+
+        handle = torch.nn.modules.module.register_module_parameter_registration_hook(check)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _build(self) -> None:
         self.state = "building"
@@ -578,6 +604,10 @@ class Workload:
 
 
 WHO = ("user", "guard", "schedule", "recovery")
+
+
+class BuildCancelled(Exception):
+    """The run was stopped (or its deadline passed) while the model was being built."""
 
 
 def _finite(x: float | None) -> bool:
