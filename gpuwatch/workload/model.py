@@ -3,9 +3,12 @@ each mode. torch and transformers are imported here only."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import time
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -194,6 +197,82 @@ def is_oom(exc: BaseException) -> bool:
 # back - the fast step without graphs, transformers' forward over a StaticCache, then eager - and says so.
 
 
+# One side stream per CUDA device for every warm-up and capture of every engine. cuBLAS keeps a workspace
+# (32 MiB on Hopper) per (handle, stream) for the life of the process: a new torch.cuda.Stream per build kept
+# 32 MiB per re-capture, up to the 32 streams of torch's pool (measured on the H200, small preset: 0.98 ->
+# 1.95 GiB allocated at the same batch; benchmarks/gpu_decode_graphs.py). torch.cuda.graph's own default
+# capture stream is one per process, made on whichever device was current first: per device here.
+_SIDE_STREAMS: dict[int, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_stream(device) -> "torch.cuda.Stream":
+    """The one side stream of a CUDA device that engines warm up and capture on."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _SIDE_LOCK:
+        if index not in _SIDE_STREAMS:
+            _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
+        return _SIDE_STREAMS[index]
+
+
+class BuildCache:
+    """A decode engine's builds - static KV cache, buffers, CUDA graphs - by build key, at most `keep`
+    of them, the least recently run evicted first. Evicting resets the build's graphs (their private memory
+    pools go back to torch's allocator) and drops its tensors, so a batch no longer run holds nothing.
+    keep=1 (the engine's default): a move to another batch frees the last one's build before the new one
+    is made (a workload near its memory cap must not hold the caches of batches it is not running)."""
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = max(1, int(keep))
+        self._items: OrderedDict[tuple, tuple[dict[str, Any], Any]] = OrderedDict()  # key -> (build, its state)
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._items
+
+    def get(self, key: tuple) -> tuple[dict[str, Any], Any] | None:
+        """(the build, the state it was put with), or None; a hit counts as the most recent use."""
+        held = self._items.get(key)
+        if held is not None:
+            self._items.move_to_end(key)
+        return held
+
+    def put(self, key: tuple, entry: dict[str, Any], state: Any = None) -> None:
+        self._items[key] = (entry, state)
+        self._items.move_to_end(key)
+        while len(self._items) > self.keep:
+            self._evict(next(iter(self._items)))
+
+    def make_room(self) -> None:
+        """Evict until one more build fits (before building it: the old memory is free first)."""
+        while len(self._items) >= self.keep:
+            self._evict(next(iter(self._items)))
+
+    def drop_where(self, stale: Callable[[tuple], bool]) -> None:
+        for key in [k for k in self._items if stale(k)]:
+            self._evict(key)
+
+    def clear(self) -> None:
+        for key in list(self._items):
+            self._evict(key)
+
+    def _evict(self, key: tuple) -> None:
+        free(self._items.pop(key)[0])
+        self.evictions += 1
+
+
+def free(entry: dict[str, Any]) -> None:
+    """Drop one build: its graphs reset (the private pool released), every tensor let go."""
+    for name, value in entry.items():
+        if name.startswith("g_") and value is not None:
+            value.reset()
+    entry.clear()
+
+
 def _static_cache(model, max_len: int):
     from transformers import StaticCache
 
@@ -222,8 +301,9 @@ class DecodeEngine:
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
                  graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False,
                  fast: bool = True, moe: str = "auto", compile: bool | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, keep: int = 1) -> None:
         self.model, self.new_tokens = model, int(new_tokens)
+        self._builds = BuildCache(keep)  # the builds held (keep=1: the batch running only)
         # the fast step's fused Triton kernels (workload/kernels.py): None = where they can run (CUDA + Triton);
         # False: never (asked, or a build with them failed); `_plan_fused`: the plan being built
         self.want_fused, self._asked_fused = fused, fused
@@ -271,6 +351,10 @@ class DecodeEngine:
         key = self._build_key(batch, prompt_len)
         if key == self._key:
             return 0.0
+        held = self._builds.get(key)
+        if held is not None:  # a recent batch's build, kept (keep > 1): nothing to capture
+            self._use(key, *held)
+            return 0.0
         if self._key is not None and self._steps_since_capture < 2:
             self._thrash += 1
             if self._thrash >= 3:  # e.g. the fragment fault: a new prompt length every step
@@ -282,7 +366,10 @@ class DecodeEngine:
         else:
             self._thrash = 0
         t0 = time.perf_counter()
-        self.release()
+        # builds over other weights (a precision change: new dtype or storage) would pin the old weights
+        self._builds.drop_where(lambda k: k[3:] != key[3:])
+        self._builds.make_room()  # keep=1: the last batch's graphs, pools and cache are freed before this build
+        self._st, self._key = {}, None
         plans, fused = self._build_plans()
         failures: list[str] = []
         for graphs, fast, fz in plans:
@@ -293,8 +380,9 @@ class DecodeEngine:
                     self.want_fused = False
                 break
             except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: next plan
-                self.release()
+                free(self._st)  # what this attempt built
                 if is_oom(e):
+                    self.release()  # and every build held: the caller's recovery wants the memory back
                     raise
                 why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
                 failures.append(f"{self._plan_name(graphs, fast, fz)}: {why}")
@@ -310,6 +398,7 @@ class DecodeEngine:
                                       if plans[0][0] and not self.want_graphs else "unfused"),
                           reason="; ".join(failures))
         self._key = key
+        self._builds.put(key, self._st, (self.mode, self.impl, dict(self.detail)))
         self._steps_since_capture = 0
         self.captures += 1
         self.compile_s = time.perf_counter() - t0
@@ -354,10 +443,22 @@ class DecodeEngine:
             self.on_event("compile", message, fallback="eager")
 
     def release(self) -> None:
-        """Drop the cache, buffers and graphs (their memory returns to torch's allocator); the next step
-        rebuilds them. Call it in OOM recovery."""
-        self._st.clear()
-        self._key = None
+        """Drop every build held - caches, buffers and graphs (their memory returns to torch's allocator);
+        the next step rebuilds what it needs. Call it in OOM recovery."""
+        self._builds.clear()
+        free(self._st)  # a build not (yet) held
+        self._st, self._key = {}, None
+
+    @property
+    def held_builds(self) -> int:
+        """How many builds (static cache + graphs of one batch and prompt length) the engine holds."""
+        return len(self._builds)
+
+    def _use(self, key: tuple, entry: dict[str, Any], state: tuple) -> None:
+        """Run a held build from the next step on (no capture: compile_s stays 0)."""
+        self._st, self._key = entry, key
+        self.mode, self.impl, detail = state
+        self.detail = dict(detail)
 
     def _build(self, batch: int, prompt_len: int) -> None:
         m, dev, st = self.model, self.device, self._st
@@ -385,19 +486,16 @@ class DecodeEngine:
                     self._decode_body()
                 self.mode = "static"
                 return
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
+            with self._on_side_stream():
                 for _ in range(2):  # warm-up outside capture: lazy cache allocation, cuBLAS handles, autotuning
                     self._reset()
                     self._prefill_body()
                     if self.new_tokens:
                         self._decode_body()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            torch.cuda.synchronize(dev)
+            synchronize(dev)
             st["g_prefill"] = self._capture(self._prefill_body) if graph_prefill else None
             st["g_decode"] = self._capture(self._decode_body) if self.new_tokens else None
-            torch.cuda.synchronize(dev)
+            synchronize(dev)
         self.mode = "graphs"
 
     @staticmethod
@@ -409,7 +507,8 @@ class DecodeEngine:
         """Whether prepare() would (re)build - the runner shows the workload as compiling only then."""
         if self._forced_eager:
             return False
-        return self._build_key(batch, prompt_len) != self._key
+        key = self._build_key(batch, prompt_len)
+        return key != self._key and key not in self._builds
 
     def _fast(self, batch: int, max_len: int):
         """fastpath.FastDeepseek for this shape, or None (asked not to, or the model's layout is unknown:
@@ -473,9 +572,23 @@ class DecodeEngine:
         else:
             st["cache"].reset()
 
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        """The warm-up runs on the device's one side stream (`side_stream`), ordered after what the
+        current stream queued and before what it queues next; off CUDA, where it is."""
+        if self.device.type != "cuda":
+            yield
+            return
+        stream, current = side_stream(self.device), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
+
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(g, capture_error_mode="thread_local"):
+        with torch.cuda.device(self.device), torch.cuda.graph(g, stream=side_stream(self.device),
+                                                              capture_error_mode="thread_local"):
             body()
         return g
 
