@@ -76,6 +76,7 @@ class DistributedWorkload(Workload):
     """gpuwatch's workload as one rank of a data-parallel job (see the module's docstring)."""
 
     honours_deadline = False  # its ranks step together (_decide): a deadline would have to reach them all
+    cancellable_build = False  # nor may one rank abandon the build the others finish (DDP's constructor is a collective)
 
     def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext, dp: str = "ddp") -> None:
         super().__init__(bus, cfg)

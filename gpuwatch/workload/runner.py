@@ -10,7 +10,6 @@ micro-batches with gradient accumulation, so the effective batch (and the loss c
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import threading
@@ -39,6 +38,7 @@ class Workload:
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
 
     honours_deadline = True  # it stops at `ends_at` (Session.ends_in); the data-parallel workload does not (yet)
+    cancellable_build = True  # a stop or the deadline during the model's build ends the build there
 
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
 
@@ -276,9 +276,8 @@ class Workload:
     def run(self) -> None:
         try:
             try:
-                with self._cancellable_build():
-                    self._build()
-            except BuildCancelled:
+                self._build()
+            except M.BuildCancelled:
                 self.bus.emit("control", "build abandoned: the run was stopped or its deadline passed while the "
                               "model was being built", gpu=self.cfg.gpu_index, control="stop", who="schedule")
             if self._stop.is_set() or self.past_end():  # stopped, or --duration ran out, while building:
@@ -315,23 +314,6 @@ class Workload:
             self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps{by}", gpu=self.cfg.gpu_index,
                           stopped_by=self.stopped_by)
 
-    @contextlib.contextmanager
-    def _cancellable_build(self):
-        """While this thread builds the model, every parameter it registers checks whether the run was
-        stopped or its deadline passed, and ends the build there (a large preset takes tens of seconds to
-        build, and `--duration`'s stop used to wait for all of it). A torch-wide hook, acting on this thread only."""
-        me = threading.get_ident()
-
-        def check(_module, _name, _param):
-            if threading.get_ident() == me and (self._stop.is_set() or self.past_end()):
-                raise BuildCancelled("stopped during the build")
-
-        handle = torch.nn.modules.module.register_module_parameter_registration_hook(check)
-        try:
-            yield
-        finally:
-            handle.remove()
-
     def _build(self) -> None:
         self.state = "building"
         lim = self.cfg.faults.memory_limit_bytes
@@ -342,7 +324,8 @@ class Workload:
             self.model, secs = self._prebuilt, 0.0
             M.apply_precision(self.model, self.precision)
         else:
-            self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
+            self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed,
+                                             cancelled=self._build_cancelled if self.cancellable_build else None)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
@@ -358,6 +341,9 @@ class Workload:
         self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "
                       f"{self.device_name} in {secs:.2f} s", gpu=self.cfg.gpu_index,
                       build_s=secs, **self.describe(), **M.memory(self.device))
+
+    def _build_cancelled(self) -> bool:
+        return self._stop.is_set() or self.past_end()
 
     def _apply_controls(self) -> None:
         with self._lock:
@@ -604,10 +590,6 @@ class Workload:
 
 
 WHO = ("user", "guard", "schedule", "recovery")
-
-
-class BuildCancelled(Exception):
-    """The run was stopped (or its deadline passed) while the model was being built."""
 
 
 def _finite(x: float | None) -> bool:
