@@ -27,7 +27,7 @@ from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
 from gpuwatch.recording.source import GpuMeta, LiveSource
 # load_resume and ResumePoint are imported from here by the CLI: the resume logic lives in gpuwatch/resume.py
 from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_workloads, resume_entry, resumed_event
-from gpuwatch.telemetry.bus import Bus
+from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
 from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
@@ -92,9 +92,13 @@ class Session:
         self._started = self._stopped = False
         self.sampler = None
         self.gpu = None
+        # events of the assembly itself (no_gpu): held until the recorder exists (it reads the bus from its
+        # creation on), then put on the bus with their own time stamps; see _emit_early / _flush_early
+        self._early: list[Event] | None = []
         try:
             self._assemble(cfg)
         except BaseException:
+            self._flush_early()
             self.stop()
             raise
 
@@ -113,7 +117,7 @@ class Session:
             self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s, first_tick=first_tick)
         if self.gpu is None:
-            self.bus.emit("no_gpu", self.gpu_note, "warning")
+            self._emit_early("no_gpu", self.gpu_note, "warning")
         if cfg.workload is not None:
             self._say("loading torch and building the workload...")
             from gpuwatch.workload.factory import make_workloads
@@ -136,6 +140,7 @@ class Session:
             if cfg.sampler == "process" and cfg.deliver_s > 0:
                 self.sampler.on_delivery = self.recorder.kick
                 self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
+        self._flush_early()  # the recorder (if any) reads the bus now
         self._make_scorer(cfg, model)
         if cfg.prometheus is not None:
             from gpuwatch.export.prometheus import PrometheusExporter
@@ -143,6 +148,20 @@ class Session:
             host, port = cfg.prometheus
             self.exporter = PrometheusExporter(self.bus, list(self.gpu.gpus) if self.gpu else [], host, port,
                                                interval_s=cfg.interval_s, workloads=self.source.gpus)
+
+    def _emit_early(self, kind: str, message: str, severity: str = "info", **detail: Any) -> None:
+        """An event of the assembly: on the bus at once if the recorder exists (or never will), else held
+        until `_flush_early` (a recorder records only what reaches the bus after it is created)."""
+        if self._early is None:
+            self.bus.emit(kind, message, severity, **detail)
+        else:
+            self._early.append(Event(kind, message, severity, None, detail))
+
+    def _flush_early(self) -> None:
+        """The held events onto the bus, once, in order and with the time they happened."""
+        early, self._early = self._early, None
+        for ev in early or ():
+            self.bus.events.append(ev)
 
     def _restore(self, point: ResumePoint) -> None:
         """Put each workload back where the interrupted run left it (gpuwatch/resume.py)."""

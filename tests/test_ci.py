@@ -53,8 +53,11 @@ def runs(tmp_path_factory, py_env):
                     "--source", str(SWEEP), "-o", str(tmp / "rec"), "--summary-json", str(tmp / "s.json"),
                     "--junit", str(tmp / "j.xml"), "--fail-on", "throttled>0.05,temp_margin<5")
     # 2. an unrecovered failure, no recording
-    bad = _popen(py, env, *CPU, "--steps", "3", "--no-record", "--set", "num_experts_per_tok=1000",
-                 "--summary-json", str(tmp / "bad.json"), "--junit", str(tmp / "bad.xml"))
+    from conftest import ROOT
+
+    bad = subprocess.Popen([py, str(ROOT / "tests" / "support" / "failing_step.py"), "stress", *CPU, "--steps", "3",
+                            "--no-record", "--summary-json", str(tmp / "bad.json"), "--junit", str(tmp / "bad.xml")],
+                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # 3. an interrupted run (SIGTERM after its first progress line), then resumed
     err = tmp / "part1.err"
     with open(err, "w") as fh:

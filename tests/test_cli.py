@@ -25,6 +25,8 @@ def run(py, env, *args, timeout=120):
     (["stress", "--batch", "0"], "must be > 0"),
     (["stress", "--gpu-memory-limit", "lots"], "bad size 'lots'"),
     (["stress", "--set", "oops"], "bad --set 'oops'"),
+    (["stress", "--preset", "tiny", "--no-record", "--set", "n_routed_experts=4", "--set", "num_experts_per_tok=8"],
+     "num_experts_per_tok (8) must be at most n_routed_experts (4)"),
     (["stress", "--device", "cuda:7", "--steps", "1", "--no-record"], "--device cuda:7"),
     (["stress", "--gpus", "all", "--no-record"], "--gpus"),
     (["nonsense"], "invalid choice: 'nonsense'"),
@@ -89,9 +91,10 @@ def test_stress_headless_on_the_cpu(py, env, tmp_path):
 
 
 def test_stress_exit_code_is_1_when_a_failure_was_not_recovered(py, env):
-    # more experts per token than experts: the model builds, every step fails the same way
-    r = run(py, env, "stress", "--preset", "tiny", "--steps", "3", "--no-record", "--set", "n_routed_experts=4",
-            "--set", "num_experts_per_tok=8", timeout=300)
+    # every step fails the same way (an impossible config, the old way to get here, is now refused up front)
+    r = subprocess.run([py, str(ROOT / "tests" / "support" / "failing_step.py"), "stress", "--preset", "tiny",
+                        "--steps", "3", "--no-record"], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode == 1
     assert "UNRECOVERED" in r.stdout and "Traceback" not in r.stderr
 

@@ -92,6 +92,50 @@ def test_two_ranks_one_session_and_collectives(env, tmp_path):
             assert row["algbw_gbps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e3)
 
 
+def test_every_parameter_gets_a_gradient_even_where_routing_leaves_experts_unused():
+    """Why DDP needs no find_unused_parameters: transformers 5 keeps a MoE layer's experts as one fused
+    Parameter each for gate/up and down, so experts no token was routed to (2 tokens x top-2 of 8 here)
+    still take part in autograd with a zero slice of the gradient."""
+    import torch
+
+    from gpuwatch.workload import model as M
+    from gpuwatch.workload.distributed import every_param_takes_part
+    from gpuwatch.workload.presets import config_fields
+
+    model, _ = M.build_model(config_fields("tiny", {"num_hidden_layers": 2}), torch.device("cpu"), "fp32")
+    assert every_param_takes_part(model)
+    model.train()
+    ids = torch.tensor([[5, 9]])
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+    routed = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert routed and all((m.experts.gate_up_proj.grad.flatten(1).abs().sum(1) == 0).any() for m in routed)  # unrouted
+
+
+def test_a_layout_with_one_module_per_expert_keeps_find_unused():
+    import torch
+
+    from gpuwatch.workload.distributed import every_param_takes_part
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    assert not every_param_takes_part(torch.nn.Sequential(Moe()))
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_prints_no_find_unused_parameters_warning(env):
+    r = subprocess.run([sys.executable, "-m", "gpuwatch", "stress", "--nproc", "2", *TINY, "--steps", "2",
+                        "--no-record"], env={**env, "GPUWATCH_DIST_TIMEOUT_S": "30"}, cwd=ROOT, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "find_unused_parameters" not in r.stderr + r.stdout, (r.stderr + r.stdout)[-3000:]
+
+
 @pytest.mark.slow
 def test_guard_decision_applied_by_every_rank_at_the_same_step(env):
     r = _torchrun(env, [str(ROOT / "tests" / "support" / "ddp_guard_worker.py")])

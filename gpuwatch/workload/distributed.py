@@ -76,6 +76,7 @@ class DistributedWorkload(Workload):
     """gpuwatch's workload as one rank of a data-parallel job (see the module's docstring)."""
 
     honours_deadline = False  # its ranks step together (_decide): a deadline would have to reach them all
+    cancellable_build = False  # nor may one rank abandon the build the others finish (DDP's constructor is a collective)
 
     def __init__(self, bus: Bus, cfg: WorkloadConfig, ctx: DistContext, dp: str = "ddp") -> None:
         super().__init__(bus, cfg)
@@ -122,11 +123,14 @@ class DistributedWorkload(Workload):
             self._rewrap = False
             return
         self.ddp = None
-        # MoE: an expert no token was routed to has no gradient this step -> find_unused_parameters
         ids = [self.device.index] if self.device.type == "cuda" else None
+        # find_unused_parameters only where a step can leave a parameter without a gradient (one module per
+        # expert); with transformers 5's fused experts every parameter takes part, and the flag only cost an
+        # extra graph traversal a step and torch's warning on every rank
+        unused = not every_param_takes_part(self.model)
         with warnings.catch_warnings():  # broadcast_buffers: deprecated in torch 2.13, the only spelling in 2.11
             warnings.simplefilter("ignore", FutureWarning)
-            self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True,
+            self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=unused,
                             gradient_as_bucket_view=True)  # no second copy of the gradients
         self.ddp.register_comm_hook(None, self.meter.hook)
         self._rewrap = False
@@ -462,6 +466,17 @@ class DistributedWorkload(Workload):
                           "on every rank", "warning", gpu=self.cfg.gpu_index, loss=row["loss"], rank=self.rank)
         if self.cfg.integrity_every and self._step % self.cfg.integrity_every == 0:
             self._integrity()
+
+
+def every_param_takes_part(model) -> bool:
+    """Whether every parameter gets a gradient in every train step, whatever the router chose. transformers 5
+    keeps a MoE layer's experts as one Parameter for all experts' gate/up and one for their down projections
+    (`gate_up_proj` (E, 2I, D), `down_proj`): an expert no token was routed to still takes part in autograd,
+    its slice of the gradient zero. A layout with one module per expert (an nn.ModuleList of experts: older
+    transformers, other models) leaves an unrouted expert's parameters out of the step: DDP must then look
+    for unused parameters. The rest of the DeepSeek model (attention, norms, router, shared experts, dense
+    MLPs, embeddings, head) runs for every token."""
+    return not any(isinstance(getattr(m, "experts", None), torch.nn.ModuleList) for m in model.modules())
 
 
 def _fsdp():

@@ -74,6 +74,26 @@ def cuda_identity(dev) -> dict[str, Any]:
     return {"uuid": ("GPU-" + uuid) if uuid and not uuid.startswith("GPU-") else uuid or None, "pci_bus_id": bus}
 
 
+def _check_memory(cfg, fields: dict[str, Any], dev) -> None:
+    """Refuse a workload that cannot take one step on `dev` (workload/sizing.py): its weights, a train
+    step's gradients and the first step's activations against the host's available RAM (a CPU: running
+    out there may be the kernel's OOM killer, not an exception) or, on a GPU, the weights and gradients
+    and batch 1's activations against its usable memory (a larger batch that runs out is a CUDA OOM the
+    workload recovers from: the point of a stress run, so it is not refused)."""
+    from gpuwatch.workload import sizing
+    from gpuwatch.workload.presets import defaults
+    from gpuwatch.workload.schedule import Schedule
+
+    b, s = defaults(cfg.preset)
+    first = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch, long_seq=cfg.long_seq).plan()
+    batch, seq = (first[0], first[1]) if first else (cfg.batch or b, cfg.seq_len or s)
+    if dev.type == "cuda":
+        batch = 1
+    est = sizing.estimate(fields, cfg.mode, cfg.precision, batch, seq, cfg.decode_tokens if cfg.mode == "decode" else 0)
+    sizing.check_fits(est, sizing.available_bytes(dev, cfg.faults.memory_limit_bytes), cfg.preset, cfg.mode,
+                      cfg.precision, str(dev))
+
+
 def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
     """One Workload per requested device. `nvml_index(identity) -> int | None` maps a CUDA device
     (its uuid / pci_bus_id) to the NVML index its telemetry rows carry; without it, the CUDA ordinal."""
@@ -109,6 +129,9 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
             integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
             gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs,
             decode_tokens=spec.new_tokens or (GPU_NEW_TOKENS if dev.type == "cuda" else CPU_NEW_TOKENS))
+        fields = presets.config_fields(cfg.preset, overrides)
+        presets.check_config(fields, overrides, cfg.preset)  # before building: torch's errors come late
+        _check_memory(cfg, fields, dev)
         if cfg.mode == "decode":
             from gpuwatch.workload.presets import config_fields, defaults
 

@@ -3,14 +3,17 @@ each mode. torch and transformers are imported here only."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from gpuwatch.workload import mechanics
+from gpuwatch.workload.graphs import BuildCache, free, side_stream
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,15 +44,42 @@ def apply_precision(model: torch.nn.Module, precision: str) -> None:
     model.to(DTYPES[precision])
 
 
-def build_model(fields: dict[str, Any], device: torch.device, precision: str, seed: int = 0):
-    """DeepseekV3ForCausalLM with random weights, built directly on `device` in the target dtype."""
+class BuildCancelled(Exception):
+    """`build_model`'s `cancelled()` said stop while the model was being built."""
+
+
+@contextlib.contextmanager
+def _cancellable(cancelled: Callable[[], bool] | None):
+    """While this thread builds, every parameter it registers asks `cancelled()` and ends the build there
+    (a large preset takes tens of seconds, and a stop at --duration used to wait for all of it). A torch-wide
+    registration hook that acts on this thread only."""
+    if cancelled is None:
+        yield
+        return
+    me = threading.get_ident()
+
+    def check(_module, _name, _param):
+        if threading.get_ident() == me and cancelled():
+            raise BuildCancelled("stopped during the build")
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def build_model(fields: dict[str, Any], device: torch.device, precision: str, seed: int = 0,
+                cancelled: Callable[[], bool] | None = None):
+    """DeepseekV3ForCausalLM with random weights, built directly on `device` in the target dtype. Raises
+    BuildCancelled as soon as `cancelled()` is true (checked at every parameter the build registers)."""
     torch.manual_seed(seed)
     config = DeepseekV3Config(**fields)
     t0 = time.perf_counter()
     old = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[precision])
     try:
-        with torch.device(device):
+        with torch.device(device), _cancellable(cancelled):
             model = DeepseekV3ForCausalLM(config)
     finally:
         torch.set_default_dtype(old)
@@ -221,8 +251,9 @@ class DecodeEngine:
     def __init__(self, model, batch: int, prompt_len: int, new_tokens: int, device, on_event=None,
                  graphs: bool | None = None, prefill_graph_tokens: int = 4096, record_tokens: bool = False,
                  fast: bool = True, moe: str = "auto", compile: bool | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, keep: int = 1) -> None:
         self.model, self.new_tokens = model, int(new_tokens)
+        self._builds = BuildCache(keep)  # the builds held (keep=1: the batch running only)
         # the fast step's fused Triton kernels (workload/kernels.py): None = where they can run (CUDA + Triton);
         # False: never (asked, or a build with them failed); `_plan_fused`: the plan being built
         self.want_fused, self._asked_fused = fused, fused
@@ -270,6 +301,10 @@ class DecodeEngine:
         key = self._build_key(batch, prompt_len)
         if key == self._key:
             return 0.0
+        held = self._builds.get(key)
+        if held is not None:  # a recent batch's build, kept (keep > 1): nothing to capture
+            self._use(key, *held)
+            return 0.0
         if self._key is not None and self._steps_since_capture < 2:
             self._thrash += 1
             if self._thrash >= 3:  # e.g. the fragment fault: a new prompt length every step
@@ -281,7 +316,10 @@ class DecodeEngine:
         else:
             self._thrash = 0
         t0 = time.perf_counter()
-        self.release()
+        # builds over other weights (a precision change: new dtype or storage) would pin the old weights
+        self._builds.drop_where(lambda k: k[3:] != key[3:])
+        self._builds.make_room()  # keep=1: the last batch's graphs, pools and cache are freed before this build
+        self._st, self._key = {}, None
         plans, fused = self._build_plans()
         failures: list[str] = []
         for graphs, fast, fz in plans:
@@ -292,8 +330,9 @@ class DecodeEngine:
                     self.want_fused = False
                 break
             except Exception as e:  # noqa: BLE001 - an OOM goes to the caller's recovery; anything else: next plan
-                self.release()
+                free(self._st)  # what this attempt built
                 if is_oom(e):
+                    self.release()  # and every build held: the caller's recovery wants the memory back
                     raise
                 why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
                 failures.append(f"{self._plan_name(graphs, fast, fz)}: {why}")
@@ -309,6 +348,7 @@ class DecodeEngine:
                                       if plans[0][0] and not self.want_graphs else "unfused"),
                           reason="; ".join(failures))
         self._key = key
+        self._builds.put(key, self._st, (self.mode, self.impl, dict(self.detail)))
         self._steps_since_capture = 0
         self.captures += 1
         self.compile_s = time.perf_counter() - t0
@@ -353,10 +393,22 @@ class DecodeEngine:
             self.on_event("compile", message, fallback="eager")
 
     def release(self) -> None:
-        """Drop the cache, buffers and graphs (their memory returns to torch's allocator); the next step
-        rebuilds them. Call it in OOM recovery."""
-        self._st.clear()
-        self._key = None
+        """Drop every build held - caches, buffers and graphs (their memory returns to torch's allocator);
+        the next step rebuilds what it needs. Call it in OOM recovery."""
+        self._builds.clear()
+        free(self._st)  # a build not (yet) held
+        self._st, self._key = {}, None
+
+    @property
+    def held_builds(self) -> int:
+        """How many builds (static cache + graphs of one batch and prompt length) the engine holds."""
+        return len(self._builds)
+
+    def _use(self, key: tuple, entry: dict[str, Any], state: tuple) -> None:
+        """Run a held build from the next step on (no capture: compile_s stays 0)."""
+        self._st, self._key = entry, key
+        self.mode, self.impl, detail = state
+        self.detail = dict(detail)
 
     def _build(self, batch: int, prompt_len: int) -> None:
         m, dev, st = self.model, self.device, self._st
@@ -384,19 +436,16 @@ class DecodeEngine:
                     self._decode_body()
                 self.mode = "static"
                 return
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
+            with self._on_side_stream():
                 for _ in range(2):  # warm-up outside capture: lazy cache allocation, cuBLAS handles, autotuning
                     self._reset()
                     self._prefill_body()
                     if self.new_tokens:
                         self._decode_body()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            torch.cuda.synchronize(dev)
+            synchronize(dev)
             st["g_prefill"] = self._capture(self._prefill_body) if graph_prefill else None
             st["g_decode"] = self._capture(self._decode_body) if self.new_tokens else None
-            torch.cuda.synchronize(dev)
+            synchronize(dev)
         self.mode = "graphs"
 
     @staticmethod
@@ -408,7 +457,8 @@ class DecodeEngine:
         """Whether prepare() would (re)build - the runner shows the workload as compiling only then."""
         if self._forced_eager:
             return False
-        return self._build_key(batch, prompt_len) != self._key
+        key = self._build_key(batch, prompt_len)
+        return key != self._key and key not in self._builds
 
     def _fast(self, batch: int, max_len: int):
         """fastpath.FastDeepseek for this shape, or None (asked not to, or the model's layout is unknown:
@@ -472,9 +522,23 @@ class DecodeEngine:
         else:
             st["cache"].reset()
 
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        """The warm-up runs on the device's one side stream (`side_stream`), ordered after what the
+        current stream queued and before what it queues next; off CUDA, where it is."""
+        if self.device.type != "cuda":
+            yield
+            return
+        stream, current = side_stream(self.device), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
+
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(g, capture_error_mode="thread_local"):
+        with torch.cuda.device(self.device), torch.cuda.graph(g, stream=side_stream(self.device),
+                                                              capture_error_mode="thread_local"):
             body()
         return g
 
@@ -522,16 +586,3 @@ class DecodeEngine:
             if self.record_tokens:
                 self.tokens = st["out"][:, :self.new_tokens].clone()
             return None, st["logits"].abs().max().item()
-
-
-def integrity(model, vocab: int, seq: int, device: torch.device, precision: str) -> tuple[float, float, bool]:
-    """The same input twice: (largest difference of the logits, the precision's tolerance, whether the
-    non-finite values fall in the same places - NaN twice is consistent; the `nonfinite` event says so)."""
-    gen = torch.Generator(device=device).manual_seed(1234)
-    ids = random_ids(vocab, 1, seq, device, gen)
-    with torch.inference_mode():
-        a = model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
-        b = model(input_ids=ids, use_cache=False, logits_to_keep=8).logits.float()
-    scale = max(1.0, a.nan_to_num(0, 0, 0).abs().max().item())
-    tol = (1e-3 if precision in ("bf16", "fp16") else 1e-5) * scale
-    return (a - b).nan_to_num(0, 0, 0).abs().max().item(), tol, bool((a.isfinite() == b.isfinite()).all())

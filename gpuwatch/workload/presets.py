@@ -182,3 +182,88 @@ def choose_preset(device_mem_bytes: int | None, overrides: dict[str, Any] | None
             if param_count(config_fields(name, overrides)) > param_count(config_fields(best, overrides)):
                 best = name
     return best
+
+
+# The experts run as grouped GEMMs (torch._grouped_mm, transformers' "grouped_mm"), which need every
+# row stride to be a multiple of 16 bytes: 8 elements at bf16/fp16 (the guard may lower an fp32 run's
+# precision mid-run, so 8 whatever it starts at). `hidden_size=7` failed there after ~10 s of building.
+ALIGN = 8
+_AT_LEAST_1 = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_group",
+               "topk_group", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "max_position_embeddings")
+
+
+def check_config(fields: dict[str, Any], overrides: dict[str, Any] | None = None, preset: str = "") -> None:
+    """The DeepseekV3 model's own constraints on a whole config (a preset with its `--set` overrides),
+    checked before anything is built: positive sizes, the grouped GEMM's alignment, experts and groups
+    that the router can choose from, dense layers within the layers. Raises UsageError, one line, naming
+    the field as the user gave it (`--set k=v`) or as the preset has it."""
+    from gpuwatch.errors import UsageError
+
+    ov = overrides or {}
+
+    def name(k: str) -> str:
+        return f"--set {k}={ov[k]}" if k in ov else f"{k}={fields.get(k)} ({preset or 'preset'})"
+
+    def fail(keys: tuple[str, ...], why: str) -> None:
+        given = [k for k in keys if k in ov] or list(keys[:1])
+        raise UsageError(f"{', '.join(name(k) for k in given)}: {why}")
+
+    def num(k: str) -> int:
+        v = fields.get(k)
+        if isinstance(v, bool) or not isinstance(v, int):
+            fail((k,), f"{k} must be a whole number")
+        return v
+
+    for k in _AT_LEAST_1:
+        if num(k) < (2 if k == "vocab_size" else 1):
+            fail((k,), f"{k} must be at least {2 if k == 'vocab_size' else 1}")
+    if fields.get("q_lora_rank") is not None and num("q_lora_rank") < 1:
+        fail(("q_lora_rank",), "q_lora_rank must be at least 1 (or None: no query LoRA)")
+    for k in ("n_shared_experts", "first_k_dense_replace"):
+        if num(k) < 0:
+            fail((k,), f"{k} must not be negative")
+    for k in ("hidden_size", "moe_intermediate_size"):
+        if fields[k] % ALIGN:
+            fail((k,), f"{k} must be a multiple of {ALIGN} (the experts' grouped GEMM needs 16-byte strides)")
+    if fields["qk_rope_head_dim"] % 2:
+        fail(("qk_rope_head_dim",), "qk_rope_head_dim must be even (rotary pairs)")
+    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
+    if kv != heads:
+        fail(("num_key_value_heads", "num_attention_heads"), f"num_key_value_heads ({kv}) must equal "
+             f"num_attention_heads ({heads}): DeepSeek's latent attention expands its keys per head")
+    layers, dense = fields["num_hidden_layers"], fields["first_k_dense_replace"]
+    if dense > layers:
+        fail(("first_k_dense_replace", "num_hidden_layers"),
+             f"first_k_dense_replace ({dense}) must be at most num_hidden_layers ({layers})")
+    e, k, g, tg = (fields[x] for x in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
+    if k > e:
+        fail(("num_experts_per_tok", "n_routed_experts"),
+             f"num_experts_per_tok ({k}) must be at most n_routed_experts ({e})")
+    if e % g:
+        fail(("n_group", "n_routed_experts"), f"n_routed_experts ({e}) must be a multiple of n_group ({g})")
+    if e // g < 2:  # the router scores a group by its two best experts
+        fail(("n_group", "n_routed_experts"), f"{e} experts in {g} groups: the router needs at least 2 experts per "
+             "group (it scores a group by its best two)")
+    if tg > g:
+        fail(("topk_group", "n_group"), f"topk_group ({tg}) must be at most n_group ({g})")
+    if k > tg * (e // g):
+        fail(("num_experts_per_tok", "topk_group", "n_group"), f"num_experts_per_tok ({k}) must be at most the "
+             f"experts of the topk_group ({tg}) groups chosen ({tg * (e // g)})")
+    for f in ("rms_norm_eps", "routed_scaling_factor"):
+        v = fields.get(f)
+        if isinstance(v, (int, float)) and not v > 0:
+            fail((f,), f"{f} must be > 0")
+    from transformers.activations import ACT2FN
+
+    act = fields.get("hidden_act")
+    if act not in ACT2FN:
+        fail(("hidden_act",), f"hidden_act {act!r} is not an activation transformers knows (e.g. silu, gelu)")
+    from transformers import DeepseekV3Config
+
+    try:  # what the config itself checks (rope parameters, ...)
+        DeepseekV3Config(**fields)
+    except Exception as e:  # noqa: BLE001 - any refusal of the config is the user's input
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UsageError(f"bad model config ({preset or 'preset'}{' with --set' if ov else ''}): {first}") from None

@@ -19,12 +19,14 @@ from typing import Any, Callable
 import torch
 
 from gpuwatch.predict import ahead as A
-from gpuwatch.contract import PRECISIONS, Action, StepPlan, WorkloadView, expand_plan, lower_precisions
+from gpuwatch.contract import PRECISIONS
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
 from gpuwatch.workload import mechanics as X
 from gpuwatch.workload.allocator import release_cache
+from gpuwatch.workload.guarded import GuardedSide
+from gpuwatch.workload.integrity import integrity
 from gpuwatch.workload.config import Faults, WorkloadConfig  # noqa: F401 - imported from here by callers
 from gpuwatch.workload import model as M
 from gpuwatch.workload.presets import config_fields, defaults
@@ -34,11 +36,12 @@ from gpuwatch.workload.schedule import Schedule
 OOM_LOOP = 50  # OOMs in a row with no step between them: the run stops (call 29 looped 995 times)
 
 
-class Workload:
+class Workload(GuardedSide):
     """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
 
     honours_deadline = True  # it stops at `ends_at` (Session.ends_in); the data-parallel workload does not (yet)
+    cancellable_build = True  # a stop or the deadline during the model's build ends the build there
 
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
 
@@ -162,70 +165,6 @@ class Workload:
     def memory_limit_bytes(self) -> int | None:
         return self.cfg.faults.memory_limit_bytes
 
-    def next_plan(self) -> StepPlan | None:
-        p = self.plan_info()
-        if p is None:
-            return None
-        wanted = self.schedule.wanted()
-        k = math.ceil(p["effective_batch"] / p["batch"]) if p["effective_batch"] > p["batch"] else 1
-        return StepPlan(batch=p["batch"], seq_len=p["seq_len"], precision=p["precision"], mode=self.cfg.mode,
-                        micro_batches=k, effective_batch=p["effective_batch"],
-                        wanted_batch=wanted[0] if wanted else p["batch"], ahead_batch=p["ahead_batch"],
-                        ahead_seq_len=p["ahead_seq_len"], ahead_steps=p["ahead_steps"],
-                        checkpointing=self.checkpointing)
-
-    def guard_view(self) -> WorkloadView:
-        last = self.last or {}
-        return WorkloadView(gpu=self.cfg.gpu_index, ceiling=self.schedule.ceiling, last_ok_batch=self.last_ok_batch,
-                            lower_precisions=lower_precisions(self.precision, self.bf16_supported),
-                            manual=self.manual, last_peak_bytes=last.get("torch_peak_bytes"),
-                            last_allocated_bytes=last.get("torch_allocated_bytes"),
-                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type,
-                            checkpointing=self.checkpointing if self._can_checkpoint() else None,
-                            last_step_time_s=last.get("step_time_s"),
-                            last_tokens=(int(last["batch"]) * int(last["seq_len"])) if last else None,
-                            last_seq_len=last.get("seq_len"), steps=self._step,
-                            last_checkpointing=bool(last.get("checkpointing")))
-
-    def _can_checkpoint(self) -> bool:  # train mode, on the model's own switch
-        return self.cfg.mode == "train" and X.can_checkpoint(getattr(self, "model", None))
-
-    def accepts(self) -> frozenset[str]:
-        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "precision", "stop", "plan"}
-        if self._can_checkpoint():
-            acts.add("checkpointing")
-        if self.device.type == "cuda":
-            acts |= {"release_cache", "name_leak"}
-        return frozenset(acts)
-
-    def apply(self, action: Action, who: str = "guard") -> None:
-        """Hand one guard action to the workload; it takes effect before the next step."""
-        k, v, why = action.kind, action.value, action.why
-        if k in ("lower_ceiling", "raise_ceiling"):
-            self.set_ceiling(v, who=who, why=why)
-        elif k == "clear_ceiling":
-            self.set_ceiling(None, who=who, why=why)
-        elif k == "refuse_step":  # one control: a separate ceiling would be overridden by the hold
-            self.hold(who=who, why=why, batch=v)
-        elif k == "precision":
-            if v != self.precision:
-                self.set_precision(v, who=who, why=why)
-        elif k == "checkpointing":
-            if bool(v) != self.checkpointing:
-                self._put("checkpointing", bool(v), who, why)
-        elif k == "plan":  # the planner's configuration, as the elementary changes (contract.expand_plan)
-            wanted = self.schedule.wanted()
-            for a in expand_plan(action, self.schedule.ceiling, wanted[0] if wanted else None):
-                self.apply(a, who)
-        elif k == "release_cache":
-            self._put("release_cache", bool(v), who, why)
-        elif k == "stop":  # a leak: end cleanly (the summary and the recording close as after --duration)
-            self.stopped_by = why
-            self._stop.set()
-            self._resume.set()
-        elif k != "name_leak":
-            raise ValueError(f"unknown guard action {k!r}")
-
     def pause(self, who: str = "user") -> None:
         if self._resume.is_set():
             self.bus.emit("control", f"workload paused ({who})", gpu=self.cfg.gpu_index, control="pause", who=who)
@@ -295,7 +234,14 @@ class Workload:
 
     def run(self) -> None:
         try:
-            self._build()
+            try:
+                self._build()
+            except M.BuildCancelled:
+                self.bus.emit("control", "build abandoned: the run was stopped or its deadline passed while the "
+                              "model was being built", gpu=self.cfg.gpu_index, control="stop", who="schedule")
+            if self._stop.is_set() or self.past_end():  # stopped, or --duration ran out, while building:
+                self._stop.wait()  # no step starts (the session stops it now, as after a last step)
+                return
             while not self._stop.is_set():
                 if not self._resume.is_set():
                     self.state = "paused"
@@ -337,7 +283,8 @@ class Workload:
             self.model, secs = self._prebuilt, 0.0
             M.apply_precision(self.model, self.precision)
         else:
-            self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed)
+            self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed,
+                                             cancelled=self._build_cancelled if self.cancellable_build else None)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
@@ -353,6 +300,9 @@ class Workload:
         self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "
                       f"{self.device_name} in {secs:.2f} s", gpu=self.cfg.gpu_index,
                       build_s=secs, **self.describe(), **M.memory(self.device))
+
+    def _build_cancelled(self) -> bool:
+        return self._stop.is_set() or self.past_end()
 
     def _apply_controls(self) -> None:
         with self._lock:
@@ -583,7 +533,7 @@ class Workload:
 
     def _integrity(self) -> None:
         """The same input twice must give the same logits (within the precision's tolerance)."""
-        diff, tol, same_nonfinite = M.integrity(self.model, self.fields["vocab_size"], min(128, self.schedule.seq_len),
+        diff, tol, same_nonfinite = integrity(self.model, self.fields["vocab_size"], min(128, self.schedule.seq_len),
                                                 self.device, self.precision)
         if not (same_nonfinite and diff <= tol):
             self.integrity_failures += 1
