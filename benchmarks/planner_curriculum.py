@@ -7,7 +7,12 @@ a length curriculum from 256 to 4,096 tokens in sequential order, under a memory
 - `threshold`: the same with `GuardConfig(plan=False)` (the risk threshold and the 15 s give-back timer);
 - `static`: a cautious static per-device batch (`--static-batch`, default 4) x accumulation, the same effective batch;
 - `autofind`: `TrainingArguments(auto_find_batch_size=True)` (accelerate's find_executable_batch_size);
-- `planner-nocap` / `unguarded-nocap`: no cap, fewer steps: what the guard costs where it need not act.
+- `planner-nocap` / `unguarded-nocap`: no cap, fewer steps: what the guard costs where it need not act;
+- `lightning-planner` / `lightning-unguarded` / `lightning-static`: the same model in a Lightning `Trainer`,
+  `--epochs` epochs, each a curriculum of `--steps`/`--epochs` steps from `--min-seq` to `--lightning-max-seq`
+  (per-device batch `--batch`, bf16-mixed). Lightning changes the per-device batch only between epochs
+  (integrations/lightning.py), so inside the first epoch activation checkpointing is the one remedy the
+  guard has; from the second, a smaller per-device batch by accumulation. Static: `--static-batch` x accumulation.
 Each arm runs in its own process (a fresh CUDA context and cap) with a time limit and prints one JSON line:
 steps done, OOMs (including any after a give-back), restarts, effective batches seen, tokens/s, the
 guard's actions by kind, the plans it chose.
@@ -27,15 +32,118 @@ import time
 from pathlib import Path
 
 ARMS = ("planner", "unguarded", "threshold", "static", "autofind", "planner-nocap", "unguarded-nocap")
+LIGHTNING_ARMS = ("lightning-planner", "lightning-unguarded", "lightning-static")
 
 
 def lengths(steps: int, lo: int, hi: int) -> list[int]:
     return [int(round((lo + (hi - lo) * i / max(1, steps - 1)) / 64) * 64) or 64 for i in range(steps)]
 
 
+def build(a: argparse.Namespace, max_seq: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if a.dry_run:
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_seq)
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+                          num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=max_seq)
+    return cfg, LlamaForCausalLM(cfg)
+
+
+def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
+    import lightning as L
+    import torch
+
+    from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.integrations.lightning import GpuwatchLightningCallback
+
+    dry = a.dry_run
+    dev_ok = torch.cuda.is_available() and not dry
+    per_epoch = max(2, a.steps // a.epochs)
+    lens = lengths(per_epoch, a.min_seq, a.lightning_max_seq)
+    cfg, model = build(a, a.lightning_max_seq)
+    params = sum(p.numel() for p in model.parameters())
+    B = a.batch
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, cfg.vocab_size, (s,), generator=gen) for s in lens for _ in range(B)]
+    cap = int(a.cap_gib * 2**30) if dev_ok else None
+    if cap and arm != "lightning-planner":
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
+
+    def collate(rows):
+        n = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        return ids
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, ids, i):
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    steps_seen, deadline, cut = [0], time.perf_counter() + a.arm_timeout - 25.0, [False]
+
+    class Count(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps_seen[0] = trainer.global_step
+            if time.perf_counter() > deadline:
+                cut[0] = True
+                trainer.should_stop = True
+
+    static = arm == "lightning-static"
+    per_dev, accum = (a.static_batch, B // a.static_batch) if static else (B, 1)
+    gw = None
+    cbs = [Count()]
+    if arm == "lightning-planner":
+        gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=arm, guard_config=GuardConfig(mode="on"),
+                                       memory_limit=cap, sampler="thread" if dry else "process",
+                                       **({"source": a.source} if dry and a.source else {}))
+        cbs.append(gw)
+        loader = gw.dataloader(data, batch_size=per_dev, collate_fn=collate)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=per_dev, collate_fn=collate, shuffle=False)
+    trainer = L.Trainer(max_epochs=a.epochs, accelerator="gpu" if dev_ok else "cpu", devices=1,
+                        precision="bf16-mixed" if dev_ok else "32-true", accumulate_grad_batches=accum, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(Path(a.work) / f"pl-{arm}"), callbacks=cbs,
+                        reload_dataloaders_every_n_epochs=1)
+    t0 = time.perf_counter()
+    died = None
+    try:
+        trainer.fit(LM(), train_dataloaders=loader)
+    except torch.OutOfMemoryError as e:
+        died = str(e).splitlines()[0][:200]
+    except RuntimeError as e:
+        died = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    wall = time.perf_counter() - t0
+    done = trainer.global_step
+    tokens = sum(B * lens[i % per_epoch] for i in range(done))
+    res = {"arm": arm, "params": params, "steps": per_epoch * a.epochs, "steps_done": done,
+           "completed": done >= per_epoch * a.epochs and died is None, "died": died, "wall_s": round(wall, 1),
+           "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None, "cut_at_deadline": cut[0],
+           "cap_gib": None if cap is None else a.cap_gib, "max_seq": a.lightning_max_seq, "epochs": a.epochs,
+           "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None,
+           "ooms": 1 if died and "memory" in died.lower() else 0, "restarts": 0}
+    if gw is not None:
+        res.update(effective_batch_min=min(gw.effective), effective_batch_max=max(gw.effective))
+        res.update(_guard_events(Path(a.out) / "sessions" / arm))
+        res["ooms"] += res.get("oom_events", 0)
+    return res
+
+
 def run_arm(arm: str, a: argparse.Namespace) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gpuwatch.control.policy import GuardConfig
     from gpuwatch.integrations.hf import GpuwatchCallback, train
@@ -44,14 +152,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict:
     dev_ok = torch.cuda.is_available() and not dry
     steps = a.steps if "nocap" not in arm else a.nocap_steps
     lens = lengths(steps, a.min_seq, a.max_seq)
-    torch.manual_seed(0)
-    if dry:
-        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=a.max_seq)
-    else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
-                          num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=a.max_seq)
-    model = LlamaForCausalLM(cfg)
+    cfg, model = build(a, a.max_seq)
     params = sum(p.numel() for p in model.parameters())
     B = a.batch
     gen = torch.Generator().manual_seed(1)
@@ -165,15 +266,19 @@ def main() -> int:
     ap.add_argument("--max-seq", type=int, default=4096)
     ap.add_argument("--cap-gib", type=float, default=34.0)
     ap.add_argument("--arm-timeout", type=float, default=150.0)
+    ap.add_argument("--epochs", type=int, default=3, help="the Lightning arms: epochs, each a curriculum")
+    ap.add_argument("--lightning-max-seq", type=int, default=1536, help="the Lightning arms' longest length: "
+                    "16 x 1,536 needs checkpointing under the cap, 8 x 1,536 does not")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, 6 steps: the code paths")
     ap.add_argument("--source", default=None, help="dry run: a recording replayed as the live telemetry")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.dry_run:
         a.steps, a.nocap_steps, a.max_seq, a.min_seq, a.batch, a.static_batch = 6, 4, 64, 16, 4, 2
+        a.lightning_max_seq, a.epochs = 48, 2
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.one:
-        print(json.dumps(run_arm(a.one, a)), flush=True)
+        print(json.dumps(run_lightning_arm(a.one, a) if a.one.startswith("lightning") else run_arm(a.one, a)), flush=True)
         return 0
     results = []
     for arm in a.arms.split(","):

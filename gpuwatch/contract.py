@@ -125,6 +125,7 @@ class WorkloadView:
     steps: int = 0  # optimizer steps that ran so far (the planner learns each one's time once)
     last_checkpointing: bool = False  # activation checkpointing during the last step
     largest: int | None = None  # the largest micro-batch the workload will run (None: the whole batch)
+    steps_left: int | None = None  # optimizer steps the run still has, where the workload knows it (a Trainer)
 
 
 @runtime_checkable

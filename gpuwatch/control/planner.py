@@ -17,10 +17,10 @@ precision and checkpointing setting, what the step's peak will be, with its spre
    one that costs a restart), and where the next batch is unknown the longest of the recent ones too;
 3. keeps the current configuration while P(peak > usable limit) <= `p_max`; a new one must pass the same
    test against `change_margin` of the usable limit (hysteresis: a change is never made to the edge);
-4. among the configurations that fit, values each by its expected tokens/s - a line a + b x tokens per
-   micro-batch fitted to the step times measured in each (checkpointing, precision) group, a prior where
-   a group has not run yet (checkpointing's recompute x 4/3 until measured) - over the horizon less the
-   measured restart cost where the change restarts the framework;
+4. among the configurations that fit, values each by its expected tokens/s (control/pace.py: the step
+   times measured in each (checkpointing, precision) group, what every extra micro-batch costs, and
+   checkpointing's measured recompute - x 4/3 until it ran), less the measured restart cost where the change
+   restarts the framework, spread over the rest of the run where the workload knows it (`steps_left`);
 5. changes only when the current does not fit, or when the best is `min_gain` better and - for a change
    that needs more memory (a larger micro-batch, checkpointing off) - the classifier's risk is below
    `clear_ratio` x its threshold too. No timer: a give-back happens when the estimate says it fits the
@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from gpuwatch.contract import Config, Precision, StepPlan, WorkloadView
+from gpuwatch.control.pace import StepTimes
 
-CKPT_TIME_PRIOR = 4.0 / 3.0  # a recomputed forward: ~1/3 of a training step more, until measured
-FIXED_SHARE_PRIOR = 0.10  # of a micro-batch's time that does not scale with its tokens, until measured
 RESTART_PRIOR_S = 10.0  # a restart not measured yet (a Trainer's checkpoint save + load)
 
 
@@ -65,11 +64,13 @@ class PlannerConfig:
     p_max: float = 0.05  # the most P(peak > margin) a configuration may have
     change_margin: float = 0.95  # a new configuration must fit under this share of the usable limit
     alarm_margin: float = 0.90  # ... and under this while the classifier is at its alarm
-    min_gain: float = 0.05  # a change that is not needed must be worth this much more tokens/s
+    min_gain: float = 0.05  # a change that is not needed and restarts the framework must be worth this much more
+    min_gain_free: float = 0.01  # ... one that needs no restart (the 3-step dwell keeps it from flapping)
     horizon_s: float = 60.0  # what a configuration is valued over, and a restart's change is checked for
     max_candidates: int = 12  # micro-batch sizes weighed at most
     min_dwell_steps: int = 3  # a change that is not needed waits this many steps after the last change (H200
     # call 4: a Trainer given back its batch at the resumed run's first decision flapped 2 <-> 1, 16 restarts)
+    max_value_horizon_s: float = 900.0  # a restart's cost is spread over the run's rest, at most this long
     trend_steps: int = 16  # the lengths' trend is carried at most this many steps (no further than it was fitted
     # on: call 4 carried a curriculum's +26 tokens a step over 60 s, to 8,147 tokens of a 4,096 run)
 
@@ -107,57 +108,12 @@ class Decision:
     why: str
 
 
-@dataclass
-class _Times:
-    """Step times per (checkpointing, precision): (tokens per micro-batch, seconds per micro-batch)."""
-
-    obs: dict[tuple[bool, str], deque] = field(default_factory=dict)
-
-    def add(self, ckpt: bool, prec: str, micro_tokens: float, per_micro_s: float) -> None:
-        self.obs.setdefault((ckpt, prec), deque(maxlen=32)).append((micro_tokens, per_micro_s))
-
-    def line(self, ckpt: bool, prec: str) -> tuple[float, float] | None:
-        """(a, b): seconds per micro-batch = a + b x its tokens, where this group ran; else from another."""
-        own = self._fit(self.obs.get((ckpt, prec)))
-        if own is not None:
-            return own
-        for (c, p), d in self.obs.items():  # another precision, same checkpointing: assumed the same pace
-            if c == ckpt and (got := self._fit(d)) is not None:
-                return got
-        for (c, _p), d in self.obs.items():
-            got = self._fit(d)
-            if got is not None:
-                f = CKPT_TIME_PRIOR if ckpt and not c else 1.0 / CKPT_TIME_PRIOR
-                return got[0] * f, got[1] * f
-        return None
-
-    @staticmethod
-    def _fit(d: deque | None) -> tuple[float, float] | None:
-        if not d:
-            return None
-        xs = [t for t, _ in d]
-        ys = [s for _, s in d]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx > 0 and max(xs) > 1.2 * min(xs):  # two sizes apart enough: the measured line
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-            a = my - b * mx
-            if b > 0 and a >= 0:
-                return a, b
-        # one size (or a line that says nothing): a fixed share of the time as the prior
-        ys_sorted = sorted(ys)
-        t = ys_sorted[len(ys_sorted) // 2]
-        x = sorted(xs)[len(xs) // 2]
-        return FIXED_SHARE_PRIOR * t, (1 - FIXED_SHARE_PRIOR) * t / max(x, 1.0)
-
-
 class Planner:
     """Per workload: the step times it has seen, the recent sequence lengths, and the restart cost."""
 
     def __init__(self, cfg: PlannerConfig | None = None) -> None:
         self.cfg = cfg or PlannerConfig()
-        self.times = _Times()
+        self.times = StepTimes()
         self.lens: deque = deque(maxlen=16)
         self._steps_seen = 0
         self._paces: deque = deque(maxlen=8)
@@ -175,7 +131,7 @@ class Planner:
             return
         n = max(1, round(tok / s))
         k = math.ceil(n / micro)
-        self.times.add(bool(view.last_checkpointing), precision, float(micro * s), dt / k)
+        self.times.add(bool(view.last_checkpointing), precision, k, float(tok), float(s), dt)
         self._paces.append(dt)
 
     # -- the coming steps ---------------------------------------------------------------------------------
@@ -183,14 +139,16 @@ class Planner:
         p = sorted(self._paces)
         return p[len(p) // 2] if p else None
 
-    def coming_seq(self, plan: StepPlan, steps_ahead: float) -> int:
-        """The longest sequence the configuration will meet within `steps_ahead` steps."""
+    def coming_seq(self, plan: StepPlan, steps_ahead: float, capped: bool = True) -> int:
+        """The longest sequence the configuration will meet within `steps_ahead` steps (the trend carried at
+        most `trend_steps` unless `capped` is off: what a valuation looks at, never a fit)."""
         s = max(int(plan.seq_len), int(plan.ahead_seq_len or 0))
         lens = list(self.lens)
         if len(lens) >= 3:
             slope = _slope(lens)
             if slope > 0:
-                s = max(s, int(math.ceil(lens[-1] + slope * min(steps_ahead, self.cfg.trend_steps))))
+                ahead = min(steps_ahead, self.cfg.trend_steps) if capped else steps_ahead
+                s = max(s, int(math.ceil(lens[-1] + slope * ahead)))
         if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
             s = max(s, max(lens))
         return s
@@ -235,19 +193,30 @@ class Planner:
         near = 2.0
         far = self._horizon_steps()
 
+        s_ref = self.coming_seq(plan, near)  # every candidate's tokens/s at the same length
+        restarts = view.restart_cost_s is not None
+        h_value = self.value_horizon_s(view)
+        s_value = self.coming_seq(plan, h_value / (self._pace_s() or h_value), capped=False)  # the run's end, or
+        # as far as the horizon reaches
+
         def weigh(configs: list[Config]) -> list[Weighed]:
             asks = []
             for c in configs:
-                restart = view.restart_cost_s is not None and c.micro_batch != current.micro_batch
+                restart = restarts and c.micro_batch != current.micro_batch
                 asks.append((c, self.coming_seq(plan, far if restart else near), restart))
             ests = estimate([(c, s) for c, s, _r in asks])
+            # where changes restart the framework: does each hold to the valuation's end on the trend? One that
+            # will not is charged the restart that will follow it (H200 curriculum: 16 -> 8 -> 4 paid two)
+            holds = (estimate([(c, s_value) for c, _s, _r in asks]) if restarts and s_value > s_ref
+                     else [None] * len(asks))
             out = []
-            for (c, s, restart), e in zip(asks, ests):
+            for (c, s, restart), e, h in zip(asks, ests, holds):
                 is_cur = c == current  # the current keeps to its estimate; at the classifier's alarm a new one
                 margin = 1.0 if is_cur else cfg.alarm_margin if alarm else cfg.change_margin  # needs more room
                 p = e.p_over(margin) if e is not None else 1.0
-                tps = self._tokens_per_s(c, n, s)
-                value = (tps or 0.0) * self._left(restart, view)
+                tps = self._tokens_per_s(c, n, s_ref)
+                another = h is not None and h.p_over(margin) > cfg.p_max
+                value = (tps or 0.0) * self._left(restart, another, view, h_value)
                 out.append(Weighed(c, math.ceil(n / c.micro_batch), s, e, p, e is not None and p <= cfg.p_max,
                                    tps, restart, value))
             return out
@@ -262,18 +231,19 @@ class Planner:
             fitting = [w for w in weighed if w.fits]
         if cur.fits:
             dwell = view.steps - self._changed_at < cfg.min_dwell_steps
-            better = [] if dwell else [w for w in fitting if w is not cur and w.value >= (1 + cfg.min_gain) * cur.value
+            better = [] if dwell or cur.tokens_per_s is None else [w for w in fitting if w is not cur and w.value > 0
+                      and w.value >= (1 + (cfg.min_gain if w.restart else cfg.min_gain_free)) * cur.value
                       and (not _needs_more(w, cur) or (risk is not None and risk < clear_ratio * threshold))]
             if not better:
                 return Decision(cur, cur, tuple(weighed), False, False,
                                 f"kept: peak {_est(cur)} fits the coming steps (seq {cur.seq_len})")
-            best = max(better, key=lambda w: w.value)
+            best = max(better, key=_rank)
             self._changed_at = view.steps
             return Decision(best, cur, tuple(weighed), True, False,
                             f"{_name(best.config)}: peak {_est(best)} fits the coming steps (seq {best.seq_len}) at "
                             f"{best.value / max(cur.value, 1e-9):.2f}x the expected tokens/s of {_name(current)}")
         if fitting:
-            best = max(fitting, key=lambda w: w.value)
+            best = max(fitting, key=_rank)
             self._changed_at = view.steps
             why = "at the classifier's alarm, " if alarm and cur.p_over <= cfg.p_max * 4 else ""
             return Decision(best, cur, tuple(weighed), True, True,
@@ -290,19 +260,25 @@ class Planner:
         return None
 
     def _tokens_per_s(self, c: Config, n: int, s: int) -> float | None:
-        line = self.times.line(c.checkpointing, c.precision)
-        if line is None:
-            return None
-        a, b = line
-        k = math.ceil(n / c.micro_batch)
-        t = k * (a + b * c.micro_batch * s)
-        return n * s / t if t > 0 else None
+        t = self.times.step_time(c.checkpointing, c.precision, math.ceil(n / c.micro_batch), float(n * s), float(s))
+        return n * s / t if t and t > 0 else None
 
-    def _left(self, restart: bool, view: WorkloadView) -> float:
-        if not restart:
+    def value_horizon_s(self, view: WorkloadView) -> float:
+        """What a change that restarts the framework is valued over: the rest of the run where the workload
+        knows it (a Trainer's max_steps) at the recent pace, at most `max_value_horizon_s`; else `horizon_s`."""
+        pace = self._pace_s()
+        if view.steps_left is None or not pace:
+            return self.cfg.horizon_s
+        return max(1.0, min(self.cfg.max_value_horizon_s, view.steps_left * pace))
+
+    def _left(self, restart: bool, another: bool, view: WorkloadView, h: float) -> float:
+        """The share of the valuation horizon `h` left for steps: less this change's restart, and the next
+        one's where the configuration will not hold to the horizon's end."""
+        if view.restart_cost_s is None:
             return 1.0
         cost = view.restart_cost_s or RESTART_PRIOR_S  # 0.0: none measured yet
-        return max(0.0, self.cfg.horizon_s - cost) / self.cfg.horizon_s
+        paid = cost * (int(restart) + int(another))
+        return max(0.0, h - paid) / h
 
 
 def _needs_more(w: Weighed, cur: Weighed) -> bool:
@@ -332,3 +308,9 @@ def _est(w: Weighed) -> str:
 
 def _name(c: Config) -> str:
     return f"micro-batch {c.micro_batch}" + (" + checkpointing" if c.checkpointing else "") + f" {c.precision}"
+
+
+def _rank(w: Weighed) -> tuple:
+    """The best value; on a tie (every one worth nothing: a restart that costs more than the run has left)
+    the one that needs no restart, then the larger micro-batch."""
+    return (round(w.value, 6), not w.restart, w.config.micro_batch)

@@ -135,6 +135,7 @@ class GpuwatchCallback(TrainerCallback):
 
     def _decide(self, args, state, control) -> None:
         e = self._effective(args)
+        self.loop.steps_left = max(0, state.max_steps - state.global_step) if (state.max_steps or 0) > 0 else None
         plan = self.loop.decide(e, self._peek_seq(args))
         if plan is None:  # the guard stopped the run (a leak): checkpoint, then end training cleanly
             self.pending = None

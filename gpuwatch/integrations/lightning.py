@@ -8,8 +8,9 @@ What Lightning allows: `trainer.accumulate_grad_batches` may change between epoc
 GradientAccumulationScheduler does), and a data loader is re-read each epoch with
 `reload_dataloaders_every_n_epochs=1`; mid-epoch neither can change without breaking the accumulation's
 alignment (it counts batches from the epoch's start) and the loader prefetches a batch ahead. So the
-guard decides after every optimizer step (recorded, scored, every action an event) and a new
-micro-batch ceiling takes effect at the next epoch: the data loader from `gw.dataloader(...)` yields
+guard decides after every optimizer step (recorded, scored, every action an event); mid-epoch it is shown
+the running per-device batch as fixed, so it plans only what can change then (activation checkpointing),
+and a new micro-batch takes effect at the next epoch: the data loader from `gw.dataloader(...)` yields
 batches of the new per-device size and the accumulation goes up by the same factor, so the effective
 batch holds (and the sampler's order with it). A leak stop saves a checkpoint
 (`trainer.save_checkpoint`, or your `checkpoint` hook) and sets `trainer.should_stop`: the run ends
@@ -34,6 +35,15 @@ def lightning_precision(trainer) -> str:
     """The precision a Lightning Trainer runs ("bf16-mixed", "16-mixed", "32-true", "bf16-true"...)."""
     p = str(getattr(trainer, "precision", "32-true"))
     return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "fp32"
+
+
+def _steps_left(trainer) -> int | None:
+    """Optimizer steps the fit still has: `max_steps` where set, else Lightning's own estimate."""
+    try:
+        total = trainer.max_steps if (trainer.max_steps or -1) > 0 else trainer.estimated_stepping_batches
+        return max(0, int(total) - int(trainer.global_step))
+    except Exception:  # noqa: BLE001 - inf (max_epochs=-1) or not computable here: the planner's own horizon
+        return None
 
 
 class ResizableBatchSampler(torch.utils.data.Sampler):
@@ -122,6 +132,8 @@ class GpuwatchLightningCallback(L.Callback):
         self.effective.append(e)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self.loop.record_step(e, self._seq, k, dt, loss=None if loss is None else float(loss.detach()))
+        self.loop.micro_batch_fixed = self._per_device(trainer)  # mid-epoch: only checkpointing can change now
+        self.loop.steps_left = _steps_left(trainer)
         if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
             trainer.should_stop = True
 
@@ -131,6 +143,7 @@ class GpuwatchLightningCallback(L.Callback):
             return
         k = trainer.accumulate_grad_batches
         e = self._per_device(trainer) * k
+        self.loop.micro_batch_fixed = None  # between epochs: the next epoch's per-device batch is open
         plan = self.loop.decide(e, self._seq)
         if plan is None:
             trainer.should_stop = True

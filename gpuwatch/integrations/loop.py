@@ -77,6 +77,11 @@ class GuardedLoop:
         self.checkpointing = X.checkpointing_now(model)  # activation checkpointing on now
         self.restart_cost_s: float | None = None  # a framework that restarts to change the micro-batch sets it
         self.largest: int | None = None  # a framework's largest per-device batch (its user's), where it has one
+        self.steps_left: int | None = None  # a framework's optimizer steps still to run, where it knows them
+        # a framework that changes its micro-batch only at some points (Lightning: between epochs) sets the one
+        # running until the next such point: the guard is shown it as both floor and largest (checkpointing
+        # stays open), so it neither plans a change that would not happen nor counts on one
+        self.micro_batch_fixed: int | None = None
         self._last_dt: float | None = None
         self.allow_bf16 = allow_bf16
         self.floor = max(1, int(min_micro_batch))
@@ -425,8 +430,11 @@ class GuardedLoop:
     def guard_view(self) -> WorkloadView:
         last = self._last
         lower = ("bf16",) if self.allow_bf16 and self.precision == "fp32" and _bf16_ok(self.device) else ()
+        fixed = self.micro_batch_fixed
+        floor = max(self.floor, fixed) if fixed else self.floor
+        largest = fixed if fixed else self.largest
         return WorkloadView(gpu=self.gpu_index, ceiling=self.ceiling, last_ok_batch=self.last_ok_batch,
-                            floor=self.floor, lower_precisions=lower, manual=self.manual,
+                            floor=floor, lower_precisions=lower, manual=self.manual,
                             last_peak_bytes=last.get("torch_peak_bytes"),
                             last_allocated_bytes=last.get("torch_allocated_bytes"),
                             last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type,
@@ -434,7 +442,8 @@ class GuardedLoop:
                             restart_cost_s=self.restart_cost_s, last_step_time_s=self._last_dt,
                             last_tokens=(int(last["batch"]) * int(last["seq_len"])) if last else None,
                             last_seq_len=last.get("seq_len"), steps=self.steps,
-                            last_checkpointing=bool(last.get("checkpointing")), largest=self.largest)
+                            last_checkpointing=bool(last.get("checkpointing")), largest=largest,
+                            steps_left=self.steps_left)
 
     @property
     def can_checkpoint(self) -> bool:

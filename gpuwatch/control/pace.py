@@ -1,0 +1,178 @@
+"""What a configuration's step will cost in time: the planner's tokens/s model, fitted to the steps that ran.
+
+At a given sequence length the candidates the planner weighs all process the same tokens (the effective
+batch is kept), so what tells them apart is not the work but what is paid per micro-batch and what
+checkpointing's recompute adds:
+
+    step time = fixed per step + k x per micro-batch + work(tokens, seq) x r(checkpointing)
+
+- `work` is fitted to the steps that ran, per (checkpointing, precision) group: a + b x tokens + c x tokens x
+  seq (attention grows with the length), non-negative coefficients, the constant and the length term kept
+  only where the observations spread enough to say them;
+- the per-micro-batch cost is measured where one group ran at two micro-batch counts (a least-squares
+  coefficient on k); until then a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
+  4 and 7): a 0.32 B Llama's static 4 x 4 ran at 96 % of the tokens/s of 16 x 1 on the same curriculum,
+  which is 1.3 % of a 16-row micro-batch per extra micro-batch. The earlier prior (10 % of the time, as
+  a + b x tokens with a one tenth) made 8 x 2 look 9 % slower than 16 x 1, and the planner took
+  checkpointing (x 4/3) over a 6 s restart for 110 steps: 0.79x the static configuration's tokens/s;
+- checkpointing's recompute is measured as the ratio of a checkpointed group's work to the plain group's
+  fit at the same tokens; until measured, x 4/3 (one more forward of three passes);
+- another precision with the same checkpointing is taken at the same pace until it runs.
+Pure Python (the fits are 4 x 4 normal equations).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+CKPT_TIME_PRIOR = 4.0 / 3.0  # a recomputed forward: ~1/3 of a training step more, until measured
+PER_MICRO_PRIOR = 0.02  # of a micro-batch's time paid again by every extra micro-batch, until measured
+MAX_OBS = 48  # steps kept per group (the recent ones: a curriculum's pace changes with its length)
+
+
+@dataclass(frozen=True)
+class Obs:
+    k: int  # micro-batches in the step
+    tokens: float  # tokens the step processed (all its micro-batches)
+    seq: float  # its sequence length
+    dt: float  # its wall time, seconds
+
+
+@dataclass
+class StepTimes:
+    """Step times per (checkpointing, precision), and the fitted model of what a configuration costs."""
+
+    obs: dict[tuple[bool, str], deque] = field(default_factory=dict)
+
+    def add(self, ckpt: bool, prec: str, k: int, tokens: float, seq: float, dt: float) -> None:
+        if k >= 1 and tokens > 0 and seq > 0 and dt > 0:
+            self.obs.setdefault((ckpt, prec), deque(maxlen=MAX_OBS)).append(Obs(k, tokens, seq, dt))
+
+    def per_micro_s(self) -> float | None:
+        """Seconds every extra micro-batch adds: measured where a group ran at two micro-batch counts."""
+        for d in sorted(self.obs.values(), key=len, reverse=True):
+            ks = {o.k for o in d}
+            if len(ks) >= 2:
+                toks, seqs = [o.tokens for o in d], [o.seq for o in d]
+                cols = [lambda o: 1.0, lambda o: float(o.k)]  # the terms the steps' spread can tell apart
+                if max(toks) > 1.2 * min(toks):
+                    cols.append(lambda o: o.tokens)
+                    if max(seqs) > 1.2 * min(seqs):
+                        cols.append(lambda o: o.tokens * o.seq)
+                coef = _nnls([[f(o) for f in cols] for o in d], [o.dt for o in d])
+                if coef is not None:
+                    return coef[1]
+        every = [o.dt / o.k for d in self.obs.values() for o in d]
+        return PER_MICRO_PRIOR * _median(every) if every else None
+
+    def step_time(self, ckpt: bool, prec: str, k: int, tokens: float, seq: float) -> float | None:
+        """The expected seconds of a step of `tokens` at `seq` in `k` micro-batches, in this group."""
+        pm = self.per_micro_s()
+        if pm is None:
+            return None
+        work = self._work(ckpt, prec, tokens, seq, pm)
+        return None if work is None else work + k * pm
+
+    def ckpt_ratio(self, prec: str) -> float:
+        """Checkpointing's measured cost: its work over the plain work at the same tokens (prior 4/3)."""
+        pm = self.per_micro_s() or 0.0
+        on = self._group(True, prec)
+        off = self._group(False, prec)
+        if not on or not off:
+            return CKPT_TIME_PRIOR
+        line = _fit(off, pm)
+        if line is None:
+            return CKPT_TIME_PRIOR
+        rs = [(o.dt - o.k * pm) / w for o in on if (w := _eval(line, o.tokens, o.seq)) > 0]
+        return max(1.0, _median(rs)) if rs else CKPT_TIME_PRIOR
+
+    def _group(self, ckpt: bool, prec: str) -> list[Obs]:
+        own = self.obs.get((ckpt, prec))
+        if own:
+            return list(own)
+        for (c, _p), d in self.obs.items():  # another precision, same checkpointing: the same pace assumed
+            if c == ckpt and d:
+                return list(d)
+        return []
+
+    def _work(self, ckpt: bool, prec: str, tokens: float, seq: float, pm: float) -> float | None:
+        g = self._group(ckpt, prec)
+        if g:
+            line = _fit(g, pm)
+            return None if line is None else _eval(line, tokens, seq)
+        other = self._group(not ckpt, prec)
+        line = _fit(other, pm) if other else None
+        if line is None:
+            return None
+        w = _eval(line, tokens, seq)
+        return w * CKPT_TIME_PRIOR if ckpt else w / CKPT_TIME_PRIOR
+
+
+def _fit(g: list[Obs], pm: float) -> tuple[float, float, float] | None:
+    """(a, b, c): work = a + b x tokens + c x tokens x seq, over a group's steps less their per-micro cost."""
+    ys = [max(0.0, o.dt - o.k * pm) for o in g]
+    toks = [o.tokens for o in g]
+    seqs = [o.seq for o in g]
+    spread_t = max(toks) > 1.2 * min(toks)
+    spread_s = max(seqs) > 1.2 * min(seqs)
+    rows = [[1.0, t, t * s] for t, s in zip(toks, seqs)]
+    if spread_t and spread_s and len(g) >= 4:
+        coef = _nnls(rows, ys)
+        if coef is not None and (coef[1] > 0 or coef[2] > 0):
+            return coef[0], coef[1], coef[2]
+    if spread_t and len(g) >= 3:
+        coef = _nnls([r[:2] for r in rows], ys)
+        if coef is not None and coef[1] > 0:
+            return coef[0], coef[1], 0.0
+    b = _median([y / t for y, t in zip(ys, toks)])  # one size: time in proportion to the tokens
+    return (0.0, b, 0.0) if b > 0 else None
+
+
+def _eval(line: tuple[float, float, float], tokens: float, seq: float) -> float:
+    a, b, c = line
+    return a + b * tokens + c * tokens * seq
+
+
+def _nnls(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares with every coefficient >= 0: refit without the ones that came out negative."""
+    n = len(rows[0])
+    active = list(range(n))
+    for _ in range(n):
+        sol = _lstsq([[r[j] for j in active] for r in rows], ys)
+        if sol is None:
+            return None
+        if all(x >= 0 for x in sol):
+            out = [0.0] * n
+            for j, x in zip(active, sol):
+                out[j] = x
+            return out
+        active = [j for j, x in zip(active, sol) if x >= 0]
+        if not active:
+            return None
+    return None
+
+
+def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Normal equations, columns scaled to unit size first (tokens x seq is ~1e7 times the constant)."""
+    n = len(rows[0])
+    if len(rows) < n:
+        return None
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    xs = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    a = [[sum(x[i] * x[j] for x in xs) for j in range(n)] + [sum(x[i] * y for x, y in zip(xs, ys))] for i in range(n)]
+    for c in range(n):  # Gauss-Jordan with partial pivoting
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) < 1e-12:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for r in range(n):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                a[r] = [v - f * w for v, w in zip(a[r], a[c])]
+    return [a[i][n] / a[i][i] / scale[i] for i in range(n)]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else 0.0
