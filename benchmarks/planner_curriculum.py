@@ -19,6 +19,7 @@ guard's actions by kind, the plans it chose.
 
     python benchmarks/planner_curriculum.py --out results/ [--arms planner,unguarded,...] [--steps 150]
     python benchmarks/planner_curriculum.py --dry-run   # CPU, tiny: the code paths only
+An arm named `planner#2` is a repeat of `planner` (its own session and Trainer folder).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def build(a: argparse.Namespace, max_seq: int):
     return cfg, LlamaForCausalLM(cfg)
 
 
-def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
+def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
+    arm = label.split("#")[0]  # "planner#2": a repeat of the planner arm
     import lightning as L
     import torch
 
@@ -105,8 +107,8 @@ def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
     gw = None
     cbs = [Count()]
     if arm == "lightning-planner":
-        gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=arm, guard_config=GuardConfig(mode="on"),
-                                       memory_limit=cap, sampler="thread" if dry else "process",
+        gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"),
+                                       guard_config=GuardConfig(mode="on"), memory_limit=cap, sampler="thread" if dry else "process",
                                        **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
         loader = gw.dataloader(data, batch_size=per_dev, collate_fn=collate)
@@ -115,7 +117,7 @@ def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
     trainer = L.Trainer(max_epochs=a.epochs, accelerator="gpu" if dev_ok else "cpu", devices=1,
                         precision="bf16-mixed" if dev_ok else "32-true", accumulate_grad_batches=accum, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(Path(a.work) / f"pl-{arm}"), callbacks=cbs,
+                        default_root_dir=str(Path(a.work) / f"pl-{label}"), callbacks=cbs,
                         reload_dataloaders_every_n_epochs=1)
     t0 = time.perf_counter()
     died = None
@@ -128,7 +130,7 @@ def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     done = trainer.global_step
     tokens = sum(B * lens[i % per_epoch] for i in range(done))
-    res = {"arm": arm, "params": params, "steps": per_epoch * a.epochs, "steps_done": done,
+    res = {"arm": label, "params": params, "steps": per_epoch * a.epochs, "steps_done": done,
            "completed": done >= per_epoch * a.epochs and died is None, "died": died, "wall_s": round(wall, 1),
            "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None, "cut_at_deadline": cut[0],
            "cap_gib": None if cap is None else a.cap_gib, "max_seq": a.lightning_max_seq, "epochs": a.epochs,
@@ -136,12 +138,13 @@ def run_lightning_arm(arm: str, a: argparse.Namespace) -> dict:
            "ooms": 1 if died and "memory" in died.lower() else 0, "restarts": 0}
     if gw is not None:
         res.update(effective_batch_min=min(gw.effective), effective_batch_max=max(gw.effective))
-        res.update(_guard_events(Path(a.out) / "sessions" / arm))
+        res.update(_guard_events(Path(a.out) / "sessions" / label.replace("#", "-")))
         res["ooms"] += res.get("oom_events", 0)
     return res
 
 
-def run_arm(arm: str, a: argparse.Namespace) -> dict:
+def run_arm(label: str, a: argparse.Namespace) -> dict:
+    arm = label.split("#")[0]  # "planner#2": a repeat of the planner arm
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -173,7 +176,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     per_dev, accum = (a.static_batch, B // a.static_batch) if arm == "static" else (B, 1)
-    out_dir = Path(a.work) / f"trainer-{arm}"  # checkpoints (GBs): never under --out
+    out_dir = Path(a.work) / f"trainer-{label}"  # checkpoints (GBs): never under --out
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=per_dev,
                              gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-4,
                              lr_scheduler_type="constant", train_sampling_strategy="sequential", report_to=[],
@@ -199,7 +202,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict:
     gw = None
     if arm.startswith("planner") or arm == "threshold":
         gc = GuardConfig(mode="on") if arm != "threshold" else GuardConfig(mode="on", plan=False)
-        gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=arm, guard_config=gc,
+        gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"), guard_config=gc,
                               memory_limit=cap, sampler="thread" if dry else "process",
                               **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
@@ -215,14 +218,14 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     done = trainer.state.global_step
     tokens = sum(B * lens[i] for i in range(min(done, steps)))
-    res = {"arm": arm, "params": params, "steps": steps, "steps_done": done, "completed": done >= steps and died is None,
+    res = {"arm": label, "params": params, "steps": steps, "steps_done": done, "completed": done >= steps and died is None,
            "died": died, "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
            "effective_batch_min": min(eff) if eff else None, "effective_batch_max": max(eff) if eff else None,
            "train_begins": begins[0], "cut_at_deadline": cut[0], "cap_gib": None if cap is None else a.cap_gib,
            "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None}
     if gw is not None:
         res.update(ooms=gw.ooms, restarts=gw.restarts, restart_costs_s=[round(x, 2) for x in gw.restart_costs])
-        res.update(_guard_events(Path(a.out) / "sessions" / arm))
+        res.update(_guard_events(Path(a.out) / "sessions" / label.replace("#", "-")))
     else:
         res.update(ooms=(1 if died and "memory" in died.lower() else 0) + max(0, begins[0] - 1) * (arm == "autofind"),
                    restarts=max(0, begins[0] - 1))
