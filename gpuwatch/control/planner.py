@@ -204,11 +204,12 @@ class Planner:
             for c in configs:
                 restart = restarts and c.micro_batch != current.micro_batch
                 asks.append((c, self.coming_seq(plan, far if restart else near), restart))
-            ests = estimate([(c, s) for c, s, _r in asks])
             # where changes restart the framework: does each hold to the valuation's end on the trend? One that
-            # will not is charged the restart that will follow it (H200 curriculum: 16 -> 8 -> 4 paid two)
-            holds = (estimate([(c, s_value) for c, _s, _r in asks]) if restarts and s_value > s_ref
-                     else [None] * len(asks))
+            # will not is charged the restart that will follow it (H200 curriculum: 16 -> 8 -> 4 paid two).
+            # Asked in the same call (one window built per decision)
+            ahead = restarts and s_value > s_ref
+            got = estimate([(c, s) for c, s, _r in asks] + ([(c, s_value) for c, _s, _r in asks] if ahead else []))
+            ests, holds = got[:len(asks)], (got[len(asks):] if ahead else [None] * len(asks))
             out = []
             for (c, s, restart), e, h in zip(asks, ests, holds):
                 is_cur = c == current  # the current keeps to its estimate; at the classifier's alarm a new one
