@@ -5,6 +5,7 @@
 # own --gpu-memory-limit, side by side in waves whose caps fit the card, and packs the sessions, the logs and
 # heldout.json (each scenario's exact command, calibrated peak and cap) into $OUT/heldout-SEED.tgz.
 # Score them afterwards, here: `python3 benchmarks/heldout_eval.py --set DIR/sessions` (docs/BENCHMARKS.md).
+# HELDOUT_DEADLINE_S (540): the wall time of the whole set - a device call has 600 s; later waves run shorter.
 # HELDOUT_DRY=1: the CPU dry run (tiny preset, a toy loop model, no caps).
 set -u
 SEED=${1:?SEED}; N=${2:-10}; SECS=${3:-120}
@@ -22,7 +23,7 @@ echo "tree $(cat REV 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" > "
 PY=${PYTHON:-python3}
 $PY benchmarks/heldout_gen.py plan --seed "$SEED" -n "$N" $DRY > "$W/plan.json" || exit 1
 echo "== heldout seed $SEED, $N scenarios x ${SECS}s $(date +%T)"
-$PY benchmarks/heldout_gen.py run --seed "$SEED" -n "$N" --seconds "$SECS" --out "$W" $DRY 2>&1 | tee "$W/run.txt"
+$PY benchmarks/heldout_gen.py run --seed "$SEED" -n "$N" --seconds "$SECS" --deadline-s "${HELDOUT_DEADLINE_S:-540}" --out "$W" $DRY 2>&1 | tee "$W/run.txt"
 echo "rc=${PIPESTATUS[0]} $(date +%T)"
 tar czf "$OUT/heldout-$SEED.tgz" -C "$W" sessions logs heldout.json plan.json run.txt tree.txt $(cd "$W" && ls gpu.txt nvidia-smi.csv 2>/dev/null)
 ls -la "$OUT"

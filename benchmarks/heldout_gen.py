@@ -163,9 +163,9 @@ def draw(seed: int, n: int, dry: bool = False) -> list[Scenario]:
 
 
 def waves(scenarios: list[Scenario], budget_gib: float) -> list[list[Scenario]]:
-    """Scenarios in order, packed into waves whose slots add up to at most `budget_gib` (first fit)."""
+    """Scenarios packed into waves whose slots add up to at most `budget_gib` (first fit, largest first)."""
     out: list[list[Scenario]] = []
-    for s in scenarios:
+    for s in sorted(scenarios, key=lambda x: -x.slot_gib):
         for w in out:
             if sum(x.slot_gib for x in w) + s.slot_gib <= budget_gib:
                 w.append(s)
@@ -292,18 +292,33 @@ def _smi_log(path: Path, stop: threading.Event) -> None:
         p.terminate()
 
 
-def record(scenarios: list[Scenario], out: Path, seconds: int, budget_gib: float, dry: bool) -> dict:
+WAVE_RESERVE_S = 150  # a wave's time besides its runs: calibration (model build + 4 steps), the run's build, exit
+
+
+def record(scenarios: list[Scenario], out: Path, seconds: int, budget_gib: float, dry: bool,
+           deadline_s: float = 1e9) -> dict:
+    """Each wave's scenarios side by side, one wave after another; a wave that cannot have WAVE_RESERVE_S + 30
+    s before `deadline_s` is not started, and the seconds of the last ones shrink to fit (said per scenario)."""
     for d in ("logs", "sessions", "runs", "calib"):
         (out / d).mkdir(parents=True, exist_ok=True)
     result: dict = {}
     stop = threading.Event()
     threading.Thread(target=_smi_log, args=(out / "nvidia-smi.csv", stop), daemon=True).start()
-    for k, wave in enumerate(waves(scenarios, budget_gib)):
-        print(f"wave {k + 1}: {', '.join(s.name for s in wave)} ({sum(s.slot_gib for s in wave):.0f} GiB) {time.strftime('%T')}", flush=True)
+    t_end = time.time() + deadline_s
+    ws = waves(scenarios, budget_gib)
+    for k, wave in enumerate(ws):
+        left = (t_end - time.time()) / (len(ws) - k) - (0 if dry else WAVE_RESERVE_S)
+        secs = int(min(seconds, left))
+        print(f"wave {k + 1}: {', '.join(s.name for s in wave)} ({sum(s.slot_gib for s in wave):.0f} GiB, {secs} s) "
+              f"{time.strftime('%T')}", flush=True)
+        if secs < 30:
+            for s in wave:
+                result[s.name] = {**asdict(s), "wave": k + 1, "error": "not run: no time left in the call"}
+            continue
         threads = []
         for s in wave:
-            r = result[s.name] = {**asdict(s), "wave": k + 1}
-            t = threading.Thread(target=_guarded, args=(s, out, seconds, dry, r))
+            r = result[s.name] = {**asdict(s), "wave": k + 1, "seconds": secs}
+            t = threading.Thread(target=_guarded, args=(s, out, secs, dry, r))
             t.start()
             threads.append(t)
             time.sleep(0 if dry else 2)
@@ -322,6 +337,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=120, help="each scenario's run after its calibration")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--budget-gib", type=float, default=132.0, help="what the slots of one wave may add up to")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="wall time for the whole set (later waves run shorter)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset and a tiny loop model, no caps")
     a = ap.parse_args()
     sc = draw(a.seed, a.n, a.dry_run)
@@ -332,7 +348,7 @@ def main() -> int:
         return 0
     if a.out is None:
         ap.error("run needs --out")
-    res = record(sc, a.out, a.seconds, a.budget_gib, a.dry_run)
+    res = record(sc, a.out, a.seconds, a.budget_gib, a.dry_run, a.deadline_s)
     for name, r in res.items():
         print(f"{name}: rc={r.get('rc')} cap={(r.get('cap_bytes') or 0) / GiB:.2f} GiB "
               f"sessions={len(r.get('sessions', []))} {r.get('error', '')}", flush=True)
