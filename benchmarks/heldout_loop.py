@@ -60,7 +60,8 @@ class Growth:
             (x * 2 + 1).sin_()  # warm-up on a side stream, as capture wants
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # its own private pool: the output (the other half) stays in it
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):  # its own private pool: the output stays in it
+            # (thread_local: the session's other threads may touch CUDA meanwhile)
             y = (x * 2 + 1).sin_()
         self.kept[key] = (g, x, y)
 
