@@ -103,7 +103,7 @@ def test_the_panel_says_the_range_and_what_carries_it():
     assert outlook_text(T.Outlook(3.2, 7.5, "trend", 0.7)) == "OOM in ~3.2-7.5 s (trend)"
     assert outlook_text(T.Outlook(4.0, None, "trend", 0.7)) == "OOM in ~4 s or more (trend)"
     assert outlook_text(T.Outlook(0.0, 0.5, "next-step peak", 0.9),
-                        [["mem_used_frac", 0.3]]) == "OOM in ~0-0.5 s (context: mem_used_frac)"
+                        [["mem_used_frac", 0.3]]) == "OOM in ~0-0.5 s (next-step peak; carried by mem_used_frac)"
 
 
 def test_vramtop_warns_on_sustained_growth_only_and_says_low_vram_when_flat():

@@ -289,10 +289,11 @@ def risk_outlook(source, gpu: int | None, row: dict[str, Any]) -> Outlook | None
 
 
 def outlook_text(o: Outlook, reasons: list | None = None) -> str:
-    """"OOM in ~6-12 s (trend)": the range of the time to the limit and the signal carrying the risk - or,
-    where the risk's strongest reason is none of the estimator's signals, the context feature that is."""
+    """"OOM in ~6-12 s (trend)": the range of the time to the limit by the estimator's strongest signal, and
+    that signal - with the feature that carries the risk where its strongest reason is none of the
+    estimator's signals ("lookahead; carried by torch_peak_frac": the classifier's context)."""
     top = reasons[0][0] if reasons else None
-    by = o.signal if top is None or top in SIGNALS else f"context: {top}"
+    by = o.signal if top is None or top in SIGNALS else f"{o.signal}; carried by {top}"
     return f"OOM in ~{_range(o.lo_s, o.hi_s)} ({by})"
 
 
