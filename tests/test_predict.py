@@ -86,7 +86,8 @@ def test_live_and_replay_cut_the_same_window(session):
     assert lw.samples["ts"].to_list() == rw.samples["ts"].to_list()
     assert lw.steps["step"].to_list() == rw.steps["step"].to_list()
     lf, rf = F.features(lw), F.features(rw)
-    assert lf.keys() == rf.keys() and len(lf) == len(F.NAMES)
+    assert lf.keys() == rf.keys() and set(F.NAMES) <= lf.keys()  # (and the trend's range: not model inputs)
+    assert all(lf[k] == pytest.approx(rf[k]) for k in lf.keys() - set(F.NAMES))
     for k in F.NAMES:
         assert (np.isnan(lf[k]) and np.isnan(rf[k])) or lf[k] == pytest.approx(rf[k]), k
     assert sum(not np.isnan(v) for v in lf.values()) >= 20  # a window with steps, memory and health

@@ -38,6 +38,7 @@ class RiskComposite:
         self.t_classifier = float(t_classifier)
         self.est_index = NAMES.index("peak_cross_p")
         self.ahead_index = NAMES.index("ahead_cross_p")
+        self.trend_index = NAMES.index("trend_cross_p")
         self.classes_ = np.array([0, 1])
 
     def combine(self, p_est: np.ndarray, p_clf: np.ndarray) -> np.ndarray:
@@ -55,10 +56,17 @@ class RiskComposite:
         return self.combine(self.p_estimator(X), p_clf)
 
     def p_estimator(self, X: np.ndarray) -> np.ndarray:
-        """The estimator's part per row: the next step's (and the growth trend's) probability, or the
-        lookahead's where it is higher (predict/ahead.py; missing = the next step's)."""
-        nxt, ahead = X[:, self.est_index], X[:, self.ahead_index]
-        return np.where((ahead == ahead) & (ahead > np.where(nxt == nxt, nxt, 0.0)), ahead, nxt)
+        """The estimator's part per row: the highest of the next step's probability (with the per-step
+        growth carried on), the lookahead's (predict/ahead.py) and the trend's (growth the plan does not
+        explain, predict/trend.py); missing ones count as 0, all missing stays missing."""
+        return np.fmax(np.fmax(X[:, self.est_index], X[:, self.ahead_index]), X[:, self._trend()])
+
+    def signals(self, X: np.ndarray) -> dict[str, np.ndarray]:
+        """Each signal of the estimator's part per row (missing = NaN): which one carries the risk."""
+        return {"next step": X[:, self.est_index], "lookahead": X[:, self.ahead_index], "trend": X[:, self._trend()]}
+
+    def _trend(self) -> int:
+        return getattr(self, "trend_index", NAMES.index("trend_cross_p"))  # a composite pickled before it
 
     def fast(self, classifier_proba):
         """predict_proba with the classifier's own fast path (the scorer's tree walker)."""

@@ -207,7 +207,17 @@ BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
                      lambda tl: _col(tl, "time_to_full_s") < HORIZON_S),
     "next-step peak": ("estimated next-step peak > 100 % of the usable limit",
                        lambda tl: np.nan_to_num(_col(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
+    "vramtop": ("vramtop's \"OOM in ~\" time-to-OOM alarm at its 1 s refresh (predict/vramtop.py, from its source)",
+                lambda tl: _vramtop(tl, False)),
+    "vramtop+85%": ("vramtop's time-to-OOM alarm or its \"Low VRAM\" warning at >= 85 % (predict/vramtop.py)",
+                    lambda tl: _vramtop(tl, True)),
 }
+
+
+def _vramtop(tl: Timeline, any_warning: bool) -> np.ndarray:
+    from gpuwatch.predict.vramtop import alarms
+
+    return alarms(tl.ts_us, _col(tl, "mem_used_frac"), _col(tl, "mem_headroom_gib"), any_warning)
 ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon, or the largest step planned within the lookahead, peaks over the usable limit) >= 0.5 (predict/peak.py, predict/ahead.py; no learning)",
                   lambda tl: _estimator_part(tl))
 

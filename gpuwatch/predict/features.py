@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from gpuwatch.predict import trend as T
 from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
                                    nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, process_memory
@@ -58,6 +59,11 @@ FEATURES: dict[str, tuple[str, str]] = {
     "throttled": ("0/1", "a limiting clock-event reason (power cap, thermal, HW slowdown) in the last sample"),
     "util_pct": ("%", "GPU utilization, last sample"),
     "train_mode": ("0/1", "the workload trains (weights' gradients live across the step)"),
+    "alloc_rate_same_shape": ("GiB/s", "growth of torch allocated across steps of the same shape: the sum of each step's allocated minus the previous step's of its shape, over the time between them (a leak, a cache or graph pool that grows, memory kept across a ramp's restarts; 0 for a steady run and for shape changes alone)"),
+    "frag_held_frac": ("fraction", "torch reserved - the highest step peak of the last steps, / torch's limit: cached memory even the peak did not use, which the usable limit is taken net of"),
+    "reserved_ttf_s": ("s", f"time until torch reserved reaches torch's limit at its slope across the last steps, while rising; else {HORIZON_CAP_S:.0f}"),
+    "alloc_ttf_s": ("s", f"time until the planned step's estimated peak reaches the usable limit net of frag_held_frac at alloc_rate_same_shape, while it grows; 0 where it is there already; else {HORIZON_CAP_S:.0f}"),
+    "trend_cross_p": ("probability", "P(the growth the plan does not explain fills the usable limit within the horizon): from alloc_ttf_s (predict/trend.py)"),
 }
 NAMES = tuple(FEATURES)
 # The sample columns the feature function reads (with ts and gpu): a live source keeps only these for
@@ -216,6 +222,8 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
+    T.trend(out, ts / 1e6, tokens * 1e6 + seq, alloc, peak, res, limit,
+            out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None)
     return last
 
 

@@ -279,7 +279,7 @@ class Dashboard(Screen):
         rows = self.source.risk(meta.index, 1)
         if rows:
             note = self._guard_status() or getattr(self.source, "risk_note", None) or ""  # e.g. scored on the fly
-            return R.risk_model_line(rows[-1], note, self.size.width)
+            return R.risk_model_line(rows[-1], note, self.size.width, R.risk_outlook(self.source, meta.index, rows[-1]))
         why, style = "no risk scored", "yellow"  # one reason, said once
         if self.session is not None:
             why = self.session.model_note

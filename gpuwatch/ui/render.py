@@ -10,6 +10,7 @@ from typing import Any
 from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
+from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
 from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.source import GpuMeta, event_detail
 from gpuwatch.telemetry.reasons import LIMITING, decode
@@ -247,9 +248,10 @@ def risk_line(mem_series: list, total: int | None, interval_s: float, why: str =
     return line
 
 
-def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
-    """The scorer's latest word on the plotted GPU: risk vs threshold, the features pushing it up,
-    the model, and what the guard is doing."""
+def risk_model_line(row: dict[str, Any], guard: str, width: int, outlook: Outlook | None = None) -> Text:
+    """The scorer's latest word on the plotted GPU: risk vs threshold, the estimate's time to the limit as a
+    range and the signal that carries it (`outlook`, predict/trend.py; shown from half the threshold up),
+    the features pushing it up, the model, and what the guard is doing."""
     import json
 
     r, thr = row.get("risk"), row.get("threshold")
@@ -261,12 +263,53 @@ def risk_model_line(row: dict[str, Any], guard: str, width: int) -> Text:
     style = "bold red" if alarm else "yellow" if r is not None and thr and r >= 0.5 * thr else "green"
     t = Text.assemble(("risk ", "bold"), (f"OOM {_f(r, '{:.2f}')}", style),
                       f" / alarm {_f(thr, '{:.2f}')}", (" ALARM" if alarm else "", "bold red"))
+    if outlook is not None:
+        t.append(f"  {outlook_text(outlook, reasons)}", style=style)
     if reasons:
         t.append("  why: " + ", ".join(f"{n} +{d:.2f}" for n, d in reasons[:3]))
     if guard:
         t.append(f"  {guard}", style="cyan")
     t.append(f"  {row.get('model') or ''}", style="dim")
     return t
+
+
+def risk_outlook(source, gpu: int | None, row: dict[str, Any]) -> Outlook | None:
+    """The estimate's time to the limit and the signal carrying it (predict/trend.py) from the window the
+    risk panel speaks of (the source's, live or at the replay cursor) - only from half the alarm threshold
+    up, where it is worth one feature pass (~2 ms)."""
+    r, thr = row.get("risk"), row.get("threshold")
+    if r is None or not thr or r < 0.5 * thr:
+        return None
+    from gpuwatch.predict.features import features
+
+    try:
+        return outlook(features(source.window(gpu)))
+    except Exception:  # noqa: BLE001 - a window that cannot be cut shows no range, never an error
+        return None
+
+
+def outlook_text(o: Outlook, reasons: list | None = None) -> str:
+    """"OOM in ~6-12 s (trend)": the range of the time to the limit by the estimator's strongest signal, and
+    that signal - with the feature that carries the risk where its strongest reason is none of the
+    estimator's signals ("lookahead; carried by torch_peak_frac": the classifier's context)."""
+    top = reasons[0][0] if reasons else None
+    by = o.signal if top is None or top in SIGNALS else f"{o.signal}; carried by {top}"
+    return f"OOM in ~{_range(o.lo_s, o.hi_s)} ({by})"
+
+
+def _range(lo: float, hi: float | None) -> str:
+    """"3.2-7.5 s", "60-120 s", "2 min-1.5 h", "40 s or more" (hi None: beyond what the trend can say)."""
+    if hi is None:
+        return f"{_dur(lo) if lo >= 10 else _num(lo) + ' s'} or more"
+    if hi < 120:
+        a, b = _num(lo), _num(hi)
+        return f"{a} s" if a == b else f"{a}-{b} s"
+    a, b = _dur(lo), _dur(hi)
+    return a if a == b else f"{a}-{b}"
+
+
+def _num(s: float) -> str:
+    return f"{s:.1f}" if s < 10 and round(s, 1) != round(s) else f"{s:.0f}"
 
 
 def _dur(s: float) -> str:

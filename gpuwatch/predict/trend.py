@@ -1,0 +1,161 @@
+"""Lead from the trend (issue 29): growth the plan does not explain, carried forward in time.
+
+The peak estimator (predict/peak.py) forecasts the planned step from the steps that ran, and carries a
+per-step growth of what stays allocated (the median of the last 10 steps' changes: a fixed leak). What it
+does not see is growth that comes in jumps or at shape changes - a cache that keeps a tensor per new shape,
+a CUDA-graph pool per captured batch size, memory kept across a ramp's restarts - whose per-step median is
+0. Here, from the window's steps (their times, shapes, torch allocated after each, peaks, reserved):
+
+- `alloc_rate_same_shape` (bytes/s): for every step, its allocated minus that of the last earlier step of the
+  same shape (batch x sequence length); the sum of those differences over the sum of the times between
+  them. A steady run: 0; a ramp alone: 0 (each shape's steps hold the same); memory that stays and grows:
+  its rate in time, whatever the steps in between did;
+- `frag_held_frac`: torch reserved minus the highest peak of the last steps - cached memory that even the
+  step at its peak did not use - over torch's limit. The usable limit is taken net of it: the allocator can
+  give that memory back only where whole segments are free, and a fragmented cache's are not;
+- `reserved_ttf_s`: when the process's reserved memory reaches torch's limit at its least-squares slope
+  over the last steps (a context figure: reserved reaching the cap is not itself a failure);
+- `alloc_ttf_s`: when the planned step's peak reaches the usable limit, net of what fragmentation holds,
+  at the same-shape rate: (usable - held - planned peak) / rate;
+- `trend_cross_p`: P(that happens within the horizon), 1 / (1 + (ttf / horizon)^4): 0.5 at the horizon,
+  ~0.94 at half of it - a probability the risk composite reads beside the estimator's (predict/composite.py).
+
+Pure numpy on the window's step arrays; the same in training, replay and live scoring.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuwatch.predict.peak import usable_limit
+
+HORIZON_S = 5.0  # the model's horizon (predict/dataset.py HORIZON_S; not imported: dataset imports features)
+CAP_S = 600.0  # features.HORIZON_CAP_S
+RATE_MIN = 2**20  # bytes/s: slower growth reads as none (noise of the allocator's rounding)
+RATE_STEPS = 32  # the last steps the same-shape rate reads
+MIN_SPAN_S = 1.0  # ... spanning at least this long
+RESERVED_STEPS = 10
+HELD_STEPS = 5
+SHARPNESS = 4.0
+
+
+def same_shape_pairs(t: np.ndarray, key: np.ndarray, alloc: np.ndarray) -> list[tuple[float, float]]:
+    """(allocated growth, seconds) from each of the last RATE_STEPS steps to the last earlier step of its
+    shape, in time order."""
+    t, key, alloc = t[-RATE_STEPS:], key[-RATE_STEPS:], alloc[-RATE_STEPS:]
+    last: dict[float, int] = {}
+    out = []
+    for i, k in enumerate(key.tolist()):
+        j = last.get(k)
+        last[k] = i
+        if j is not None and math.isfinite(alloc[i]) and math.isfinite(alloc[j]) and t[i] > t[j]:
+            out.append((float(alloc[i] - alloc[j]), float(t[i] - t[j])))
+    return out
+
+
+def rate_of(pairs: list[tuple[float, float]]) -> float | None:
+    """Their summed growth over their summed time (bytes/s); None where fewer than two pairs or less
+    than MIN_SPAN_S between them."""
+    span = sum(dt for _g, dt in pairs)
+    return sum(g for g, _dt in pairs) / span if len(pairs) >= 2 and span >= MIN_SPAN_S else None
+
+
+def same_shape_rate(t: np.ndarray, key: np.ndarray, alloc: np.ndarray) -> float | None:
+    """Bytes per second allocated grows across steps of the same shape (see the module)."""
+    return rate_of(same_shape_pairs(t, key, alloc))
+
+
+def reserved_slope(t: np.ndarray, res: np.ndarray) -> float | None:
+    """Least-squares slope of torch reserved over the last RESERVED_STEPS steps (bytes/s)."""
+    ok = np.isfinite(res[-RESERVED_STEPS:])
+    tt, rr = t[-RESERVED_STEPS:][ok], res[-RESERVED_STEPS:][ok]
+    if tt.size < 4 or tt[-1] - tt[0] < MIN_SPAN_S:
+        return None
+    tc = tt - tt.mean()
+    den = float((tc * tc).sum())
+    return float((tc * (rr - rr.mean())).sum() / den) if den > 0 else None
+
+
+def held(res: np.ndarray, peak: np.ndarray) -> float | None:
+    """Reserved after the last step minus the highest peak of the last HELD_STEPS steps (bytes, >= 0)."""
+    pk = peak[-HELD_STEPS:]
+    pk = pk[np.isfinite(pk)]
+    if not pk.size or not math.isfinite(res[-1]):
+        return None
+    return max(0.0, float(res[-1]) - float(pk.max()))
+
+
+def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
+    """P(full within the horizon) from a time to full (s)."""
+    return 1.0 / (1.0 + (max(ttf, 0.0) / horizon_s) ** SHARPNESS)
+
+
+def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
+          res: np.ndarray, limit: float, planned_peak: float | None) -> None:
+    """The trend's features of one window into `out` (the feature function's dict); `limit` is torch's,
+    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none)."""
+    if t.size < 2:
+        return
+    pairs = same_shape_pairs(t, key, alloc)
+    rate = rate_of(pairs)
+    hold = held(res, peak)
+    if rate is not None:
+        out["alloc_rate_same_shape"] = rate / 2**30
+    if hold is not None:
+        out["frag_held_frac"] = hold / limit
+    rs = reserved_slope(t, res)
+    if math.isfinite(res[-1]):
+        out["reserved_ttf_s"] = min(CAP_S, max(0.0, limit - float(res[-1])) / rs) if rs is not None and rs > RATE_MIN else CAP_S
+    if rate is None:
+        return
+    pk = planned_peak if planned_peak is not None else (float(peak[-1]) if math.isfinite(peak[-1]) else None)
+    if pk is None:
+        return
+    room = usable_limit(limit) - (hold or 0.0) - pk
+    ttf = CAP_S if rate <= RATE_MIN else 0.0 if room <= 0 else min(CAP_S, room / rate)  # no growth: no trend
+    out["alloc_ttf_s"] = ttf
+    out["trend_cross_p"] = p_of(ttf) if ttf < CAP_S else 0.0
+    if ttf < CAP_S:  # the range (not model inputs): the rate of the later half of the pairs against all of them
+        recent = rate_of(pairs[len(pairs) // 2:]) or rate
+        fast, slow = max(rate, recent), min(rate, recent)
+        out[TTF_LO] = 0.0 if room <= 0 else room / fast
+        out[TTF_HI] = 0.0 if room <= 0 else (room / slow if slow > RATE_MIN else CAP_S)
+
+
+TTF_LO, TTF_HI = "trend_ttf_lo_s", "trend_ttf_hi_s"  # a features dict's extra keys (not model inputs): the
+# trend's time to the limit as a range, for the dashboard (`outlook`)
+SIGNALS = {"peak_cross_p": "next-step peak", "ahead_cross_p": "lookahead", "trend_cross_p": "trend"}
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What the estimate says of the time to the limit: a range in seconds (hi None: beyond CAP_S), the
+    signal that carries the risk and its probability."""
+
+    lo_s: float
+    hi_s: float | None
+    signal: str
+    p: float
+
+
+def outlook(f: dict[str, float]) -> Outlook | None:
+    """The time to the limit by the strongest of the estimator's signals (None where none says anything):
+    the next-step peak - within the next step; the lookahead - within LOOKAHEAD_S; the trend - its range."""
+    from gpuwatch.predict.ahead import LOOKAHEAD_S
+
+    ps = {k: f.get(k) for k in SIGNALS}
+    ps = {k: float(v) for k, v in ps.items() if v is not None and v == v}
+    if not ps:
+        return None
+    k = max(ps, key=lambda n: (ps[n], n == "peak_cross_p"))  # a tie: the nearest
+    sps = f.get("steps_per_s")
+    step_s = 1.0 / sps if sps and sps == sps and sps > 0 else None
+    if k == "trend_cross_p" and f.get(TTF_LO) is not None:
+        hi = f.get(TTF_HI)
+        return Outlook(float(f[TTF_LO]), None if hi is None or hi >= CAP_S else float(hi), SIGNALS[k], ps[k])
+    if k == "ahead_cross_p":
+        return Outlook(step_s or 0.0, LOOKAHEAD_S, SIGNALS[k], ps[k])
+    return Outlook(0.0, step_s, SIGNALS[k], ps[k])

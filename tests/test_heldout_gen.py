@@ -1,0 +1,66 @@
+"""The held-out scenario generator (benchmarks/heldout_gen.py, issue 29): a plan is a function of its seed
+alone, its commands are ones the CLI accepts, and its waves fit the card."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location("heldout_gen", ROOT / "benchmarks" / "heldout_gen.py")
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["heldout_gen"] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+G = _gen()
+
+
+def test_a_plan_is_its_seed_alone():
+    a, b, c = G.draw(11, 16), G.draw(11, 16), G.draw(12, 16)
+    assert [x.args for x in a] == [x.args for x in b]
+    assert [x.args for x in a] != [x.args for x in c]
+    assert [x.args for x in G.draw(11, 8)] == [x.args for x in a[:8]]  # a scenario is (seed, index) alone
+
+
+def test_the_plan_covers_both_families_and_the_growths():
+    sc = [s for seed in range(4) for s in G.draw(seed, 16)]
+    assert {s.family for s in sc} == {"stress", "loop"}
+    assert {"ramp", "leak", "randlen", "none", "curriculum", "cache", "graphpool"} <= {s.growth for s in sc}
+    assert {a for s in sc if s.family == "stress" for a in s.args} >= {"v2-lite", "v3-slice", "small", "decode", "train", "prefill"}
+    for s in sc:
+        assert 0.3 < s.target < 1.7
+        assert s.family == "loop" or s.calib_args[:4] == s.args[:4]  # calibrated at its own preset and mode
+
+
+def test_stress_commands_parse_with_the_cli():
+    from gpuwatch.cli import build_parser
+
+    p = build_parser()
+    for s in G.draw(5, 24) + G.draw(5, 8, dry=True):
+        if s.family == "stress":
+            ns = p.parse_args(["stress", *s.args, "--gpu-memory-limit", "8GiB", "--guard", "off", "--duration", "60s"])
+            assert ns.guard == "off"
+            p.parse_args(["stress", *s.calib_args, "--steps", "4"])
+
+
+@pytest.mark.parametrize("budget", [40.0, 132.0])
+def test_waves_fit_the_budget_and_keep_every_scenario(budget):
+    sc = G.draw(3, 20)
+    ws = G.waves(sc, budget)
+    assert sorted(s.name for w in ws for s in w) == sorted(s.name for s in sc)
+    for w in ws:
+        assert len(w) == 1 or sum(s.slot_gib for s in w) <= budget
+
+
+def test_the_dry_run_uses_the_tiny_preset_and_no_cuda_graphs():
+    sc = G.draw(2, 20, dry=True)
+    assert all(s.args[1] == "tiny" for s in sc if s.family == "stress")
+    assert all(s.growth != "graphpool" for s in sc)

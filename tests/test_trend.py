@@ -1,0 +1,129 @@
+"""Lead from the trend (predict/trend.py), vramtop's rule as a baseline (predict/vramtop.py), and the risk
+panel's range (ui/render.py outlook_text)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gpuwatch.predict import trend as T
+from gpuwatch.predict import vramtop as V
+from gpuwatch.predict.peak import usable_limit
+
+GiB = 2**30
+
+
+def _ramp(cycles: int, kept_per_cycle: float, levels=(8, 10, 12, 16), per_level: int = 3, step_s: float = 0.5):
+    """A ramp restarting after each climb: allocated after a step depends on the batch, plus what each
+    cycle kept (memory kept across re-captures)."""
+    t, key, alloc = [], [], []
+    n = 0
+    for c in range(cycles):
+        for b in levels:
+            for _ in range(per_level):
+                t.append(n * step_s)
+                key.append(b * 512 * 1e6 + 512)
+                alloc.append(2 * GiB + b * 0.05 * GiB + c * kept_per_cycle)
+                n += 1
+    return np.array(t), np.array(key), np.array(alloc)
+
+
+def test_a_ramp_alone_grows_nothing_at_the_same_shape():
+    t, key, alloc = _ramp(3, 0.0)
+    assert T.same_shape_rate(t, key, alloc) == pytest.approx(0.0)
+    assert alloc[-1] > alloc[0]  # allocated does change - with the shape
+
+
+def test_memory_kept_across_restarts_is_its_rate_in_time():
+    t, key, alloc = _ramp(3, 0.3 * GiB)
+    rate = T.same_shape_rate(t, key, alloc)
+    cycle_s = 4 * 3 * 0.5
+    # same-shape pairs within a level show 0, across a restart 0.3 GiB in one cycle: the sum over the time
+    assert 0.3 * GiB / cycle_s * 0.2 < rate < 0.3 * GiB / cycle_s * 1.01
+
+
+def test_a_steady_run_has_no_trend_and_a_leak_fills_within_the_horizon():
+    limit = 10 * GiB
+    t = np.arange(20) * 0.5
+    key = np.full(20, 8 * 512 * 1e6 + 512)
+    peak_step = 1.0 * GiB
+    steady = np.full(20, 6 * GiB)
+    out: dict = {}
+    T.trend(out, t, key, steady, steady + peak_step, steady + peak_step, limit, None)
+    assert out["trend_cross_p"] == 0.0 and out["alloc_ttf_s"] == T.CAP_S
+    for room_s, expect_high in ((2.0, True), (40.0, False)):
+        rate = 0.2 * GiB  # per second
+        end = usable_limit(limit) - peak_step - rate * room_s  # what is left at the last step: room_s seconds of growth
+        leak = end - rate * (t[-1] - t)
+        out = {}
+        T.trend(out, t, key, leak, leak + peak_step, leak + peak_step, limit, None)
+        assert out["alloc_rate_same_shape"] == pytest.approx(rate / GiB, rel=1e-6)
+        assert out["alloc_ttf_s"] == pytest.approx(room_s, rel=1e-3)
+        assert (out["trend_cross_p"] > 0.9) is expect_high and (out["trend_cross_p"] < 0.1) is not expect_high
+        assert out[T.TTF_LO] <= out["alloc_ttf_s"] <= out[T.TTF_HI]
+
+
+def test_what_fragmentation_holds_comes_off_the_usable_limit():
+    limit = 10 * GiB
+    t = np.arange(20) * 0.5
+    key = np.full(20, 1.0)
+    rate = 0.05 * GiB
+    alloc = 5 * GiB + rate * t
+    peak = alloc + GiB
+    tight, loose = {}, {}
+    T.trend(tight, t, key, alloc, peak, peak + 2 * GiB, limit, None)  # 2 GiB reserved above every peak
+    T.trend(loose, t, key, alloc, peak, peak, limit, None)
+    assert tight["frag_held_frac"] == pytest.approx(0.2)
+    assert tight["alloc_ttf_s"] == pytest.approx(loose["alloc_ttf_s"] - 2 * GiB / rate, rel=1e-6)
+
+
+def test_p_of_is_half_at_the_horizon_and_falls_with_time():
+    assert T.p_of(T.HORIZON_S) == pytest.approx(0.5)
+    assert T.p_of(0.0) == 1.0 and T.p_of(T.HORIZON_S / 2) > 0.9 and T.p_of(2 * T.HORIZON_S) < 0.1
+
+
+def test_the_outlook_names_the_signal_that_carries_the_risk():
+    o = T.outlook({"peak_cross_p": 0.2, "ahead_cross_p": 0.3, "trend_cross_p": 0.8, T.TTF_LO: 3.0, T.TTF_HI: 7.0,
+                   "steps_per_s": 2.0})
+    assert (o.signal, o.lo_s, o.hi_s) == ("trend", 3.0, 7.0)
+    o = T.outlook({"peak_cross_p": 0.9, "ahead_cross_p": 0.9, "trend_cross_p": float("nan"), "steps_per_s": 2.0})
+    assert (o.signal, o.lo_s, o.hi_s) == ("next-step peak", 0.0, 0.5)
+    o = T.outlook({"peak_cross_p": 0.1, "ahead_cross_p": 0.7, "steps_per_s": 2.0})
+    assert o.signal == "lookahead" and o.lo_s == 0.5
+    assert T.outlook({"peak_cross_p": float("nan")}) is None
+
+
+def test_the_panel_says_the_range_and_what_carries_it():
+    from gpuwatch.ui.render import outlook_text
+
+    assert outlook_text(T.Outlook(60.0, 110.0, "trend", 0.7)) == "OOM in ~60-110 s (trend)"
+    assert outlook_text(T.Outlook(60.0, 300.0, "trend", 0.7)) == "OOM in ~60 s-5 min (trend)"
+    assert outlook_text(T.Outlook(3.2, 7.5, "trend", 0.7)) == "OOM in ~3.2-7.5 s (trend)"
+    assert outlook_text(T.Outlook(4.0, None, "trend", 0.7)) == "OOM in ~4 s or more (trend)"
+    assert outlook_text(T.Outlook(0.0, 0.5, "next-step peak", 0.9),
+                        [["mem_used_frac", 0.3]]) == "OOM in ~0-0.5 s (next-step peak; carried by mem_used_frac)"
+
+
+def test_vramtop_warns_on_sustained_growth_only_and_says_low_vram_when_flat():
+    ts = (np.arange(40) * 1e6).astype(np.int64)
+    lim = np.full(40, 10.0 * GiB)
+    grow = 6 * GiB + np.arange(40) * 0.02 * GiB  # ~20 MB/s from 60 %
+    oom, low = V.states(ts, grow, lim)
+    first = int(np.argmax(oom))
+    assert oom.any() and 10 <= first <= 14  # 3 rates to judge growth, then 10 growing refreshes
+    assert not low[:first].any()
+    flat_hi = np.full(40, 9.0 * GiB)
+    oom, low = V.states(ts, flat_hi, lim)
+    assert not oom.any() and low.all()
+    oom, low = V.states(ts, np.full(40, 3.0 * GiB) + np.arange(40) * 0.02 * GiB, lim)  # growing, under 50 %
+    assert not oom.any() and not low.any()
+
+
+def test_vramtop_refreshes_once_a_second_whatever_the_timeline():
+    ts = (np.arange(80) * 0.5e6).astype(np.int64)  # moments every 0.5 s
+    used = 6 * GiB + np.arange(80) * 0.01 * GiB
+    a = V.alarms(ts, used / (10 * GiB), (10 * GiB - used) / GiB, False)
+    b, _ = V.states(ts[::2], used[::2], np.full(40, 10.0 * GiB))
+    assert a[::2].tolist() == b.tolist() and not math.isnan(float(a.sum()))
