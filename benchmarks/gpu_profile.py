@@ -258,8 +258,12 @@ def measure(w: Workload, batch: int, seq: int, a, cuda: bool) -> dict:
     out = {"warmup_s": round(warm_s, 2), **step_stats(rows), **meter.summary()}
     if w.cfg.mode == "decode":
         out.update(decode_stats(w, batch, seq))
+    if not a.profile_steps:
+        out["profile"] = None
+        return out
     acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]
-    with Scopes(w.model) if a.scopes else _null(), profile(activities=acts) as prof:
+    scoped = a.scopes and "compile" not in parse_variant(a.variant)  # a compiled module: no wrapper around forward
+    with Scopes(w.model) if scoped else _null(), profile(activities=acts) as prof:
         M.synchronize(w.device)
         t1 = time.perf_counter()
         for _ in range(a.profile_steps):
@@ -306,6 +310,24 @@ def decode_stats(w: Workload, batch: int, seq: int) -> dict:
             "experts_touched": bound["experts_touched_per_moe_layer"]}
 
 
+def _for_variant(a, variant: str):
+    """The run's settings: a switch is timed (variant_warmup, variant_steps) and profiled only if asked."""
+    b = argparse.Namespace(**vars(a))
+    b.variant = variant
+    if variant != "baseline":
+        b.warmup, b.steps, b.profile_steps = a.variant_warmup, a.variant_steps, a.variant_profile_steps
+        if "compile" in parse_variant(variant):
+            b.warmup = max(b.warmup, 2)  # the compile happens in the first steps (forward, then backward)
+    return b
+
+
+def relevant(variant: str, mode: str, vmodes: set[str]) -> bool:
+    """Whether a variant runs in `mode`: the baseline everywhere, a switch in --variant-modes, the optimizer in train only."""
+    if variant == "baseline":
+        return True
+    return mode in vmodes and (mode == "train" or "optimizer" not in parse_variant(variant))
+
+
 def parse_variant(text: str) -> dict[str, str]:
     if text in ("", "baseline"):
         return {}
@@ -332,12 +354,15 @@ def run_one(model, preset: str, mode: str, variant: str, batch: int, seq: int, a
                                  **({"tuning": parse_variant(variant)} if "tuning" in WorkloadConfig.__dataclass_fields__ else {}))
             w = Workload(Bus(), cfg, model=model)
             w._build()
-            return {**base, "batch": batch, **measure(w, batch, seq, a, cuda)}
+            return {**base, "batch": batch, **measure(w, batch, seq, _for_variant(a, variant), cuda)}
         except Exception as e:  # noqa: BLE001 - an OOM halves the batch; anything else is reported
             err = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
             oom = M.is_oom(e)
         finally:
             if w is not None:
+                w.tuned.revert()  # the model is reused by the next run
+                if "compile" in parse_variant(variant):
+                    torch._dynamo.reset()
                 if w.decoder is not None:
                     w.decoder.release()
                 if w.optimizer is not None:
@@ -359,23 +384,31 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:.1f} %"
 
 
+def _speedup(base: dict, r: dict) -> str:
+    """The step time of the baseline at the same preset, mode and batch over this run's (x1.25 = 25 % faster)."""
+    b = base.get((r["preset"], r["mode"], r["batch"]))
+    return f"x{b / r['step_ms']:.2f}" if b and r["variant"] != "baseline" and r["step_ms"] else ""
+
+
 def markdown(results: list[dict], header: str) -> str:
     lines = [f"# gpu_profile: {header}", "",
              "| preset | mode | variant | batch | step ms (min-max) | TFLOP/s | MFU | decode ms/token (bound) | "
-             "power W (max) | SM MHz (min) | expert_impl |", "|" + "---|" * 11]
+             "power W (max) | SM MHz (min) | vs baseline | expert_impl |", "|" + "---|" * 12]
+    base = {(r["preset"], r["mode"], r["batch"]): r["step_ms"] for r in results
+            if r["variant"] == "baseline" and "error" not in r}
     for r in results:
         if "error" in r:
             lines.append(f"| {r['preset']} | {r['mode']} | {r['variant']} | {r['batch']} | error: {r['error'][:120]} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         dec = (f"{r['decode_ms_per_token']} ({r['bound_ms_per_token']}: {_pct(r['bandwidth_fraction'])})"
                if "decode_ms_per_token" in r else "")
         lines.append(f"| {r['preset']} | {r['mode']} | {r['variant']} | {r['batch']} | {r['step_ms']} "
                      f"({r['step_ms_min']}-{r['step_ms_max']}) | {r['tflops']} | {_pct(r['mfu'])} | {dec} | "
                      f"{r['power_w'] or ''} ({r['power_max_w'] or ''}) | {r['sm_clock_mhz'] or ''} "
-                     f"({r['sm_clock_min_mhz'] or ''}) | {r['expert_impl']} |")
+                     f"({r['sm_clock_min_mhz'] or ''}) | {_speedup(base, r)} | {r['expert_impl']} |")
     for r in results:
-        if "error" in r:
+        if "error" in r or not r.get("profile"):
             continue
         p = r["profile"]
         lines += ["", f"## {r['preset']} {r['mode']} {r['variant']} (batch {r['batch']} x {r['seq_len']}"
@@ -417,6 +450,11 @@ def args(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=1)
+    ap.add_argument("--variant-warmup", type=int, default=1)
+    ap.add_argument("--variant-steps", type=int, default=2)
+    ap.add_argument("--variant-profile-steps", type=int, default=0, help="profile the switches too (default: timed only)")
+    ap.add_argument("--preset-budget-s", type=float, default=None, help="start no run of a preset after this many "
+                    "seconds of it")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--precision", default=None)
@@ -453,27 +491,32 @@ def main(argv=None) -> list[dict]:
         if a.budget_s and time.monotonic() - t_start > a.budget_s:
             print(f"# budget spent: {preset} not run", file=sys.stderr, flush=True)
             continue
+        t_preset = time.monotonic()
         b0, s0 = defaults(preset)
         seq = a.seq_len or s0
         model, build_s = M.build_model(config_fields(preset, over), dev, a.precision)
         print(f"# {preset} built in {build_s:.1f} s", file=sys.stderr, flush=True)
-        for mode in modes:
-            for variant in variants:
-                if variant != "baseline" and mode not in vmodes:
-                    continue
-                if a.budget_s and time.monotonic() - t_start > a.budget_s:
-                    print(f"# budget spent: {preset} {mode} {variant} not run", file=sys.stderr, flush=True)
-                    continue
-                batch = batches.get(mode) or (32 if mode == "decode" and dev.type == "cuda" else b0)
-                t0 = time.monotonic()
-                r = run_one(model, preset, mode, variant, batch, seq, a, over)
-                r["run_s"] = round(time.monotonic() - t0, 1)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                if a.out:
-                    (a.out / "profile.md").write_text(markdown(results, header))
-                    with (a.out / "profile.jsonl").open("a") as f:
-                        f.write(json.dumps(r) + "\n")
+        ok_batch: dict[str, int] = {}
+        runs = [(m, "baseline") for m in modes] + [(m, v) for v in variants if v != "baseline" for m in modes]
+        for mode, variant in runs:
+            if not relevant(variant, mode, vmodes):
+                continue
+            if (a.budget_s and time.monotonic() - t_start > a.budget_s
+                    or a.preset_budget_s and time.monotonic() - t_preset > a.preset_budget_s):
+                print(f"# budget spent: {preset} {mode} {variant} not run", file=sys.stderr, flush=True)
+                continue
+            batch = ok_batch.get(mode) or batches.get(mode) or (32 if mode == "decode" and dev.type == "cuda" else b0)
+            t0 = time.monotonic()
+            r = run_one(model, preset, mode, variant, batch, seq, a, over)
+            r["run_s"] = round(time.monotonic() - t0, 1)
+            if variant == "baseline" and "error" not in r:
+                ok_batch[mode] = r["batch"]  # the switches run where the baseline ran (after an OOM: its batch)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            if a.out:
+                (a.out / "profile.md").write_text(markdown(results, header))
+                with (a.out / "profile.jsonl").open("a") as f:
+                    f.write(json.dumps(r) + "\n")
         del model
         gc.collect()
         if dev.type == "cuda":

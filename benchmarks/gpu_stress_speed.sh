@@ -5,6 +5,8 @@
 # after BUDGET_S (200) and is killed at LIMIT_S (230).
 #   run (repo root, carry .dev):  bash benchmarks/gpu_stress_speed.sh
 #   env: PRESETS="v2-lite v3-slice"  MODES=train,prefill,decode  VARIANTS=baseline  EXTRA="--steps 3"
+#        PRESET_BUDGET_S=N (start no run of a preset after N s of it: both presets get their share)
+#   the switches (call B, GPU_COMMAND.txt): VARIANTS=baseline,attention=sdpa-flash,... MODES=train,prefill
 set -u
 R=${OUT:-/tmp/out}; mkdir -p "$R"
 if [ -f .dev/site312.tar.xz ] || ls .whl/*.whl > /dev/null 2>&1; then
@@ -18,7 +20,8 @@ presets=""
 for p in ${PRESETS:-v2-lite v3-slice}; do presets="$presets --preset $p"; done
 echo "== gpu_profile $(date +%T) presets:${presets} modes=${MODES:-train,prefill,decode} variants=${VARIANTS:-baseline}"
 timeout "${LIMIT_S:-230}" python3 benchmarks/gpu_profile.py $presets --modes "${MODES:-train,prefill,decode}" \
-  --variants "${VARIANTS:-baseline}" --budget-s "${BUDGET_S:-200}" --out "$R" ${EXTRA:-} > "$R/profile.stdout" 2> "$R/profile.err"
+  --variants "${VARIANTS:-baseline}" --budget-s "${BUDGET_S:-200}" ${PRESET_BUDGET_S:+--preset-budget-s $PRESET_BUDGET_S} \
+  --out "$R" ${EXTRA:-} > "$R/profile.stdout" 2> "$R/profile.err"
 echo "rc=$? $(date +%T)"
 cat "$R/versions.txt" "$R/gpu.csv"
 grep -v '^USDT' "$R/profile.err" | tail -n 8

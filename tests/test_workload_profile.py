@@ -79,3 +79,18 @@ def test_a_bad_variant_is_refused(gp):
     assert gp.parse_variant("attention=cudnn+optimizer=adamw-fused") == {"attention": "cudnn", "optimizer": "adamw-fused"}
     with pytest.raises(SystemExit):
         gp.parse_variant("cudnn")
+
+
+def test_switches_run_beside_the_baseline_timed_and_reverted(gp, tmp_path):
+    res = gp.main(["--preset", "tiny", "--device", "cpu", "--seq-len", "8", "--batch", "train=2", "--batch", "prefill=2",
+                   "--modes", "train,prefill", "--variants", "baseline,optimizer=adamw-fused,lean=on", "--warmup", "0",
+                   "--steps", "1", "--profile-steps", "0", "--variant-warmup", "0", "--variant-steps", "1",
+                   "--out", str(tmp_path)])
+    got = [(r["mode"], r["variant"]) for r in res]
+    assert got == [("train", "baseline"), ("prefill", "baseline"), ("train", "optimizer=adamw-fused"),
+                   ("train", "lean=on"), ("prefill", "lean=on")]  # the optimizer only where there is one
+    assert all("error" not in r and r["profile"] is None for r in res)
+    assert [r["expert_impl"] for r in res[2:]] == ["grouped_mm+optimizer=adamw-fused", "grouped_mm+lean=on",
+                                                    "grouped_mm+lean=on"]
+    md = (tmp_path / "profile.md").read_text()
+    assert md.count("| x") == 3  # each switch's step time against its baseline's
