@@ -428,13 +428,15 @@ def markdown(results: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _batches(spec: list[str]) -> dict[str, int]:
-    out = {}
+def _batches(spec: list[str]) -> dict[str, list[int]]:
+    """`["prefill=16", "prefill=64", "decode=32"]` -> {"prefill": [16, 64], "decode": [32]} (the baseline runs
+    at each; the switches at the first, or where its baseline ran after an OOM)."""
+    out: dict[str, list[int]] = {}
     for item in spec:
         m, _, b = item.partition("=")
-        if m not in MODES or not b.isdigit():
+        if m not in MODES or not b.isdigit() or int(b) < 1:
             raise SystemExit(f"bad --batch {item!r}: use MODE=N, e.g. decode=32")
-        out[m] = int(b)
+        out.setdefault(m, []).append(int(b))
     return out
 
 
@@ -444,7 +446,8 @@ def args(argv=None):
     ap.add_argument("--modes", default="train,prefill,decode")
     ap.add_argument("--variants", default="baseline", help="comma-separated; each KEY=VALUE+KEY=VALUE or baseline")
     ap.add_argument("--variant-modes", default="train,prefill", help="modes the non-baseline variants run in")
-    ap.add_argument("--batch", action="append", default=[], help="MODE=N (default: the preset's; decode 32)")
+    ap.add_argument("--batch", action="append", default=[], help="MODE=N, repeatable: a batch sweep (default: the "
+                    "preset's batch; decode 32)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None, help="decode (default 128 on a GPU, 8 on a CPU)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -497,20 +500,24 @@ def main(argv=None) -> list[dict]:
         model, build_s = M.build_model(config_fields(preset, over), dev, a.precision)
         print(f"# {preset} built in {build_s:.1f} s", file=sys.stderr, flush=True)
         ok_batch: dict[str, int] = {}
-        runs = [(m, "baseline") for m in modes] + [(m, v) for v in variants if v != "baseline" for m in modes]
-        for mode, variant in runs:
+
+        def default(m: str) -> list[int]:
+            return batches.get(m) or [32 if m == "decode" and dev.type == "cuda" else b0]
+        runs = ([(m, "baseline", b) for m in modes for b in default(m)]
+                + [(m, v, None) for v in variants if v != "baseline" for m in modes])
+        for mode, variant, batch in runs:
             if not relevant(variant, mode, vmodes):
                 continue
             if (a.budget_s and time.monotonic() - t_start > a.budget_s
                     or a.preset_budget_s and time.monotonic() - t_preset > a.preset_budget_s):
                 print(f"# budget spent: {preset} {mode} {variant} not run", file=sys.stderr, flush=True)
                 continue
-            batch = ok_batch.get(mode) or batches.get(mode) or (32 if mode == "decode" and dev.type == "cuda" else b0)
+            batch = batch or ok_batch.get(mode) or default(mode)[0]
             t0 = time.monotonic()
             r = run_one(model, preset, mode, variant, batch, seq, a, over)
             r["run_s"] = round(time.monotonic() - t0, 1)
             if variant == "baseline" and "error" not in r:
-                ok_batch[mode] = r["batch"]  # the switches run where the baseline ran (after an OOM: its batch)
+                ok_batch.setdefault(mode, r["batch"])  # the switches run where the baseline ran (after an OOM: its batch)
             results.append(r)
             print(json.dumps(r), flush=True)
             if a.out:
