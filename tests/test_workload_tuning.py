@@ -153,11 +153,12 @@ def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
     assert moved > 0  # the step did update
 
 
-def test_experts_switch_computes_what_grouped_mm_computes():
+@pytest.mark.parametrize("choice, name", [("batched_mm", "batched_mm"), ("gw-grouped", "gpuwatch_grouped")])
+def test_experts_switch_computes_what_grouped_mm_computes(choice, name):
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"experts": "batched_mm"}, CPU)
-    assert model.config._experts_implementation == "batched_mm"
+    done = T.apply(model, {"experts": choice}, CPU)
+    assert model.config._experts_implementation == name
     a, _, ga = _fwd_bwd(model, ids)
     b, _, gb = _fwd_bwd(ref, ids)
     assert _close(a, b, 1e-4, 1e-5) and all(_close(ga[n], gb[n], 1e-3, 1e-6) for n in ga)
@@ -215,7 +216,7 @@ def _gpu_pair():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{"attention": "sdpa-flash"}, {"attention": "sdpa-cudnn"},
+@pytest.mark.parametrize("tuning", [{"experts": "gw-grouped"}, {"attention": "sdpa-flash"}, {"attention": "sdpa-cudnn"},
                                     {"attention": "sdpa-efficient"}, {"attention": "flex"}, {"lean": "on"},
                                     {"compile": "moe"}, {"compile": "layer"}])
 def test_gpu_switch_matches_transformers_within_bf16_tolerance(tuning):

@@ -18,7 +18,13 @@ CPU (tests/test_workload_tuning.py: logits and gradients within fp32/bf16 tolera
              module upcasts to fp32 and back in seven), and the train step's max |logit| without an fp32
              copy of all the logits (batch x seq x vocab: 6.7 GB at v2-lite's 32 x 512). The router keeps
              its fp32 GEMM and the loss its fp32 logits (their precision matters: expert choice, gradients).
-  experts    the model's experts implementation (transformers: grouped_mm, batched_mm, eager, deepgemm).
+  experts    the model's experts implementation: transformers' grouped_mm (default), batched_mm, eager,
+             deepgemm (needs the deep_gemm package), or gw-grouped (gpuwatch's: the same two grouped GEMMs with
+             less glue - the routing weight folded into the intermediate, which is narrower than the output,
+             before the linear down projection; the tokens gathered with index_select and put back with
+             index_copy (backward: index_add and a gather, not the sort-based index_put of advanced indexing);
+             the combine in the weights' dtype with fp32 accumulation, where transformers promotes the whole
+             (tokens x top-k, hidden) product to fp32).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "sgd-fused", "adamw", "adamw-fused"),
     "compile": ("off", "moe", "layer"),
     "lean": ("off", "on"),
-    "experts": ("grouped_mm", "batched_mm", "eager", "deepgemm"),
+    "experts": ("grouped_mm", "batched_mm", "eager", "deepgemm", "gw-grouped"),
 }
 DEFAULTS = {"attention": "sdpa", "optimizer": "sgd", "compile": "off", "lean": "off", "experts": "grouped_mm"}
 COMPILE_BACKEND = "inductor"  # torch.compile's backend for the compile switch (tests trace with aot_eager)
@@ -107,6 +113,52 @@ def _set_attention(model, name: str) -> None:
         model.config._attn_implementation = name
 
 
+# -- experts -----------------------------------------------------------------------------------------------
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (S, K) @ w[e] (K, N) per expert group (offs: cumulative row ends), by transformers' dispatcher
+    (torch's grouped_mm where it runs, else its fallback)."""
+    from transformers.integrations import moe
+
+    return moe._grouped_mm(x, w, offs=offs)
+
+
+def gw_grouped_experts(self, hidden_states, top_k_index, top_k_weights):
+    """DeepseekV3Experts.forward as two grouped GEMMs with less glue (see `experts` above)."""
+    t, d = hidden_states.shape
+    k = top_k_index.shape[-1]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    tok = torch.div(perm, k, rounding_mode="floor")
+    counts = torch.histc(expert_ids.int() if expert_ids.is_cuda else expert_ids.float(), bins=self.num_experts,
+                         min=0, max=self.num_experts - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = hidden_states.index_select(0, tok)
+    gate, up = _grouped(x, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+    weight = top_k_weights.reshape(-1).index_select(0, perm).to(gate.dtype).unsqueeze(-1)
+    y = _grouped(self.act_fn(gate) * up * weight, self.down_proj.transpose(-2, -1), offs)
+    back = torch.empty_like(y).index_copy_(0, perm, y)  # (token, k) order again
+    return back.view(t, k, d).sum(dim=1)
+
+
+def experts_name(choice: str) -> str:
+    if choice != "gw-grouped":
+        return choice
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    name = "gpuwatch_grouped"
+    ExpertsInterface.register(name, gw_grouped_experts)
+    assert name in ALL_EXPERTS_FUNCTIONS
+    return name
+
+
+def _set_experts(model, name: str) -> None:
+    try:
+        model.set_experts_implementation(name)
+    except (ValueError, KeyError):  # a version that checks against its own list: set it directly
+        model.config._experts_implementation = name
+    if getattr(model.config, "_experts_implementation", None) != name:
+        model.config._experts_implementation = name
+
+
 # -- lean ------------------------------------------------------------------------------------------------
 def _rms_forward(self, x):
     return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
@@ -140,8 +192,8 @@ def apply(model, tuning: dict[str, str] | None, device: torch.device) -> Applied
     done = Applied(t)
     if "experts" in t:
         old = getattr(model.config, "_experts_implementation", None) or "eager"
-        model.set_experts_implementation(t["experts"])
-        done._undo.append(lambda: model.set_experts_implementation(old))
+        _set_experts(model, experts_name(t["experts"]))
+        done._undo.append(lambda: _set_experts(model, old))
     if "attention" in t:
         old_attn = model.config._attn_implementation
         _set_attention(model, attention_name(t["attention"]))
