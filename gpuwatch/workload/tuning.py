@@ -115,11 +115,15 @@ def _set_attention(model, name: str) -> None:
 
 # -- experts -----------------------------------------------------------------------------------------------
 def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (S, K) @ w[e] (K, N) per expert group (offs: cumulative row ends), by transformers' dispatcher
-    (torch's grouped_mm where it runs, else its fallback)."""
+    """x (S, K) @ w[e] (K, N) for each expert's rows (offs: their cumulative ends): transformers' dispatcher
+    where it has one (torch's grouped GEMM where it runs for this dtype and device, else its fallback), else
+    torch's own (F.grouped_mm from torch 2.10, torch._grouped_mm before)."""
     from transformers.integrations import moe
 
-    return moe._grouped_mm(x, w, offs=offs)
+    disp = getattr(moe, "_grouped_mm", None)
+    if disp is not None:
+        return disp(x, w, offs=offs)
+    return (getattr(F, "grouped_mm", None) or torch._grouped_mm)(x, w, offs=offs)
 
 
 def gw_grouped_experts(self, hidden_states, top_k_index, top_k_weights):
