@@ -95,11 +95,19 @@ class Meter:
             self._th.start()
         return self
 
+    def _reasons(self) -> int:
+        nv = self._nv
+        fn = (getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+              or getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+        try:
+            return int(fn(self._h)) if fn else 0
+        except Exception:  # noqa: BLE001 - optional: the power and clocks matter more
+            return 0
+
     def _read(self) -> tuple:
         nv, h = self._nv, self._h
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return (nv.nvmlDeviceGetPowerUsage(h) / 1000, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), int(reasons(h)),
+                nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), self._reasons(),
                 nv.nvmlDeviceGetUtilizationRates(h).gpu)
 
     def _run(self) -> None:

@@ -94,3 +94,28 @@ def test_switches_run_beside_the_baseline_timed_and_reverted(gp, tmp_path):
                                                     "grouped_mm+lean=on"]
     md = (tmp_path / "profile.md").read_text()
     assert md.count("| x") == 3  # each switch's step time against its baseline's
+
+
+def test_the_meter_reports_power_clocks_and_reasons_while_running(gp):
+    import time
+    import types
+
+    reads = iter(range(10_000))
+
+    def power(h):
+        return 600_000 + 1000 * (next(reads) % 3)  # mW
+
+    nv = types.SimpleNamespace(nvmlDeviceGetPowerUsage=power, NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0,
+                               nvmlDeviceGetClockInfo=lambda h, c: 1980, nvmlDeviceGetTemperature=lambda h, t: 61,
+                               nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x4,  # an older pynvml's name
+                               nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=99),
+                               nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000)
+    m = gp.Meter(None)
+    m._nv, m._h = nv, object()
+    with m:
+        time.sleep(0.4)
+    s = m.summary()
+    assert s["nvml_samples"] >= 2 and 600 <= s["power_w"] <= s["power_max_w"] <= 602
+    assert s["sm_clock_mhz"] == 1980 and s["temp_max_c"] == 61 and s["clock_event_reasons"] == "0x4"
+    assert s["power_limit_w"] == 700 and s["gpu_util_pct"] == 99
+    assert gp.Meter(None).summary()["power_w"] is None  # no NVML: nulls, not a failure
