@@ -119,3 +119,24 @@ def test_the_meter_reports_power_clocks_and_reasons_while_running(gp):
     assert s["sm_clock_mhz"] == 1980 and s["temp_max_c"] == 61 and s["clock_event_reasons"] == "0x4"
     assert s["power_limit_w"] == 700 and s["gpu_util_pct"] == 99
     assert gp.Meter(None).summary()["power_w"] is None  # no NVML: nulls, not a failure
+
+
+@pytest.mark.gpu
+def test_gpu_profile_of_the_small_preset_names_where_the_time_goes(gp, tmp_path):
+    """On the GPU: every mode profiles, the kernels fall into the named categories (an "other" share above 15 %
+    means kernel names the patterns miss: look at the top kernels), MFU is against the GPU's peak, decode's
+    fraction of the bandwidth bound is a fraction."""
+    res = gp.main(["--preset", "small", "--device", "cuda", "--warmup", "1", "--steps", "2", "--new-tokens", "16",
+                   "--out", str(tmp_path)])
+    assert [r["mode"] for r in res] == ["train", "prefill", "decode"]
+    for r in res:
+        assert "error" not in r, r
+        cats = r["profile"]["categories_frac"]
+        assert cats["dense GEMMs"] > 0 and cats["other"] < 0.15, r["profile"]["top_kernels"]
+        assert r["mfu"] is not None and 0 < r["mfu"] < 1 and r["power_w"] and r["sm_clock_mhz"]
+    train, prefill, decode = res
+    for r in (train, prefill):
+        assert r["profile"]["categories_ms"]["expert GEMMs (grouped_mm)"] > 0, r["profile"]["top_kernels"]
+        assert r["profile"]["categories_ms"]["attention"] > 0, r["profile"]["top_kernels"]
+    assert train["profile"]["categories_ms"]["optimizer"] > 0
+    assert 0 < decode["bandwidth_fraction"] < 1.2
