@@ -175,6 +175,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="decode: tokens generated per step after the prompt (default 128 on a GPU, 16 on a CPU)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="static KV cache + CUDA graphs: auto = decode, on = decode and small prefills, off = eager")
+    p.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                   help="a speed switch (gpuwatch/workload/tuning.py), e.g. --tune attention=sdpa-flash")
     p.add_argument("--guard", choices=GUARD_MODES, default="on",
                    help="act on the risk before a failure (on, default), only log what it would do (observe), or off")
     p.add_argument("--guard-rule", choices=GUARD_RULES, default="model",
@@ -296,7 +298,7 @@ def _workload_spec(args):
         memory_limit_bytes=args.gpu_memory_limit, leak_mib=args.leak_mib, fragment=args.fragment,
         fp16_overflow=args.fp16_overflow, integrity_every=args.integrity_every,
         overrides=validate_overrides(parse_overrides(args.set)), seed=args.seed, max_steps=getattr(args, "steps", None),
-        graphs=args.graphs, new_tokens=args.new_tokens)
+        graphs=args.graphs, new_tokens=args.new_tokens, tuning=tuple(getattr(args, "tune", ())))
 
 
 # -- commands -----------------------------------------------------------------------------------------

@@ -209,3 +209,21 @@ def test_a_deadline_that_passes_during_the_build_ends_the_build_and_no_step_runs
     assert time.monotonic() - t0 < 1.0
     assert w.state == "stopped" and len(bus.steps) == 0
     assert "workload_error" not in [e.kind for e in bus.events.latest(20)]
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5), ("NVIDIA H100 PCIe", 756.5),
+                                        ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0)])
+def test_a_step_rows_mfu_is_against_the_peak_of_the_gpu_it_ran_on(name, peak):
+    """The health matrix's compute row is the median of the step rows' mfu: each row must divide by the peak of
+    the GPU the step ran on (its form factor too: an H200 NVL's 835 TFLOP/s, not the SXM's 989)."""
+    from gpuwatch.telemetry.bus import Bus
+    from gpuwatch.workload import flops as F
+    from gpuwatch.workload.runner import Workload, WorkloadConfig
+
+    assert F.peak_tflops(name, "bf16") == peak and F.peak_tflops("CPU", "bf16") is None
+    w = Workload(Bus(), WorkloadConfig(preset="tiny", mode="prefill", batch=1, seq_len=8, integrity_every=0,
+                                       overrides={"vocab_size": 512}, precision="bf16"))
+    w.device_name = name  # what torch.cuda.get_device_name says on that GPU
+    w._build()
+    row = w._timed_step(1, 8, "steady")
+    assert row["mfu"] == pytest.approx(row["tflops"] / peak)

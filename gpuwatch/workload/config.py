@@ -38,3 +38,4 @@ class WorkloadConfig:
     gpu_pci_bus_id: str | None = None
     accumulate: bool = True  # train: a ceiling below the schedule's batch -> gradient accumulation
     graphs: str = "auto"  # static KV cache + CUDA graphs: auto = decode only, on = decode and prefill, off
+    tuning: dict[str, str] = field(default_factory=dict)  # speed switches (workload/tuning.py), e.g. {"attention": "sdpa-flash"}

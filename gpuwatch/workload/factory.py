@@ -38,6 +38,23 @@ class WorkloadSpec:
     max_steps: int | None = None
     graphs: str = "auto"
     new_tokens: int | None = None  # decode: tokens generated per step (None: 128 on a GPU, 16 on a CPU)
+    tuning: tuple[str, ...] = ()  # speed switches, KEY=VALUE (workload/tuning.py)
+
+
+def parse_tuning(items) -> dict[str, str]:
+    """`("attention=sdpa-flash", "lean=on")` -> checked switches (workload/tuning.py); UsageError naming a bad one."""
+    from gpuwatch.workload import tuning
+
+    out = {}
+    for item in items:
+        k, sep, v = str(item).partition("=")
+        if not sep:
+            raise UsageError(f"bad --tune {item!r}: use KEY=VALUE, e.g. attention=sdpa-flash")
+        out[k.strip()] = v.strip()
+    try:
+        return tuning.check(out)
+    except ValueError as e:
+        raise UsageError(f"--tune: {e}") from None
 
 
 def _devices(spec: WorkloadSpec) -> list:
@@ -104,6 +121,7 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
 
     validate = getattr(presets, "validate_overrides", dict)
     overrides = validate(dict(spec.overrides))
+    tuned = parse_tuning(spec.tuning)
     choose_preset = presets.choose_preset
     if spec.max_batch and spec.batch and spec.max_batch < spec.batch:
         raise UsageError("--max-batch must be >= --batch")
@@ -128,7 +146,7 @@ def make_workloads(spec: WorkloadSpec, bus, nvml_index=None) -> list:
             overrides=overrides, faults=Faults(spec.leak_mib, spec.fragment, spec.fp16_overflow, spec.memory_limit_bytes),
             integrity_every=spec.integrity_every, seed=spec.seed, max_steps=spec.max_steps,
             gpu_uuid=ident.get("uuid"), gpu_pci_bus_id=ident.get("pci_bus_id"), graphs=spec.graphs,
-            decode_tokens=spec.new_tokens or (GPU_NEW_TOKENS if dev.type == "cuda" else CPU_NEW_TOKENS))
+            decode_tokens=spec.new_tokens or (GPU_NEW_TOKENS if dev.type == "cuda" else CPU_NEW_TOKENS), tuning=tuned)
         fields = presets.config_fields(cfg.preset, overrides)
         presets.check_config(fields, overrides, cfg.preset)  # before building: torch's errors come late
         _check_memory(cfg, fields, dev)

@@ -10,20 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
-# Dense peak TFLOP/s (no sparsity) by precision, from the vendors' datasheets.
+# Dense peak TFLOP/s (no sparsity) by precision, from the vendors' datasheets. The form factors differ
+# (the PCIe and NVL cards run lower clocks and power): their names are matched first, the longest key that
+# is in the device's name wins, so an "NVIDIA H200 NVL" is judged against its own peak, not the SXM's.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIE": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
 }
 
 
 def peak_tflops(device_name: str | None, precision: str) -> float | None:
-    for key, table in PEAK_TFLOPS.items():
-        if device_name and key in device_name.upper():
-            return table.get(precision)
-    return None
+    """The dense peak of the GPU named `device_name` (torch's or NVML's name) at `precision`; None if unknown."""
+    name = (device_name or "").upper()
+    keys = sorted((k for k in PEAK_TFLOPS if k in name), key=len, reverse=True)
+    return PEAK_TFLOPS[keys[0]].get(precision) if keys else None
 
 
 def _attn_params(c: dict[str, Any]) -> int:

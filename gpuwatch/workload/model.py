@@ -147,13 +147,22 @@ def step_decode(model, ids, new_tokens: int):
     return None, last.abs().max().item()
 
 
-def step_train(model, ids, optimizer, scaler: LossScaler | None):
-    """Forward + backward + SGD step. Returns (loss, max |logit|); a non-finite loss skips the update."""
+def _max_abs_logit(logits, lean: bool) -> float:
+    """max |logit|; `lean` (workload/tuning.py) without the fp32 copy of all the logits (the same value)."""
+    if lean:
+        from gpuwatch.workload.tuning import max_abs
+
+        return max_abs(logits)
+    return logits.detach().float().abs().max().item()
+
+
+def step_train(model, ids, optimizer, scaler: LossScaler | None, lean: bool = False):
+    """Forward + backward + optimizer step. Returns (loss, max |logit|); a non-finite loss skips the update."""
     model.train()
     try:
         out = model(input_ids=ids, labels=ids, use_cache=False)
         loss = out.loss
-        max_logit = out.logits.detach().float().abs().max().item()
+        max_logit = _max_abs_logit(out.logits, lean)
         del out
         value = loss.item()
         if not torch.isfinite(loss):
@@ -168,7 +177,7 @@ def step_train(model, ids, optimizer, scaler: LossScaler | None):
         model.eval()
 
 
-def step_train_accumulated(model, chunks, optimizer, scaler) -> tuple[float, float]:
+def step_train_accumulated(model, chunks, optimizer, scaler, lean: bool = False) -> tuple[float, float]:
     """One optimizer step over micro-batches: each micro-batch's loss / k is backpropagated, the
     gradients add up, one update at the end (the same update as the whole batch, up to rounding)."""
     model.train()
@@ -178,7 +187,7 @@ def step_train_accumulated(model, chunks, optimizer, scaler) -> tuple[float, flo
         for ids in chunks:
             out = model(input_ids=ids, labels=ids, use_cache=False)
             loss = out.loss
-            max_logit = max(max_logit, out.logits.detach().float().abs().max().item())
+            max_logit = max(max_logit, _max_abs_logit(out.logits, lean))
             del out
             losses.append(loss.item())
             if not torch.isfinite(loss):

@@ -29,6 +29,7 @@ from gpuwatch.workload.guarded import GuardedSide
 from gpuwatch.workload.integrity import integrity
 from gpuwatch.workload.config import Faults, WorkloadConfig  # noqa: F401 - imported from here by callers
 from gpuwatch.workload import model as M
+from gpuwatch.workload import tuning as T
 from gpuwatch.workload.presets import config_fields, defaults
 from gpuwatch.workload.schedule import Schedule
 
@@ -59,6 +60,7 @@ class Workload(GuardedSide):
         self.unrecovered: str | None = None
         self.params = F.param_count(self.fields)
         self.expert_impl: str | None = None
+        self.tuned = T.Applied({})  # the speed switches on the model (set by _build)
         self._pending: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._resume = threading.Event()
@@ -195,7 +197,7 @@ class Workload(GuardedSide):
         return {"preset": c.preset, "mode": c.mode, "schedule": c.schedule, "precision": self.precision,
                 "batch": self.schedule.batch, "seq_len": self.schedule.seq_len, "device": str(self.device),
                 "params": self.params, "overrides": c.overrides, "faults": vars(c.faults),
-                "integrity_every": c.integrity_every, "seed": c.seed, "gpu_index": c.gpu_index,
+                "integrity_every": c.integrity_every, "seed": c.seed, "tuning": dict(c.tuning), "gpu_index": c.gpu_index,
                 "gpu_uuid": c.gpu_uuid, "gpu_pci_bus_id": c.gpu_pci_bus_id}
 
     # -- resume (before start) --------------------------------------------------------------------------
@@ -285,10 +287,11 @@ class Workload(GuardedSide):
         else:
             self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed,
                                              cancelled=self._build_cancelled if self.cancellable_build else None)
+        self.tuned = T.apply(self.model, self.cfg.tuning, self.device)  # the speed switches (none by default)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-5) if self.cfg.mode == "train" else None
+        self.optimizer = T.make_optimizer(self.model, self.cfg.tuning, self.device) if self.cfg.mode == "train" else None
         self.scaler = M.LossScaler() if self.cfg.mode == "train" and self.precision == "fp16" else None
         self.decoder = None
         g, mode = self.cfg.graphs, self.cfg.mode
@@ -437,9 +440,10 @@ class Workload(GuardedSide):
         if lim and (micro or batch) * seq > lim:
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {(micro or batch) * seq} tokens > {lim})")
         if mode == "train" and k > 1:
-            loss, max_logit = M.step_train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler)
+            loss, max_logit = M.step_train_accumulated(self.model, ids.split(micro or batch), self.optimizer, self.scaler,
+                                                       self.tuned.lean)
         elif mode == "train":
-            loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler)
+            loss, max_logit = M.step_train(self.model, ids, self.optimizer, self.scaler, self.tuned.lean)
         elif self.decoder is not None:
             loss, max_logit = self.decoder.step(ids)
         elif mode == "decode":
@@ -469,15 +473,15 @@ class Workload(GuardedSide):
         if self.model is not None:  # the decode engine may have switched it (grouped_mm for graphs)
             self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if d is None or d.mode is None:
-            return self.expert_impl
+            return self.expert_impl + T.label(self.cfg.tuning)
         if d.mode == "eager":
-            return f"{self.expert_impl}/eager"
+            return f"{self.expert_impl}{T.label(self.cfg.tuning)}/eager"
         if d.impl == "fast":
             experts = "dense-bmm" if d.detail.get("experts") == "dense bmm" else self.expert_impl
             attention = "mla-absorbed" if d.new_tokens else "mla-sdpa"  # a prefill-only engine: expanded attention
             fused = "+fused" if d.new_tokens and d.detail.get("kernels", "").startswith("fused") else ""
             return f"{experts}+{attention}{fused}{'+compiled' if d.detail.get('compiled') else ''}/{d.mode}"
-        return f"{self.expert_impl}/{d.mode}"
+        return f"{self.expert_impl}{T.label(self.cfg.tuning)}/{d.mode}"
 
     def _recover_oom(self, message: str, batch: int, seq: int, before: int | None, micro: int | None = None) -> bool:
         """Free what the failed step held; True = retry the same step (a reactive rule decided so)."""
