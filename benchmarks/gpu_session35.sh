@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 35's H200 calls, several issues' measurements in one call each (device time is scarce; each part
+# is its own script, run here in sequence, never side by side, so no part's figures are another's):
+#   b: issue 30's baseline profile (gpu_stress_speed.sh, ~200 s), issue 29's blind held-out set of seed 2901
+#      (gpu_heldout.sh, 8 scenarios, ~185 s), issue 28's no-cap pairs (unguarded / planner interleaved, 30 steps)
+#   c: issue 30's switches beside the baseline (train, prefill), then the switches' GPU tests
+#   run (repo root, carry .dev):  bash benchmarks/gpu_session35.sh b|c
+set -u
+R=${OUT:-/tmp/out}; mkdir -p "$R"
+case "${1:?b or c}" in
+b)
+  OUT="$R/profile" LIMIT_S=200 BUDGET_S=170 bash benchmarks/gpu_stress_speed.sh 2>&1 | tail -n 30
+  echo "== heldout $(date +%T)"
+  OUT="$R" HELDOUT_DEADLINE_S=160 timeout 185 bash benchmarks/gpu_heldout.sh 2901 8 60 2>&1 | tail -n 14
+  echo "== nocap pairs $(date +%T)"
+  . benchmarks/device_env.sh
+  timeout 190 python3 benchmarks/planner_curriculum.py --out "$R/nocap" --work /tmp/gw-nocap --arm-timeout 50 \
+    --nocap-steps 30 --arms "unguarded-nocap,planner-nocap,unguarded-nocap#2,planner-nocap#2" > "$R/nocap.jsonl" 2> "$R/nocap.err"
+  echo "rc=$? $(date +%T)"; cut -c1-420 "$R/nocap.jsonl"
+  tar czf "$R/nocap-sessions.tgz" -C "$R/nocap" sessions 2>/dev/null; rm -rf "$R/nocap/sessions" /tmp/gw-nocap
+  ;;
+c)
+  OUT="$R/switches" MODES=train,prefill PRESET_BUDGET_S=105 LIMIT_S=240 BUDGET_S=215 EXTRA='--profile-steps 0' \
+    VARIANTS=baseline,experts=gw-grouped,attention=sdpa-flash,lean=on,optimizer=adamw-fused,experts=gw-grouped+attention=sdpa-flash+lean=on,compile=moe,attention=flex,compile=layer \
+    bash benchmarks/gpu_stress_speed.sh 2>&1 | tail -n 30
+  echo "== gpu tests $(date +%T)"
+  . benchmarks/device_env.sh
+  timeout 150 python3 -m pytest -q -m gpu tests/test_workload_tuning.py -x -p no:cacheprovider > "$R/gpu_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; tail -n 15 "$R/gpu_tests.txt"
+  ;;
+esac
