@@ -140,3 +140,78 @@ def test_no_function_over_80_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them, or allow a table/kernel here): {long}"
     stale = {q for q in LONG_FUNCTIONS_ALLOWED if found.get(q, 0) <= MAX_FUNCTION_LINES}
     assert not stale, f"allowed long functions that are gone or short now (drop them from the list): {stale}"
+
+
+# Private members read or written across objects: `x._name` (or getattr/setattr/hasattr(x, "_name")) on
+# anything but `self`, `cls` or `super()`. What one object needs of another is a public method or a declared
+# protocol member; the exceptions are other libraries' private members, where the library offers no public
+# way (each says why), keyed "module: expression".
+FOREIGN_PRIVATE_ALLOWED = {
+    # transformers' Trainer keeps its own copy of the batch size; a resumed run at a new one must reset it
+    "gpuwatch.integrations.hf: trainer._train_batch_size",
+    # scikit-learn's fitted trees and baseline, walked directly for single-row scoring (predict/scorer.py)
+    "gpuwatch.predict.scorer: getattr(clf, '_predictors')",
+    "gpuwatch.predict.scorer: clf._baseline_prediction",
+    # pynvml's loader of libnvidia-ml function pointers (the direct C path, telemetry/nvml_direct.py)
+    "gpuwatch.telemetry.nvml_direct: pynvml._nvmlGetFunctionPointer",
+    # torch's allocator settings and memory snapshots, which torch exposes only privately
+    "gpuwatch.workload.allocator: getattr(torch.cuda.memory, '_set_allocator_settings')",
+    "gpuwatch.workload.allocator: torch._C",
+    "gpuwatch.workload.allocator: getattr(torch._C, '_accelerator_setAllocatorSettings')",
+    "gpuwatch.workload.memsnap: torch.cuda.memory._snapshot",
+    "gpuwatch.workload.model: torch._foreach_mul_",
+    "gpuwatch.workload.model: torch._dynamo",
+    # transformers' switch of the MoE experts' implementation (a private config field)
+    "gpuwatch.workload.model: getattr(cfg, '_experts_implementation')",
+    "gpuwatch.workload.model: getattr(self.model.config, '_experts_implementation')",
+    "gpuwatch.workload.runner: getattr(self.model.config, '_experts_implementation')",
+    # the fused-weights marker gpuwatch sets on a torch module (attributes of its own on a foreign object)
+    "gpuwatch.workload.fastpath: getattr(mods[0], '_gw_fused')",
+    "gpuwatch.workload.fastpath: mods[0]._gw_fused",
+}
+_PROBES = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def _private(name: object) -> bool:
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
+def _own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object itself."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def _private_reads(tree: ast.AST):
+    """(line, expression) of each private member reached on another object."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
+            yield node.lineno, ast.unparse(node)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _PROBES
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and _private(node.args[1].value)
+              and not _own(node.args[0])):
+            yield node.lineno, f"{node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
+
+
+def test_no_private_member_is_reached_across_objects():
+    found: dict[str, list[str]] = {}
+    for m, p in _modules().items():
+        for line, expr in _private_reads(ast.parse(p.read_text(), str(p))):
+            found.setdefault(f"{m}: {expr}", []).append(f"{p.relative_to(ROOT)}:{line}")
+    bad = [f"{where[0]}: {key.split(': ', 1)[1]}" for key, where in found.items() if key not in FOREIGN_PRIVATE_ALLOWED]
+    assert not bad, ("private members of other objects (make it a public method or a protocol member):\n"
+                     + "\n".join(bad))
+    stale = FOREIGN_PRIVATE_ALLOWED - set(found)
+    assert not stale, f"allowed private reads that are gone (drop them from the list): {stale}"
+
+
+def test_the_private_member_check_catches_a_planted_case():
+    planted = ast.parse(
+        "class A:\n"
+        "    def f(self, other, cls=None):\n"
+        "        self._own = other._theirs\n"          # caught: another object's private field
+        "        super()._build()\n"                    # not caught: the object itself
+        "        getattr(other, '_probe', None)\n"      # caught: the same read through getattr
+        "        getattr(self, '_mine', None)\n"        # not caught
+        "        return other.__class__, other.public, src.x._ts\n")  # a dunder and a public name pass; _ts caught
+    assert [e for _l, e in _private_reads(planted)] == ["other._theirs", "getattr(other, '_probe')", "src.x._ts"]
