@@ -30,6 +30,7 @@ from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_wo
 from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
+from gpuwatch.units import fmt_bytes
 from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
 from gpuwatch.workload.factory import WorkloadSpec
 
@@ -268,6 +269,10 @@ class Session:
         if self.recorder:
             self.recorder.meta["config"]["workloads"] = [x.describe() for x in self.workloads]
 
+    def status(self) -> SessionStatus:
+        """The guard's, the recorder's and each workload's state now, as every front end says it."""
+        return session_status(self.model_note, self.guard, self.recorder, self.workloads, self.sampler)
+
     @property
     def workload(self):
         """The first workload (the one the dashboard shows and the keys control), or None."""
@@ -346,6 +351,134 @@ class Session:
                           on_tick=on_tick, tick_s=tick_s, on_hup=on_hup)
 
 
+# -- what a run's front ends say about it ---------------------------------------------------------------
+@dataclass(frozen=True)
+class GuardStatus:
+    mode: str
+    rule: str
+    actions: int
+    misses: int
+    unable: str | None = None  # why it cannot act (no GPU, no model): said once as an event, shown while it holds
+    stopped: dict = field(default_factory=dict)  # workloads the guard stopped, and why
+
+    def panel(self, manual: bool) -> str:
+        """The dashboard's risk panel: mode, rule, actions so far, who has control."""
+        if self.unable:
+            return f"guard {self.mode}: cannot act ({self.unable})"
+        return (f"guard {self.mode}/{self.rule}: {self.actions} act, {self.misses} miss"
+                + (" (user has control: a hands back)" if manual else ""))
+
+    def progress(self) -> str:
+        return f"guard {self.actions} action(s), {self.misses} miss(es)"
+
+    def summary(self) -> str:
+        return f"guard ({self.mode}, {self.rule}): {self.actions} action(s), {self.misses} failure(s) not prevented"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "rule": self.rule, "actions": self.actions, "misses": self.misses,
+                "unable": self.unable, "stopped": self.stopped or None}
+
+
+@dataclass(frozen=True)
+class RecorderStatus:
+    dir: Path
+    rows: int
+    bytes: int
+    dropped: int
+    error: str | None
+    incomplete_reason: str | None
+    complete: bool
+    resumed: list
+    late_ticks: int | None  # the sampler's ticks that started more than one interval late
+
+    @property
+    def bad(self) -> str | None:
+        """What makes the recording fail a run: its error, else why it is incomplete."""
+        return self.error or self.incomplete_reason
+
+    def header(self) -> str:
+        """The dashboard's header."""
+        return (f"rec {self.rows} rows {fmt_bytes(self.bytes)} dropped {self.dropped} {self.dir.name}"
+                if not self.error else f"REC ERROR: {self.error}")
+
+    def progress(self) -> str:
+        return f"{self.rows} rows" + (" RECORDER ERROR" if self.error else "")
+
+    def summary(self, late: bool = True) -> str:
+        """The line a run ends with (`late`: with the sampler's counts)."""
+        counts = f"{self.rows} rows, {self.bytes} bytes" + (f", {self.dropped} dropped, {self.late_ticks} late ticks"
+                                                            if late else "")
+        return (f"recording: {self.dir} ({counts})" + (f"; ERROR {self.error}" if self.error else "")
+                + (f"; INCOMPLETE {self.incomplete_reason}" if late and self.incomplete_reason and not self.error else ""))
+
+    def check(self) -> str:
+        """The CI check's message."""
+        bad = self.bad
+        return f"{self.error or 'INCOMPLETE ' + str(self.incomplete_reason)}" if bad else f"{self.rows} sample rows in {self.dir}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"dir": str(self.dir), "rows": self.rows, "bytes": self.bytes, "dropped": self.dropped,
+                "late_ticks": self.late_ticks, "error": self.error, "incomplete_reason": self.incomplete_reason,
+                "complete": self.complete, "resumed": self.resumed}
+
+
+@dataclass(frozen=True)
+class WorkloadStatus:
+    preset: str
+    mode: str
+    state: str
+    label: str  # "tiny prefill on GPU 0" ("... on CPU" without a GPU): the one name of a workload in every line
+    unrecovered: str | None = None
+    manual: bool = False  # a user's change overrides the guard until handed back
+
+    @property
+    def describe(self) -> str:
+        """The dashboard's workload line: the label, and the failure that stopped it."""
+        return self.label + (f": {self.unrecovered}" if self.unrecovered else "")
+
+
+def workload_label(preset: str, mode: str, gpu_index: int | None, device_name: str) -> str:
+    return f"{preset} {mode} on {f'GPU {gpu_index}' if gpu_index is not None else device_name}"
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """What the dashboard, the CI lines and a run's summary say about a session, read once (`Session.status()`)."""
+
+    model_note: str
+    guard: GuardStatus | None = None
+    recorder: RecorderStatus | None = None
+    workloads: tuple[WorkloadStatus, ...] = ()
+
+    def guard_panel(self) -> str:
+        if self.guard is None:
+            return "guard off" if self.workloads else ""
+        return self.guard.panel(bool(self.workloads) and self.workloads[0].manual)
+
+    def guard_progress(self) -> str:
+        return self.guard.progress() if self.guard is not None else "guard off"
+
+    def recorder_header(self) -> str:
+        return self.recorder.header() if self.recorder is not None else "not recording"
+
+    def recorder_progress(self) -> str:
+        return self.recorder.progress() if self.recorder is not None else "not recording"
+
+
+def session_status(model_note: str, guard=None, recorder=None, workloads=(), sampler=None) -> SessionStatus:
+    """A `SessionStatus` of these parts (a Session's own, or a front end's stand-ins in tests)."""
+    g = None if guard is None else GuardStatus(guard.cfg.mode, guard.cfg.rule, guard.actions, guard.misses,
+                                                guard.unable, dict(guard.stopped))
+    r = None if recorder is None else RecorderStatus(
+        recorder.dir, recorder.rows, recorder.bytes, recorder.dropped, recorder.error, recorder.incomplete_reason,
+        bool(recorder.meta.get("complete")), list(recorder.meta.get("resumed") or []),
+        sampler.late_ticks if sampler is not None else None)
+    ws = tuple(WorkloadStatus(w.cfg.preset, w.cfg.mode, w.state,
+                              workload_label(w.cfg.preset, w.cfg.mode, w.cfg.gpu_index, w.device_name),
+                              w.unrecovered, w.manual) for w in workloads)
+    return SessionStatus(model_note, g, r, ws)
+
+
 def _bus_id(s: str) -> str:
     """PCI bus ids compare without the domain's width or case: 00000000:1B:00.0 == 0000:1b:00.0."""
     parts = s.strip().lower().split(":")
@@ -361,5 +494,6 @@ class SessionFailed(GpuwatchError):
     """A runtime fault that ends a run (exit 1)."""
 
 
-__all__ = ["ModelChoice", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig", "SessionFailed", "load_resume",
-           "versions", "wait_until"]
+__all__ = ["GuardStatus", "ModelChoice", "RecorderStatus", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig",
+           "SessionFailed", "SessionStatus", "WorkloadStatus", "load_resume", "session_status", "versions", "wait_until",
+           "workload_label"]

@@ -291,14 +291,7 @@ class Dashboard(Screen):
 
     def _guard_status(self) -> str:
         """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
-        s = self.session
-        if s is None or s.guard is None:
-            return "guard off" if s is not None and s.workloads else ""
-        g = s.guard
-        if getattr(g, "unable", None):  # said once as a guard_unable event; shown here while it holds
-            return f"guard {g.cfg.mode}: cannot act ({g.unable})"
-        manual = " (user has control: a hands back)" if self.workload is not None and self.workload.manual else ""
-        return f"guard {g.cfg.mode}/{g.cfg.rule}: {g.actions} act, {g.misses} miss{manual}"
+        return self.session.status().guard_panel() if self.session is not None else ""
 
     def _plot_meta(self):
         """The GpuMeta of the GPU the plots and the risk line show (None when CPU-only)."""
@@ -323,12 +316,11 @@ class Dashboard(Screen):
         return "steps table missing" if self._steps_missing else "recorded"
 
     def _workload_status(self) -> dict[str, Any] | None:
-        w = self.workload
-        if w is None:
+        live = self.session.status().workloads if self.session is not None else ()
+        if not live:
             rec = self._recorded_workload()
             return {"state": self._recorded_state(), "preset": rec.get("preset", ""), "describe": ""} if rec else None
-        return {"state": w.state, "preset": w.cfg.preset,
-                "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
+        return {"state": live[0].state, "preset": live[0].preset, "describe": live[0].describe}
 
     # -- keys both screens have ---------------------------------------------------------------------------
     def action_next_gpu(self) -> None:
@@ -392,11 +384,7 @@ class LiveScreen(Dashboard):
         return True
 
     def header_extra(self) -> str:
-        if self.session is not None and self.session.recorder is not None:
-            r = self.session.recorder
-            return (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
-                    if not r.error else f"REC ERROR: {r.error}")
-        return "not recording"
+        return self.session.status().recorder_header() if self.session is not None else "not recording"
 
     def action_toggle_pause_view(self) -> None:
         self.view_paused = not self.view_paused
