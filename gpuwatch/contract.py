@@ -141,6 +141,25 @@ class GuardedWorkload(Protocol):
     def request_snapshot(self, directory: Path | None, reason: str) -> None: ...
 
 
+class SessionWorkload(GuardedWorkload, Protocol):
+    """What the session (`gpuwatch.runtime.Session`) and its front ends read of each workload it runs,
+    besides the guard's contract: gpuwatch's `Workload` and the library's `GuardedLoop` both have it."""
+
+    state: str  # idle, building, running, paused, stopped, failed, finished
+    manual: bool  # a user's change overrides the guard until handed back
+    unrecovered: str | None  # the failure that stopped it, where one did
+    device_name: str  # "CPU", or the CUDA device's name
+    memory_limit_bytes: int | None  # its cap on the GPU's memory (a fault or the user's), if any
+    honours_deadline: bool  # it stops at `ends_at` (Session.ends_in); where not, it is never told one
+    ends_at: float | None  # when the run ends (epoch s; --duration): the lookahead ends there
+
+    def past_end(self) -> bool: ...  # past `ends_at`: no step starts, nothing is planned
+    def describe(self) -> dict[str, Any]: ...  # its configuration as meta.json records it (preset, mode, gpu_index...)
+    def export_state(self) -> dict[str, Any]: ...  # what a resume needs ("step", "precision", ...)
+    def start(self) -> Any: ...
+    def stop(self, join: bool = True) -> None: ...
+
+
 @runtime_checkable
 class WorkloadControls(Protocol):
     """What a person (the dashboard's keys) may do to a running workload."""

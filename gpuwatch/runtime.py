@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from gpuwatch import __version__
+from gpuwatch.contract import SessionWorkload
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
@@ -87,7 +88,7 @@ class Session:
         self._external = workloads
         self.bus = bus or Bus()
         self._say = on_status or (lambda _msg: None)
-        self.workloads: list = []
+        self.workloads: list[SessionWorkload] = []
         self.recorder = self.scorer = self.guard = self.exporter = None
         self.model_note = "no risk model"
         self._started = self._stopped = False
@@ -131,7 +132,7 @@ class Session:
             self._restore(cfg.resume)
         from gpuwatch.predict.features import SAMPLE_COLUMNS
 
-        self.source = LiveSource(self.bus, self.gpu_meta(), getattr(self.gpu, "label", None) or "CPU-only",
+        self.source = LiveSource(self.bus, self.gpu_meta(), (self.gpu.label if self.gpu is not None else None) or "CPU-only",
                                  interval_s=cfg.interval_s, sample_columns=SAMPLE_COLUMNS)
         if cfg.record_dir is not None:
             from gpuwatch.recording.writer import Recorder
@@ -214,10 +215,11 @@ class Session:
 
     def _nvml_index(self, ident: dict[str, Any]) -> int | None:
         """The NVML index of a CUDA device, matched by UUID, then PCI bus id (never by CUDA ordinal)."""
-        for g in getattr(self.gpu, "gpus", []) or []:
+        gpus = self.gpu.gpus if self.gpu is not None else []
+        for g in gpus:
             if ident.get("uuid") and g.uuid and ident["uuid"].lower() == g.uuid.lower():
                 return g.index
-        for g in getattr(self.gpu, "gpus", []) or []:
+        for g in gpus:
             if ident.get("pci_bus_id") and g.pci_bus_id and _bus_id(ident["pci_bus_id"]) == _bus_id(g.pci_bus_id):
                 return g.index
         return None
@@ -226,7 +228,7 @@ class Session:
         """The next step a GPU's workload will run (what the model scores), or None."""
         for w in self.workloads:
             if w.gpu_index == gpu:
-                if getattr(w, "past_end", lambda: False)():  # no step more, and not the last row's
+                if w.past_end():  # no step more, and not the last row's
                     return {"batch": None, "seq_len": None}      # plan either (features)
                 p = w.next_plan()
                 return None if p is None else p.scored()
@@ -238,7 +240,7 @@ class Session:
         caps = {w.gpu_index: w.memory_limit_bytes for w in self.workloads}
         desc: dict = {}
         for w in self.workloads:  # the first workload of a GPU, as a replay reads meta.json (recorded_workload)
-            if callable(getattr(w, "describe", None)) and w.gpu_index not in desc:
+            if w.gpu_index not in desc:
                 desc[w.gpu_index] = w.describe()
         return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
                         mem_limit_bytes=caps.get(g.index), pid=os.getpid() if g.index in caps else None,
@@ -254,8 +256,9 @@ class Session:
             "host": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
-            "sampler_loop": getattr(self.sampler, "loop", None), "sampler_loop_note": getattr(self.sampler, "loop_note", None),
-            "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
+            "sampler_loop": self.sampler.loop, "sampler_loop_note": self.sampler.loop_note,
+            "gpu_note": self.gpu_note, "driver_version": self.gpu.driver_version if self.gpu is not None else None,
+            # NVML's memory call (v1/v2): only the in-process NVML backend knows it (the sampler child does not say)
             "memory_api": getattr(self.gpu, "memory_api", None),
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": config,
@@ -336,7 +339,7 @@ class Session:
             return
         at = time.time() + seconds
         for w in self.workloads:
-            if getattr(w, "honours_deadline", False):
+            if w.honours_deadline:
                 w.ends_at = at
         self.bus.emit("deadline", f"the run ends in {seconds:.0f} s", ends_at=at)  # exact: rows compare with it
 
@@ -432,7 +435,7 @@ class WorkloadStatus:
     manual: bool = False  # a user's change overrides the guard until handed back
 
     @property
-    def describe(self) -> str:
+    def line(self) -> str:
         """The dashboard's workload line: the label, and the failure that stopped it."""
         return self.label + (f": {self.unrecovered}" if self.unrecovered else "")
 
@@ -465,7 +468,8 @@ class SessionStatus:
         return self.recorder.progress() if self.recorder is not None else "not recording"
 
 
-def session_status(model_note: str, guard=None, recorder=None, workloads=(), sampler=None) -> SessionStatus:
+def session_status(model_note: str, guard=None, recorder=None, workloads: Iterable[SessionWorkload] = (),
+                   sampler=None) -> SessionStatus:
     """A `SessionStatus` of these parts (a Session's own, or a front end's stand-ins in tests)."""
     g = None if guard is None else GuardStatus(guard.cfg.mode, guard.cfg.rule, guard.actions, guard.misses,
                                                 guard.unable, dict(guard.stopped))
@@ -473,9 +477,9 @@ def session_status(model_note: str, guard=None, recorder=None, workloads=(), sam
         recorder.dir, recorder.rows, recorder.bytes, recorder.dropped, recorder.error, recorder.incomplete_reason,
         bool(recorder.meta.get("complete")), list(recorder.meta.get("resumed") or []),
         sampler.late_ticks if sampler is not None else None)
-    ws = tuple(WorkloadStatus(w.cfg.preset, w.cfg.mode, w.state,
-                              workload_label(w.cfg.preset, w.cfg.mode, w.cfg.gpu_index, w.device_name),
-                              w.unrecovered, w.manual) for w in workloads)
+    ws = tuple(WorkloadStatus(d["preset"], d["mode"], w.state,
+                              workload_label(d["preset"], d["mode"], d.get("gpu_index"), w.device_name),
+                              w.unrecovered, w.manual) for w, d in ((w, w.describe()) for w in workloads))
     return SessionStatus(model_note, g, r, ws)
 
 

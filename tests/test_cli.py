@@ -208,7 +208,7 @@ def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
             cfg=SimpleNamespace(preset="tiny", mode="prefill", gpu_index=None, schedule="steady"),
             device_name="cpu", state="stopped", ooms=ooms, recovered=ooms, nonfinite=0, integrity_failures=0,
             unrecovered=None, manual=False, schedule=SimpleNamespace(edges=[], oom_levels=None),
-            export_state=lambda: {"step": step})
+            export_state=lambda: {"step": step}, describe=lambda: {"preset": "tiny", "mode": "prefill", "gpu_index": None})
 
     def session(w):
         return SimpleNamespace(workloads=[w], bus=Bus(), status=lambda: session_status("no risk model", workloads=[w]))

@@ -40,7 +40,8 @@ def _fake_session(bus):
     """The part of a Session the live screen reads: a running workload and a guard, so that every
     live key is in the footer."""
     w = SimpleNamespace(state="running", cfg=SimpleNamespace(preset="v2-lite", mode="train", gpu_index=None),
-                        device_name="H200", unrecovered=None, manual=False, batch=8, precision="bf16", paused=False)
+                        device_name="H200", unrecovered=None, manual=False, batch=8, precision="bf16", paused=False,
+                        describe=lambda: {"preset": "v2-lite", "mode": "train", "gpu_index": None})
     g = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=0, misses=0, unable=None, stopped={})
     return SimpleNamespace(workload=w, workloads=[w], guard=g, recorder=None, model_note="no risk model", bus=bus,
                            status=lambda: session_status("no risk model", g, None, [w]))

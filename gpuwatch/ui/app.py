@@ -320,7 +320,7 @@ class Dashboard(Screen):
         if not live:
             rec = self._recorded_workload()
             return {"state": self._recorded_state(), "preset": rec.get("preset", ""), "describe": ""} if rec else None
-        return {"state": live[0].state, "preset": live[0].preset, "describe": live[0].describe}
+        return {"state": live[0].state, "preset": live[0].preset, "describe": live[0].line}
 
     # -- keys both screens have ---------------------------------------------------------------------------
     def action_next_gpu(self) -> None:
