@@ -80,7 +80,7 @@ class StepPlan:
 
     def scored(self) -> dict[str, Any]:
         """The plan as the risk model's feature function reads it."""
-        out = {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
+        out: dict[str, Any] = {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
                "effective_batch": self.effective_batch if self.effective_batch is not None else self.batch,
                "micro_batches": self.micro_batches}
         if self.ahead_batch and self.ahead_seq_len:
@@ -152,6 +152,7 @@ class SessionWorkload(GuardedWorkload, Protocol):
     memory_limit_bytes: int | None  # its cap on the GPU's memory (a fault or the user's), if any
     honours_deadline: bool  # it stops at `ends_at` (Session.ends_in); where not, it is never told one
     ends_at: float | None  # when the run ends (epoch s; --duration): the lookahead ends there
+    guard: Any  # the session's guard (control.guard.Guard), set by the session before start; None unguarded
 
     def past_end(self) -> bool: ...  # past `ends_at`: no step starts, nothing is planned
     def describe(self) -> dict[str, Any]: ...  # its configuration as meta.json records it (preset, mode, gpu_index...)

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gpuwatch import __version__
 from gpuwatch.contract import SessionWorkload
@@ -34,6 +34,13 @@ from gpuwatch.telemetry.sampler import Sampler
 from gpuwatch.units import fmt_bytes
 from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
 from gpuwatch.workload.factory import WorkloadSpec
+
+if TYPE_CHECKING:  # built lazily (each import costs time, or pulls in scikit-learn)
+    from gpuwatch.control.guard import Guard
+    from gpuwatch.export.prometheus import PrometheusExporter
+    from gpuwatch.predict.scorer import LiveScorer
+    from gpuwatch.recording.writer import Recorder
+    from gpuwatch.telemetry.sampler_process import SamplerProcess
 
 
 def versions() -> dict[str, str | None]:
@@ -89,11 +96,14 @@ class Session:
         self.bus = bus or Bus()
         self._say = on_status or (lambda _msg: None)
         self.workloads: list[SessionWorkload] = []
-        self.recorder = self.scorer = self.guard = self.exporter = None
+        self.recorder: Recorder | None = None
+        self.scorer: LiveScorer | None = None
+        self.guard: Guard | None = None
+        self.exporter: PrometheusExporter | None = None
         self.model_note = "no risk model"
         self._started = self._stopped = False
-        self.sampler = None
-        self.gpu = None
+        self.sampler: Sampler | SamplerProcess | None = None
+        self.gpu: Any = None  # the GPU backend (telemetry.sampler.GpuBackend), None without a GPU
         # events of the assembly itself (no_gpu): held until the recorder exists (it reads the bus from its
         # creation on), then put on the bus with their own time stamps; see _emit_early / _flush_early
         self._early: list[Event] | None = []
@@ -112,9 +122,10 @@ class Session:
         if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
-                                          first_tick=first_tick)
-            self.gpu, self.gpu_note = self.sampler.launch()
+            proc = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
+                                  first_tick=first_tick)
+            self.sampler = proc
+            self.gpu, self.gpu_note = proc.launch()
         else:
             self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s, first_tick=first_tick)
@@ -137,11 +148,11 @@ class Session:
         if cfg.record_dir is not None:
             from gpuwatch.recording.writer import Recorder
 
-            self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name,
-                                     resume=resume_entry(cfg.resume, self.workloads) if cfg.resume is not None else None)
+            rec = self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name,
+                                           resume=resume_entry(cfg.resume, self.workloads) if cfg.resume is not None else None)
             if cfg.sampler == "process" and cfg.deliver_s > 0:
-                self.sampler.on_delivery = self.recorder.kick
-                self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
+                self.sampler.on_delivery = rec.kick  # type: ignore[union-attr]  # the process sampler's
+                rec.wait_s = 2 * max(cfg.deliver_s, rec.flush_interval)
         self._flush_early()  # the recorder (if any) reads the bus now
         self._make_scorer(cfg, model)
         if cfg.prometheus is not None:
@@ -204,7 +215,7 @@ class Session:
         if self.workloads and cfg.guard.mode != "off":
             from gpuwatch.control.guard import Guard
 
-            limits = {m.index: m.effective_limit_bytes for m in self.source.gpus}
+            limits: dict[int | None, int | None] = {m.index: m.effective_limit_bytes for m in self.source.gpus}
             self.guard = Guard(self.bus, cfg.guard, {w.gpu_index: w for w in self.workloads},
                                model.threshold if model is not None else 1.0,
                                rescore=self.scorer.rescore if self.scorer else None, limits=limits, unable=unable,
@@ -256,7 +267,8 @@ class Session:
             "host": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
-            "sampler_loop": self.sampler.loop, "sampler_loop_note": self.sampler.loop_note,
+            "sampler_loop": self.sampler.loop if self.sampler else None,
+            "sampler_loop_note": self.sampler.loop_note if self.sampler else None,
             "gpu_note": self.gpu_note, "driver_version": self.gpu.driver_version if self.gpu is not None else None,
             # NVML's memory call (v1/v2): only the in-process NVML backend knows it (the sampler child does not say)
             "memory_api": getattr(self.gpu, "memory_api", None),
@@ -302,7 +314,8 @@ class Session:
         if self.config.resume is not None:
             msg, fields = resumed_event(self.config.resume, self.workloads)
             self.bus.emit("session_resumed", msg, **fields)
-        self.sampler.start()
+        if self.sampler is not None:  # (always, once assembled)
+            self.sampler.start()
         if self.scorer:
             self.scorer.start()
         for w in self.workloads:
