@@ -179,6 +179,12 @@ class WorkloadControls(Protocol):
     def stop(self, join: bool = True) -> None: ...
 
 
+def next_step_columns(plan: StepPlan | None) -> dict[str, Any]:
+    """The next step's plan as a steps row and an `oom_recovered` event record it (what a replay scores)."""
+    return {"next_batch": plan.batch if plan else None, "next_seq_len": plan.seq_len if plan else None,
+            "next_precision": plan.precision if plan else None}
+
+
 def expand_plan(action: Action, ceiling: int | None, wanted: int | None) -> list[Action]:
     """A `plan` action as the workload's elementary changes, in the order they apply: the micro-batch
     ceiling (cleared where the plan's micro-batch is the whole batch), activation checkpointing, precision.

@@ -19,13 +19,14 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from gpuwatch.contract import GuardMode, Precision
 from gpuwatch.recording.source import ReplaySource, TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
 from gpuwatch.ui.screens import MIN_SIZE, ConfirmQuit, EventScreen, GotoScreen, HelpScreen, TooSmallScreen
 
-PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
-GUARD_CYCLE = ("on", "observe", "off")
+PRECISION_CYCLE: tuple[Precision, ...] = ("bf16", "fp16", "fp32", "tf32")  # the p key's order (contract.PRECISIONS)
+GUARD_CYCLE: tuple[GuardMode, ...] = ("on", "observe", "off")  # the G key's order (contract.GUARD_MODES)
 # The footer whole at 80 columns: each pair of keys under one word, and Textual's "^p palette" only
 # where there is room for it beside the keys (ctrl+p opens the palette at any width; the help says so).
 SEEK = Binding.Group("±10s")
