@@ -347,7 +347,7 @@ class Dashboard(Screen):
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.HELP_MODE, workload=self.workload is not None,
-                                        guard=self.session is not None and getattr(self.session, "guard", None) is not None))
+                                        guard=self.session is not None and self.session.guard is not None))
 
     def action_request_quit(self) -> None:
         w = self.workload
@@ -380,7 +380,7 @@ class LiveScreen(Dashboard):
             return False
         if action == "guard_mode" and (self.session is None or self.session.guard is None):
             return False
-        if action == "mark" and (self.session is None or getattr(self.session, "bus", None) is None):
+        if action == "mark" and (self.session is None or self.session.bus is None):
             return False
         return True
 
