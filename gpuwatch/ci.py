@@ -126,13 +126,8 @@ class Progress:
         if failed:
             parts.append(f"FAILED {len(failed)}")
         parts.append(f"risk {max(self._risk.values()):.2f}" if self._risk else "risk -")
-        g = s.guard
-        parts.append(f"guard {g.actions} action(s), {g.misses} miss(es)" if g is not None else "guard off")
-        r = s.recorder
-        if r is not None:
-            parts.append(f"{r.rows} rows" + (" RECORDER ERROR" if r.error else ""))
-        else:
-            parts.append("not recording")
+        status = s.status()
+        parts += [status.guard_progress(), status.recorder_progress()]
         return "gpuwatch: " + " | ".join(parts)
 
     def __call__(self) -> None:
@@ -219,20 +214,16 @@ def health_rows(rec, fail_on: dict[str, float]) -> list[dict[str, Any]]:
     return out
 
 
-def _label(w) -> str:
-    where = f"GPU {w.cfg.gpu_index}" if w.cfg.gpu_index is not None else str(w.device_name)
-    return f"{w.cfg.preset} {w.cfg.mode} on {where}"
-
-
 def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_note: str | None) -> dict[str, Any]:
     """The whole summary of the run (what --summary-json writes), checks and exit code included."""
     from gpuwatch.runtime import SIGNAL_EXIT
 
     checks: list[dict[str, Any]] = []
     reasons: list[str] = []
-    workloads = _workload_checks(session, why, info, summaries, checks, reasons)
-    r = session.recorder
-    recording = _recording_check(session, checks, reasons)
+    status = session.status()
+    workloads = _workload_checks(session, status, why, info, summaries, checks, reasons)
+    r = status.recorder
+    recording = _recording_check(r, checks, reasons)
     rows = health_rows(rec, info.fail_on) if rec is not None else []
     _health_checks(rows, checks, reasons)
     if rec is None:
@@ -241,15 +232,14 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
     if why in SIGNAL_EXIT:
         code = SIGNAL_EXIT[why]
         reasons.insert(0, f"stopped by {why}")
-    g = session.guard
+    g = status.guard
     return {
         "gpuwatch": __version__, "argv": sys.argv, "session": str(r.dir) if r is not None else None,
         "stopped_by": why, "elapsed_s": round(info.offset_s + info.ran_s, 3), "this_run_s": round(info.ran_s, 3),
         "duration_s": info.duration_s, "resumed": bool(info.resumed),
         "workloads": workloads, "recording": recording,
-        "guard": {"mode": g.cfg.mode, "rule": g.cfg.rule, "actions": g.actions, "misses": g.misses,
-                  "unable": g.unable, "stopped": g.stopped or None} if g else None,
-        "model": getattr(session, "model_note", None),
+        "guard": g.as_json() if g else None,
+        "model": status.model_note,
         "thresholds": dict(info.fail_on),
         "health": {"checked": rec is not None, "note": rec_note, "rows": rows},
         "checks": checks,
@@ -257,20 +247,20 @@ def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_no
     }
 
 
-def _workload_checks(session, why: str, info: RunInfo, summaries: list[dict], checks: list[dict[str, Any]],
+def _workload_checks(session, status, why: str, info: RunInfo, summaries: list[dict], checks: list[dict[str, Any]],
                      reasons: list[str]) -> list[dict[str, Any]]:
     """Per workload: its summary for the JSON, and its checks (no unrecovered failure, steps completed,
     integrity) added to `checks`, with why each failure fails the run added to `reasons`."""
     from gpuwatch.runtime import SIGNAL_EXIT
 
     workloads = []
-    for w, s in zip(session.workloads, summaries):
+    for w, ws, s in zip(session.workloads, status.workloads, summaries):
         st = w.export_state()
         earlier = list(info.previous_unrecovered)
         s = {**s, "steps_total": st["step"], "schedule": st["schedule"], "precision": st["precision"],
              "previous_unrecovered": earlier}
         workloads.append(s)
-        label = _label(w)
+        label = ws.label
         bad = s["unrecovered"] or (earlier[0] if earlier else None)
         checks.append({"name": f"no unrecovered failure ({label})", "status": "fail" if bad else "pass",
                        "message": f"unrecovered: {bad}" if bad else f"{s['ooms']} OOM(s), {s['recovered']} recovered"})
@@ -294,22 +284,14 @@ def _workload_checks(session, why: str, info: RunInfo, summaries: list[dict], ch
     return workloads
 
 
-def _recording_check(session, checks: list[dict[str, Any]], reasons: list[str]) -> dict[str, Any] | None:
-    """The recording's part of the summary (None without one) and its check."""
-    r = session.recorder
+def _recording_check(r, checks: list[dict[str, Any]], reasons: list[str]) -> dict[str, Any] | None:
+    """The recording's part of the summary (None without one) and its check (`r`: a RecorderStatus)."""
     if r is None:
         return None
-    incomplete = getattr(r, "incomplete_reason", None)
-    recording = {"dir": str(r.dir), "rows": r.rows, "bytes": r.bytes, "dropped": r.dropped,
-                 "late_ticks": getattr(session.sampler, "late_ticks", None), "error": r.error,
-                 "incomplete_reason": incomplete, "complete": bool(r.meta.get("complete")),
-                 "resumed": r.meta.get("resumed") or []}
-    bad = r.error or incomplete
-    checks.append({"name": "recording", "status": "fail" if bad else "pass",
-                   "message": f"{r.error or 'INCOMPLETE ' + str(incomplete)}" if bad else f"{r.rows} sample rows in {r.dir}"})
-    if bad:
-        reasons.append(f"recording: {r.error or incomplete}")
-    return recording
+    checks.append({"name": "recording", "status": "fail" if r.bad else "pass", "message": r.check()})
+    if r.bad:
+        reasons.append(f"recording: {r.bad}")
+    return r.as_json()
 
 
 def _health_checks(rows: list[dict[str, Any]], checks: list[dict[str, Any]], reasons: list[str]) -> None:
@@ -449,17 +431,14 @@ def _workload_lines(session, why: str, steps_from, signal_exit: dict) -> tuple[l
 
 def _guard_and_recording_lines(session) -> int:
     """The guard's line and the recording's line; 1 if the recording failed or is incomplete."""
-    if session.guard is not None:
-        g = session.guard
-        print(f"guard ({g.cfg.mode}, {g.cfg.rule}): {g.actions} action(s), {g.misses} failure(s) not prevented")
-    r = session.recorder
+    status = session.status()
+    if status.guard is not None:
+        print(status.guard.summary())
+    r = status.recorder
     if r is None:
         return 0
-    why_incomplete = getattr(r, "incomplete_reason", None)
-    print(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes, {r.dropped} dropped, "
-          f"{session.sampler.late_ticks} late ticks)" + (f"; ERROR {r.error}" if r.error else "")
-          + (f"; INCOMPLETE {why_incomplete}" if why_incomplete and not r.error else ""))
-    return 1 if (r.error or why_incomplete) else 0
+    print(r.summary())
+    return 1 if r.bad else 0
 
 
 def detach(session) -> None:

@@ -80,7 +80,7 @@ class StepPlan:
 
     def scored(self) -> dict[str, Any]:
         """The plan as the risk model's feature function reads it."""
-        out = {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
+        out: dict[str, Any] = {"batch": self.batch, "seq_len": self.seq_len, "precision": self.precision, "mode": self.mode,
                "effective_batch": self.effective_batch if self.effective_batch is not None else self.batch,
                "micro_batches": self.micro_batches}
         if self.ahead_batch and self.ahead_seq_len:
@@ -142,6 +142,26 @@ class GuardedWorkload(Protocol):
     def request_snapshot(self, directory: Path | None, reason: str) -> None: ...
 
 
+class SessionWorkload(GuardedWorkload, Protocol):
+    """What the session (`gpuwatch.runtime.Session`) and its front ends read of each workload it runs,
+    besides the guard's contract: gpuwatch's `Workload` and the library's `GuardedLoop` both have it."""
+
+    state: str  # idle, building, running, paused, stopped, failed, finished
+    manual: bool  # a user's change overrides the guard until handed back
+    unrecovered: str | None  # the failure that stopped it, where one did
+    device_name: str  # "CPU", or the CUDA device's name
+    memory_limit_bytes: int | None  # its cap on the GPU's memory (a fault or the user's), if any
+    honours_deadline: bool  # it stops at `ends_at` (Session.ends_in); where not, it is never told one
+    ends_at: float | None  # when the run ends (epoch s; --duration): the lookahead ends there
+    guard: Any  # the session's guard (control.guard.Guard), set by the session before start; None unguarded
+
+    def past_end(self) -> bool: ...  # past `ends_at`: no step starts, nothing is planned
+    def describe(self) -> dict[str, Any]: ...  # its configuration as meta.json records it (preset, mode, gpu_index...)
+    def export_state(self) -> dict[str, Any]: ...  # what a resume needs ("step", "precision", ...)
+    def start(self) -> Any: ...
+    def stop(self, join: bool = True) -> None: ...
+
+
 @runtime_checkable
 class WorkloadControls(Protocol):
     """What a person (the dashboard's keys) may do to a running workload."""
@@ -158,6 +178,12 @@ class WorkloadControls(Protocol):
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def stop(self, join: bool = True) -> None: ...
+
+
+def next_step_columns(plan: StepPlan | None) -> dict[str, Any]:
+    """The next step's plan as a steps row and an `oom_recovered` event record it (what a replay scores)."""
+    return {"next_batch": plan.batch if plan else None, "next_seq_len": plan.seq_len if plan else None,
+            "next_precision": plan.precision if plan else None}
 
 
 def expand_plan(action: Action, ceiling: int | None, wanted: int | None) -> list[Action]:

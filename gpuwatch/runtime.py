@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gpuwatch import __version__
+from gpuwatch.contract import SessionWorkload
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
@@ -30,8 +31,16 @@ from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_wo
 from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
+from gpuwatch.units import fmt_bytes
 from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
 from gpuwatch.workload.factory import WorkloadSpec
+
+if TYPE_CHECKING:  # built lazily (each import costs time, or pulls in scikit-learn)
+    from gpuwatch.control.guard import Guard
+    from gpuwatch.export.prometheus import PrometheusExporter
+    from gpuwatch.predict.scorer import LiveScorer
+    from gpuwatch.recording.writer import Recorder
+    from gpuwatch.telemetry.sampler_process import SamplerProcess
 
 
 def versions() -> dict[str, str | None]:
@@ -86,12 +95,15 @@ class Session:
         self._external = workloads
         self.bus = bus or Bus()
         self._say = on_status or (lambda _msg: None)
-        self.workloads: list = []
-        self.recorder = self.scorer = self.guard = self.exporter = None
+        self.workloads: list[SessionWorkload] = []
+        self.recorder: Recorder | None = None
+        self.scorer: LiveScorer | None = None
+        self.guard: Guard | None = None
+        self.exporter: PrometheusExporter | None = None
         self.model_note = "no risk model"
         self._started = self._stopped = False
-        self.sampler = None
-        self.gpu = None
+        self.sampler: Sampler | SamplerProcess | None = None
+        self.gpu: Any = None  # the GPU backend (telemetry.sampler.GpuBackend), None without a GPU
         # events of the assembly itself (no_gpu): held until the recorder exists (it reads the bus from its
         # creation on), then put on the bus with their own time stamps; see _emit_early / _flush_early
         self._early: list[Event] | None = []
@@ -110,9 +122,10 @@ class Session:
         if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            self.sampler = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
-                                          first_tick=first_tick)
-            self.gpu, self.gpu_note = self.sampler.launch()
+            proc = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
+                                  first_tick=first_tick)
+            self.sampler = proc
+            self.gpu, self.gpu_note = proc.launch()
         else:
             self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s, first_tick=first_tick)
@@ -130,16 +143,16 @@ class Session:
             self._restore(cfg.resume)
         from gpuwatch.predict.features import SAMPLE_COLUMNS
 
-        self.source = LiveSource(self.bus, self.gpu_meta(), getattr(self.gpu, "label", None) or "CPU-only",
+        self.source = LiveSource(self.bus, self.gpu_meta(), (self.gpu.label if self.gpu is not None else None) or "CPU-only",
                                  interval_s=cfg.interval_s, sample_columns=SAMPLE_COLUMNS)
         if cfg.record_dir is not None:
             from gpuwatch.recording.writer import Recorder
 
-            self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name,
-                                     resume=resume_entry(cfg.resume, self.workloads) if cfg.resume is not None else None)
+            rec = self.recorder = Recorder(self.bus, cfg.record_dir, self.meta(), name=cfg.name,
+                                           resume=resume_entry(cfg.resume, self.workloads) if cfg.resume is not None else None)
             if cfg.sampler == "process" and cfg.deliver_s > 0:
-                self.sampler.on_delivery = self.recorder.kick
-                self.recorder.wait_s = 2 * max(cfg.deliver_s, self.recorder.flush_interval)
+                self.sampler.on_delivery = rec.kick  # type: ignore[union-attr]  # the process sampler's
+                rec.wait_s = 2 * max(cfg.deliver_s, rec.flush_interval)
         self._flush_early()  # the recorder (if any) reads the bus now
         self._make_scorer(cfg, model)
         if cfg.prometheus is not None:
@@ -202,7 +215,7 @@ class Session:
         if self.workloads and cfg.guard.mode != "off":
             from gpuwatch.control.guard import Guard
 
-            limits = {m.index: m.effective_limit_bytes for m in self.source.gpus}
+            limits: dict[int | None, int | None] = {m.index: m.effective_limit_bytes for m in self.source.gpus}
             self.guard = Guard(self.bus, cfg.guard, {w.gpu_index: w for w in self.workloads},
                                model.threshold if model is not None else 1.0,
                                rescore=self.scorer.rescore if self.scorer else None, limits=limits, unable=unable,
@@ -213,10 +226,11 @@ class Session:
 
     def _nvml_index(self, ident: dict[str, Any]) -> int | None:
         """The NVML index of a CUDA device, matched by UUID, then PCI bus id (never by CUDA ordinal)."""
-        for g in getattr(self.gpu, "gpus", []) or []:
+        gpus = self.gpu.gpus if self.gpu is not None else []
+        for g in gpus:
             if ident.get("uuid") and g.uuid and ident["uuid"].lower() == g.uuid.lower():
                 return g.index
-        for g in getattr(self.gpu, "gpus", []) or []:
+        for g in gpus:
             if ident.get("pci_bus_id") and g.pci_bus_id and _bus_id(ident["pci_bus_id"]) == _bus_id(g.pci_bus_id):
                 return g.index
         return None
@@ -225,7 +239,7 @@ class Session:
         """The next step a GPU's workload will run (what the model scores), or None."""
         for w in self.workloads:
             if w.gpu_index == gpu:
-                if getattr(w, "past_end", lambda: False)():  # no step more, and not the last row's
+                if w.past_end():  # no step more, and not the last row's
                     return {"batch": None, "seq_len": None}      # plan either (features)
                 p = w.next_plan()
                 return None if p is None else p.scored()
@@ -237,7 +251,7 @@ class Session:
         caps = {w.gpu_index: w.memory_limit_bytes for w in self.workloads}
         desc: dict = {}
         for w in self.workloads:  # the first workload of a GPU, as a replay reads meta.json (recorded_workload)
-            if callable(getattr(w, "describe", None)) and w.gpu_index not in desc:
+            if w.gpu_index not in desc:
                 desc[w.gpu_index] = w.describe()
         return [GpuMeta(g.index, g.name, g.mem_total_bytes, g.power_limit_w, g.temp_slowdown_c,
                         mem_limit_bytes=caps.get(g.index), pid=os.getpid() if g.index in caps else None,
@@ -253,8 +267,10 @@ class Session:
             "host": socket.gethostname(), "platform": platform.platform(), "pid": os.getpid(),
             "cpu_count": self.host.cores, "gpu_backend": self.gpu.kind if self.gpu else None,
             "sampler": type(self.sampler).__name__,
-            "sampler_loop": getattr(self.sampler, "loop", None), "sampler_loop_note": getattr(self.sampler, "loop_note", None),
-            "gpu_note": self.gpu_note, "driver_version": getattr(self.gpu, "driver_version", None),
+            "sampler_loop": self.sampler.loop if self.sampler else None,
+            "sampler_loop_note": self.sampler.loop_note if self.sampler else None,
+            "gpu_note": self.gpu_note, "driver_version": self.gpu.driver_version if self.gpu is not None else None,
+            # NVML's memory call (v1/v2): only the in-process NVML backend knows it (the sampler child does not say)
             "memory_api": getattr(self.gpu, "memory_api", None),
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": config,
@@ -267,6 +283,10 @@ class Session:
         self.workloads.append(w)
         if self.recorder:
             self.recorder.meta["config"]["workloads"] = [x.describe() for x in self.workloads]
+
+    def status(self) -> SessionStatus:
+        """The guard's, the recorder's and each workload's state now, as every front end says it."""
+        return session_status(self.model_note, self.guard, self.recorder, self.workloads, self.sampler)
 
     @property
     def workload(self):
@@ -294,7 +314,8 @@ class Session:
         if self.config.resume is not None:
             msg, fields = resumed_event(self.config.resume, self.workloads)
             self.bus.emit("session_resumed", msg, **fields)
-        self.sampler.start()
+        if self.sampler is not None:  # (always, once assembled)
+            self.sampler.start()
         if self.scorer:
             self.scorer.start()
         for w in self.workloads:
@@ -331,7 +352,7 @@ class Session:
             return
         at = time.time() + seconds
         for w in self.workloads:
-            if getattr(w, "honours_deadline", False):
+            if w.honours_deadline:
                 w.ends_at = at
         self.bus.emit("deadline", f"the run ends in {seconds:.0f} s", ends_at=at)  # exact: rows compare with it
 
@@ -344,6 +365,135 @@ class Session:
         done = (lambda: all(w.state in ("finished", "failed", "stopped") for w in self.workloads)) if until_done else None
         return wait_until(time.monotonic() + duration_s if duration_s is not None else None, done, poll_s,
                           on_tick=on_tick, tick_s=tick_s, on_hup=on_hup)
+
+
+# -- what a run's front ends say about it ---------------------------------------------------------------
+@dataclass(frozen=True)
+class GuardStatus:
+    mode: str
+    rule: str
+    actions: int
+    misses: int
+    unable: str | None = None  # why it cannot act (no GPU, no model): said once as an event, shown while it holds
+    stopped: dict = field(default_factory=dict)  # workloads the guard stopped, and why
+
+    def panel(self, manual: bool) -> str:
+        """The dashboard's risk panel: mode, rule, actions so far, who has control."""
+        if self.unable:
+            return f"guard {self.mode}: cannot act ({self.unable})"
+        return (f"guard {self.mode}/{self.rule}: {self.actions} act, {self.misses} miss"
+                + (" (user has control: a hands back)" if manual else ""))
+
+    def progress(self) -> str:
+        return f"guard {self.actions} action(s), {self.misses} miss(es)"
+
+    def summary(self) -> str:
+        return f"guard ({self.mode}, {self.rule}): {self.actions} action(s), {self.misses} failure(s) not prevented"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "rule": self.rule, "actions": self.actions, "misses": self.misses,
+                "unable": self.unable, "stopped": self.stopped or None}
+
+
+@dataclass(frozen=True)
+class RecorderStatus:
+    dir: Path
+    rows: int
+    bytes: int
+    dropped: int
+    error: str | None
+    incomplete_reason: str | None
+    complete: bool
+    resumed: list
+    late_ticks: int | None  # the sampler's ticks that started more than one interval late
+
+    @property
+    def bad(self) -> str | None:
+        """What makes the recording fail a run: its error, else why it is incomplete."""
+        return self.error or self.incomplete_reason
+
+    def header(self) -> str:
+        """The dashboard's header."""
+        return (f"rec {self.rows} rows {fmt_bytes(self.bytes)} dropped {self.dropped} {self.dir.name}"
+                if not self.error else f"REC ERROR: {self.error}")
+
+    def progress(self) -> str:
+        return f"{self.rows} rows" + (" RECORDER ERROR" if self.error else "")
+
+    def summary(self, late: bool = True) -> str:
+        """The line a run ends with (`late`: with the sampler's counts)."""
+        counts = f"{self.rows} rows, {self.bytes} bytes" + (f", {self.dropped} dropped, {self.late_ticks} late ticks"
+                                                            if late else "")
+        return (f"recording: {self.dir} ({counts})" + (f"; ERROR {self.error}" if self.error else "")
+                + (f"; INCOMPLETE {self.incomplete_reason}" if late and self.incomplete_reason and not self.error else ""))
+
+    def check(self) -> str:
+        """The CI check's message."""
+        bad = self.bad
+        return f"{self.error or 'INCOMPLETE ' + str(self.incomplete_reason)}" if bad else f"{self.rows} sample rows in {self.dir}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"dir": str(self.dir), "rows": self.rows, "bytes": self.bytes, "dropped": self.dropped,
+                "late_ticks": self.late_ticks, "error": self.error, "incomplete_reason": self.incomplete_reason,
+                "complete": self.complete, "resumed": self.resumed}
+
+
+@dataclass(frozen=True)
+class WorkloadStatus:
+    preset: str
+    mode: str
+    state: str
+    label: str  # "tiny prefill on GPU 0" ("... on CPU" without a GPU): the one name of a workload in every line
+    unrecovered: str | None = None
+    manual: bool = False  # a user's change overrides the guard until handed back
+
+    @property
+    def line(self) -> str:
+        """The dashboard's workload line: the label, and the failure that stopped it."""
+        return self.label + (f": {self.unrecovered}" if self.unrecovered else "")
+
+
+def workload_label(preset: str, mode: str, gpu_index: int | None, device_name: str) -> str:
+    return f"{preset} {mode} on {f'GPU {gpu_index}' if gpu_index is not None else device_name}"
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """What the dashboard, the CI lines and a run's summary say about a session, read once (`Session.status()`)."""
+
+    model_note: str
+    guard: GuardStatus | None = None
+    recorder: RecorderStatus | None = None
+    workloads: tuple[WorkloadStatus, ...] = ()
+
+    def guard_panel(self) -> str:
+        if self.guard is None:
+            return "guard off" if self.workloads else ""
+        return self.guard.panel(bool(self.workloads) and self.workloads[0].manual)
+
+    def guard_progress(self) -> str:
+        return self.guard.progress() if self.guard is not None else "guard off"
+
+    def recorder_header(self) -> str:
+        return self.recorder.header() if self.recorder is not None else "not recording"
+
+    def recorder_progress(self) -> str:
+        return self.recorder.progress() if self.recorder is not None else "not recording"
+
+
+def session_status(model_note: str, guard=None, recorder=None, workloads: Iterable[SessionWorkload] = (),
+                   sampler=None) -> SessionStatus:
+    """A `SessionStatus` of these parts (a Session's own, or a front end's stand-ins in tests)."""
+    g = None if guard is None else GuardStatus(guard.cfg.mode, guard.cfg.rule, guard.actions, guard.misses,
+                                                guard.unable, dict(guard.stopped))
+    r = None if recorder is None else RecorderStatus(
+        recorder.dir, recorder.rows, recorder.bytes, recorder.dropped, recorder.error, recorder.incomplete_reason,
+        bool(recorder.meta.get("complete")), list(recorder.meta.get("resumed") or []),
+        sampler.late_ticks if sampler is not None else None)
+    ws = tuple(WorkloadStatus(d["preset"], d["mode"], w.state,
+                              workload_label(d["preset"], d["mode"], d.get("gpu_index"), w.device_name),
+                              w.unrecovered, w.manual) for w, d in ((w, w.describe()) for w in workloads))
+    return SessionStatus(model_note, g, r, ws)
 
 
 def _bus_id(s: str) -> str:
@@ -361,5 +511,6 @@ class SessionFailed(GpuwatchError):
     """A runtime fault that ends a run (exit 1)."""
 
 
-__all__ = ["ModelChoice", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig", "SessionFailed", "load_resume",
-           "versions", "wait_until"]
+__all__ = ["GuardStatus", "ModelChoice", "RecorderStatus", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig",
+           "SessionFailed", "SessionStatus", "WorkloadStatus", "load_resume", "session_status", "versions", "wait_until",
+           "workload_label"]

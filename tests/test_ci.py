@@ -21,7 +21,7 @@ from gpuwatch import ci
 from gpuwatch.cli import main
 from gpuwatch.errors import UsageError
 from gpuwatch.recording.reader import open_recording
-from gpuwatch.runtime import wait_until
+from gpuwatch.runtime import session_status, wait_until
 from gpuwatch.workload.schedule import Schedule
 
 from conftest import ROOT, SWEEP
@@ -309,7 +309,7 @@ def test_no_data_for_an_enforced_check_fails_the_run():
     gpu_cols = [c for c in rec.samples.columns if c.startswith("gpu")]
     cpu = dataclasses.replace(rec, meta={**rec.meta, "gpus": []}, samples=rec.samples.with_columns(
         *(pl.lit(None).cast(rec.samples.schema[c]).alias(c) for c in gpu_cols)))
-    session = SimpleNamespace(workloads=[], recorder=None, guard=None, model_note=None)
+    session = SimpleNamespace(workloads=[], status=lambda: session_status(None))
     info = ci.RunInfo(fail_on=ci.parse_fail_on("util<85,throttled>0.05"))
     summary = ci.verdict(session, "done", info, [], cpu, None)
     assert summary["exit"]["code"] == 1, summary["exit"]
@@ -366,7 +366,7 @@ def _cpu_recording():
 def _judged(rec, fail_on: str | None):
     from types import SimpleNamespace
 
-    session = SimpleNamespace(workloads=[], recorder=None, guard=None, model_note=None)
+    session = SimpleNamespace(workloads=[], status=lambda: session_status(None))
     info = ci.RunInfo(fail_on=ci.parse_fail_on(fail_on) if fail_on else {})
     summary = ci.verdict(session, "done", info, [], rec, None)
     lines = {ln.split(":")[1].strip(): ln for ln in ci.health_lines(summary)}

@@ -200,17 +200,18 @@ def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
     from types import SimpleNamespace
 
     from gpuwatch.ci import finish as _finish
+    from gpuwatch.runtime import session_status
     from gpuwatch.telemetry.bus import Bus
 
     def workload(ooms: int, step: int):
         return SimpleNamespace(
             cfg=SimpleNamespace(preset="tiny", mode="prefill", gpu_index=None, schedule="steady"),
             device_name="cpu", state="stopped", ooms=ooms, recovered=ooms, nonfinite=0, integrity_failures=0,
-            unrecovered=None, schedule=SimpleNamespace(edges=[], oom_levels=None),
-            export_state=lambda: {"step": step})
+            unrecovered=None, manual=False, schedule=SimpleNamespace(edges=[], oom_levels=None),
+            export_state=lambda: {"step": step}, describe=lambda: {"preset": "tiny", "mode": "prefill", "gpu_index": None})
 
     def session(w):
-        return SimpleNamespace(workloads=[w], bus=Bus(), guard=None, recorder=None)
+        return SimpleNamespace(workloads=[w], bus=Bus(), status=lambda: session_status("no risk model", workloads=[w]))
 
     assert _finish(session(workload(9, 0)), "deadline") == 1
     assert "no step completed (9 OOM(s))" in capsys.readouterr().out

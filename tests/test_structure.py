@@ -1,7 +1,8 @@
 """The package's shape, read from its source with ast (every import, lazy ones inside functions too):
 no private name (`_x`) is imported from another module - a name another module needs is public, so
-renaming a private helper never breaks a distant import - and no module imports itself back through
-others (an import circle), the second thing import-linter's layers contract cannot see inside a layer."""
+renaming a private helper never breaks a distant import - no object reaches another's private members
+(`x._name` on anything but self/cls/super()), and no module imports itself back through others (an import
+circle), the second thing import-linter's layers contract cannot see inside a layer."""
 
 from __future__ import annotations
 
@@ -140,3 +141,86 @@ def test_no_function_over_80_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them, or allow a table/kernel here): {long}"
     stale = {q for q in LONG_FUNCTIONS_ALLOWED if found.get(q, 0) <= MAX_FUNCTION_LINES}
     assert not stale, f"allowed long functions that are gone or short now (drop them from the list): {stale}"
+
+
+
+# Private members reached on another object: `x._name`, or getattr/setattr/hasattr(x, "_name"), on anything
+# but `self`, `cls` or `super()`. What one object needs of another is a public method or a declared protocol
+# member, so a private field can be renamed without breaking a distant reader (the C ticker once drove the
+# sampler's `_stop`/`_wake` and the NVML reader's `_parr`; scoring read `ReplaySource._ts`; training called
+# `RiskComposite._combine`). A third-party module's own privates (`torch._C`, `pynvml._nvmlGetFunctionPointer`)
+# are reached through its module alias and allowed; a private member of a third-party *object* is allowed only
+# where it is listed here with why no public member does the job, keyed "module: expression".
+FOREIGN_PRIVATE_ALLOWED = {
+    # transformers' Trainer keeps its own copy of the per-device batch, which a restart reads back; no setter
+    "gpuwatch.integrations.hf: trainer._train_batch_size",
+    # scikit-learn's HistGradientBoostingClassifier keeps its trees and baseline (the raw score before the
+    # first tree) nowhere public; the scorer's pure-Python tree walk (0.36 ms a window) needs both
+    "gpuwatch.predict.scorer: getattr(clf, '_predictors')",
+    "gpuwatch.predict.scorer: clf._baseline_prediction",
+    # transformers' switch of the MoE experts' implementation is a private config field
+    "gpuwatch.workload.model: getattr(cfg, '_experts_implementation')",
+    "gpuwatch.workload.model: getattr(self.model.config, '_experts_implementation')",
+    "gpuwatch.workload.runner: getattr(self.model.config, '_experts_implementation')",
+    # a marker gpuwatch sets on a transformers module it fused (its own attribute on a foreign object)
+    "gpuwatch.workload.fastpath: getattr(mods[0], '_gw_fused')",
+    "gpuwatch.workload.fastpath: mods[0]._gw_fused",
+}
+_PROBES = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def _private(name: object) -> bool:
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
+def _module_aliases(tree: ast.AST) -> set[str]:
+    """Names bound by `import x` / `import x.y as z` (not gpuwatch's own): a module's privates are its library's."""
+    return {a.asname or a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for a in node.names} - {"gpuwatch"}
+
+
+def _own_or_module(node: ast.expr, modules: set[str]) -> bool:
+    """`self`, `cls` or `super()` (the object itself), or an attribute path rooted at a module alias."""
+    if (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"):
+        return True
+    while isinstance(node, ast.Attribute):  # torch.cuda.memory._snapshot: the root is the module alias
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in modules
+
+
+def _private_reads(tree: ast.AST):
+    """(line, expression) of each private member reached on another object."""
+    modules = _module_aliases(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _own_or_module(node.value, modules):
+            yield node.lineno, ast.unparse(node)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _PROBES
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and _private(node.args[1].value)
+              and not _own_or_module(node.args[0], modules)):
+            yield node.lineno, f"{node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
+
+
+def test_no_private_member_is_reached_across_objects():
+    found: dict[str, list[str]] = {}
+    for m, p in _modules().items():
+        for line, expr in _private_reads(ast.parse(p.read_text(), str(p))):
+            found.setdefault(f"{m}: {expr}", []).append(f"{p.relative_to(ROOT)}:{line}")
+    bad = [f"{where[0]}: {key.split(': ', 1)[1]}" for key, where in found.items() if key not in FOREIGN_PRIVATE_ALLOWED]
+    assert not bad, ("private members of other objects (make it a public method or a protocol member):\n"
+                     + "\n".join(bad))
+    stale = FOREIGN_PRIVATE_ALLOWED - set(found)
+    assert not stale, f"allowed private reads that are gone (drop them from the list): {stale}"
+
+
+def test_the_private_member_check_catches_a_planted_case():
+    planted = ast.parse(
+        "import torch\n"
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._own = other._theirs\n"          # caught: another object's private field
+        "        super()._build(); torch._C; torch.cuda.memory._snapshot()\n"  # the object itself, a module's
+        "        getattr(other, '_probe', None)\n"      # caught: the same read through getattr
+        "        getattr(self, '_mine', None)\n"
+        "        return other.__class__, other.public, src.x._ts\n")  # a dunder and a public name pass
+    assert [e for _l, e in _private_reads(planted)] == ["other._theirs", "getattr(other, '_probe')", "src.x._ts"]

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from gpuwatch.recording.source import ReplaySource
+from gpuwatch.runtime import session_status
 from gpuwatch.ui.app import make_app
 from gpuwatch.units import parse_goto
 from gpuwatch.ui.screens import ConfirmQuit, GotoScreen, HelpScreen
@@ -118,6 +119,9 @@ async def test_live_keys_reach_the_workload_and_the_bus():
         workload, recorder, guard, model_note = w, None, None, "no risk model"
         workloads = [w]
         bus = None
+
+        def status(self):
+            return session_status(self.model_note, self.guard, self.recorder, self.workloads)
     S.bus = bus
     app = make_app(src, session=S())
     async with app.run_test(size=(80, 24)) as pilot:
@@ -375,6 +379,9 @@ async def test_watch_source_replays_what_the_session_recorded():
 
     class S:  # the part of a Session attach_feed and the App use
         workload, recorder, guard, model_note, workloads = None, None, None, "no risk model", []
+
+        def status(self):
+            return session_status(self.model_note)
     S.bus, S.source = bus, src
     attach_feed(S, RecordedFeed(bus, RAMP))
     s.slow_tick()

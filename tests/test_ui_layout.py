@@ -7,6 +7,7 @@ import shutil
 from types import SimpleNamespace
 
 from gpuwatch.recording.source import ReplaySource
+from gpuwatch.runtime import session_status
 from gpuwatch.ui.app import make_app
 from gpuwatch.ui.screens import HelpScreen, TooSmallScreen
 
@@ -38,10 +39,12 @@ async def test_replay_footer_is_whole_at_80_columns():
 def _fake_session(bus):
     """The part of a Session the live screen reads: a running workload and a guard, so that every
     live key is in the footer."""
-    w = SimpleNamespace(state="running", cfg=SimpleNamespace(preset="v2-lite", mode="train"), device_name="H200",
-                        unrecovered=None, manual=False, batch=8, precision="bf16", paused=False)
-    g = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=0, misses=0, unable=None)
-    return SimpleNamespace(workload=w, workloads=[w], guard=g, recorder=None, model_note="no risk model", bus=bus)
+    w = SimpleNamespace(state="running", cfg=SimpleNamespace(preset="v2-lite", mode="train", gpu_index=None),
+                        device_name="H200", unrecovered=None, manual=False, batch=8, precision="bf16", paused=False,
+                        describe=lambda: {"preset": "v2-lite", "mode": "train", "gpu_index": None})
+    g = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=0, misses=0, unable=None, stopped={})
+    return SimpleNamespace(workload=w, workloads=[w], guard=g, recorder=None, model_note="no risk model", bus=bus,
+                           status=lambda: session_status("no risk model", g, None, [w]))
 
 
 async def test_live_footer_with_a_workload_and_a_guard_is_whole_at_80_columns():

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.contract import NONE, Action, GuardedWorkload, StepPlan, WorkloadView
+from gpuwatch.contract import NONE, Action, GuardedWorkload, GuardMode, StepPlan, WorkloadView
 from gpuwatch.control.planner import Decision, Estimate, Planner
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.ahead import RISK_NEXT
@@ -71,7 +71,7 @@ class Guard:
     def acting(self) -> bool:
         return self.cfg.mode == "on"
 
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: GuardMode) -> None:
         """on / observe / off at run time (the dashboard's G key); off keeps scoring, acts on nothing
         and logs nothing."""
         if mode != self.cfg.mode:
@@ -111,7 +111,8 @@ class Guard:
             rank = worst.get("rank")
             latest = {k: worst.get(k) for k in ("risk", "reasons", "features", "plan")}
         plan = w.next_plan()
-        self.last_decision[gpu] = d = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
+        d: dict[str, Any] = {"plan": None if plan is None else plan.scored(), "risk": None, "action": "none"}
+        self.last_decision[gpu] = d
         if plan is not None and not latest and rank is None and self.rescore is not None and gpu not in self._first_scored:
             # nothing scored on this GPU yet - the first step can start before the scorer's first round, and
             # the first step is where the shape library speaks (predict/prior.py): score its plan now, once
@@ -132,12 +133,13 @@ class Guard:
         if view.manual:
             d["why_none"] = "manual"
             return NONE
+        theirs: dict[str, Any] = worst or {}  # (a rank is set only from `worst`)
         if rank is not None:  # the other rank's GPU and memory figures
-            view = replace(view, gpu=worst.get("gpu"), **{k: v for k, v in (worst.get("view") or {}).items()
+            view = replace(view, gpu=theirs.get("gpu"), **{k: v for k, v in (theirs.get("view") or {}).items()
                                                            if hasattr(view, k)})
             d["rank"] = rank
         rescored = False
-        score_gpu = gpu if rank is None else worst.get("gpu")
+        score_gpu = gpu if rank is None else theirs.get("gpu")
         if self.rescore is not None and (rank is None or score_gpu is not None) and self._worth_rescoring(plan, latest):
             risk, reasons, feats = self.rescore(score_gpu, plan.scored())  # the plan stepped up since it was scored
             latest.update(risk=feats.get(RISK_NEXT, risk), reasons=reasons, features=feats, plan=plan.scored())

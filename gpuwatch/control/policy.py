@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatch.contract import GUARD_RULES, NONE, Action, GuardMode, GuardRule
+from gpuwatch.contract import (GUARD_RULES, NONE, Action, ActionKind, GuardMode, GuardRule, Precision,
+                               lower_precisions)
 from gpuwatch.control.planner import PlannerConfig
 
 
@@ -67,9 +68,9 @@ class Observation:
     last_batch: int | None  # the batch of the last step that ran (fit)
     ceiling: int | None  # the guard's current ceiling (None = none)
     floor: int = 1
-    precision: str = "bf16"
+    precision: Precision = "bf16"
     bf16_ok: bool = True
-    lower_precisions: tuple[str, ...] | None = None  # None: from precision and bf16_ok
+    lower_precisions: tuple[Precision, ...] | None = None  # None: from precision and bf16_ok
     accepts: frozenset[str] | None = None  # the actions the workload can apply (None: all)
     alloc_rising_steps: int | None = None  # steps in a row after which torch allocated rose (None: unknown)
     act_frac: float = 0.0  # the last step's activation peak (peak - allocated) / effective limit
@@ -88,15 +89,13 @@ class Observation:
 
 
 
-def _lower(obs: Observation) -> tuple[str, ...]:
+def _lower(obs: Observation) -> tuple[Precision, ...]:
     if obs.lower_precisions is not None:
         return obs.lower_precisions
-    if obs.precision not in ("fp32", "tf32"):
-        return ()
-    return ("bf16", "fp16") if obs.bf16_ok else ("fp16",)
+    return lower_precisions(obs.precision, obs.bf16_ok)
 
 
-def _can(obs: Observation, kind: str) -> bool:
+def _can(obs: Observation, kind: ActionKind) -> bool:
     return obs.accepts is None or kind in obs.accepts
 
 

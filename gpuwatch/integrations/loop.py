@@ -519,6 +519,21 @@ class GuardedLoop:
                 "faults": {"memory_limit_bytes": self.memory_limit_bytes}, "integrity_every": 0, "seed": None,
                 "gpu_index": self.gpu_index, "library": "gpuwatch.integrations.GuardedLoop", "label": self.label}
 
+    honours_deadline = False  # a user's loop is never told --duration's end (gpuwatch.contract.SessionWorkload)
+    ends_at: float | None = None
+
+    def past_end(self) -> bool:
+        return False
+
+    @property
+    def device_name(self) -> str:
+        return self._device_name
+
+    @property
+    def unrecovered(self) -> str | None:
+        """Why the loop failed (`fail`), once it has."""
+        return self.stopped if self.state == "failed" else None
+
     def export_state(self) -> dict[str, Any]:
         return {"step": self.steps, "precision": self.precision, "ooms": self.ooms, "retries": self.retries}
 

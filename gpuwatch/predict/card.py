@@ -133,7 +133,7 @@ def counterfactual_section(v: dict) -> list[str]:
         "",
         f"On the {v['capped_sessions']} real capped sessions (leaks left out: their failing step's peak is not a",
         f"shape that ran elsewhere): of {v['steps_under_real_caps']} steps that ran under a real cap, the rule",
-        f"(a step fails when its peak exceeds the cap less the fragmentation margin) would have failed",
+        "(a step fails when its peak exceeds the cap less the fragmentation margin) would have failed",
         f"{v['false_virtual_ooms']}; their peaks reached {_f(v['step_peak_over_cap_max'], '{:.3f}')} of the cap at most.",
         f"Of {v['real_ooms_with_known_peak']} real OOMs whose failing shape ran elsewhere, the rule reproduces",
         f"{v['real_ooms_reproduced']}; those shapes' peaks were {_f(v['real_oom_peak_over_cap_min'], '{:.3f}')}",

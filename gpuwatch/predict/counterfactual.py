@@ -108,7 +108,7 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
         steps = steps.head(oom_step)
         samples = samples.filter(pl.col("ts") <= cut)
         events = events.filter(pl.col("ts") < cut)
-        oom = {c: None for c in events.columns}
+        oom: dict[str, Any] = {c: None for c in events.columns}
         oom.update(ts=t_f, kind="oom", severity="error", gpu=row.get("gpu"),
                    message=f"CUDA OOM at batch {row['batch']} x {row['seq_len']} ({row['precision']}) under a virtual cap",
                    detail=json.dumps({"virtual": True, "cap_bytes": cap, "peak_bytes": int(peaks[oom_step])}))

@@ -174,7 +174,7 @@ def pick_threshold(timelines: list[Timeline], scores: list[np.ndarray], max_fa_p
     rows = [(float(t), event_metrics(timelines, scores, float(t), horizon_s)) for t in _candidates(scores)]
     if not rows:
         return 0.5, "no scores to choose from"
-    ok = [(t, m) for t, m in rows if _fa(m, near) is not None and _fa(m, near) <= max_fa_per_hour]
+    ok = [(t, m) for t, m in rows if (fa := _fa(m, near)) is not None and fa <= max_fa_per_hour]
     best = max(ok, key=lambda tm: (tm[1].caught, tm[0])) if ok else None
     if near and best is not None:  # near the limit the false-alarm target comes first: an alarm that
         m = best[1]                # fires every few minutes gets the guard switched off
@@ -241,7 +241,7 @@ def recall_at_fa(timelines: list[Timeline], scores: list[np.ndarray], fa_per_hou
     best = None
     for t in _candidates(scores):
         m = event_metrics(timelines, scores, float(t), horizon_s)
-        if _fa(m, near) is not None and _fa(m, near) <= fa_per_hour + 1e-9:
+        if (fa := _fa(m, near)) is not None and fa <= fa_per_hour + 1e-9:
             if best is None or m.caught > best.caught:
                 best = m
     return best

@@ -57,7 +57,7 @@ def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dic
     fc = library.first_step(identity(wl), wl["mode"], plan.get("precision") or wl.get("precision"), plan["batch"],
                             plan["seq_len"], attempt["cap"])
     act = (fc.mean - fc.base) / FIRST_STEP_OVERHEAD if fc is not None else 0.0  # the activations at the plan
-    room = (fc.limit - fc.base) / act if act > 0 else None
+    room = (fc.limit - fc.base) / act if fc is not None and act > 0 else None
     return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
             "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,
             "p": None if p != p else float(p), "alarm": bool(p == p and p >= alarm_p), "outcome": attempt["outcome"]}

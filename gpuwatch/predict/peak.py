@@ -168,6 +168,7 @@ def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list,
         return None
     last_prec = prec[-1] if prec else None
     p0 = prec[0] if prec else None
+    pscale: float | np.ndarray
     if prec and prec.count(p0) == len(prec):  # one precision (nearly always): a scalar, not a list's array
         pscale = PRECISION_BYTES.get(str(p0), 2.0)
     else:
@@ -248,7 +249,8 @@ def shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, n
         else:
             g[1].append(a)
     keys = sorted(groups)
-    meds, dev = [], []
+    meds: list[float] = []
+    dev: list[float] = []
     for k in keys:
         v = sorted(groups[k][1])
         n = len(v)

@@ -62,7 +62,7 @@ def _has_samples(src: ReplaySource, gpu: int) -> bool:
 
 def _steps_problem(src: ReplaySource) -> str | None:
     meta = src.reader.meta
-    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    cfg = c if isinstance(c := meta.get("config"), dict) else {}
     if meta.get("single_file") or not (cfg.get("workloads") or []):
         return None  # no workload ran (or one file: nothing beside it to say so)
     if not src.steps_df.is_empty():

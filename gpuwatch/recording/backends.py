@@ -18,8 +18,8 @@ def make_gpu_backend(source: str | None = None) -> tuple[Any | None, str]:
     if source:
         from gpuwatch.recording.replay_backend import ReplayGpuBackend
 
-        b = ReplayGpuBackend(source)
-        return b, f"{len(b.gpus)} GPU(s) from {b.label}"
+        rb = ReplayGpuBackend(source)
+        return rb, f"{len(rb.gpus)} GPU(s) from {rb.label}"
     try:
         b = NvmlBackend()
     except NvmlUnavailable as e:

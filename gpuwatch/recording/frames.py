@@ -154,6 +154,8 @@ def process_memory(s: pl.DataFrame, pid: int | None, cap: float | None, reserved
         used = own
         others = max(0.0, float(whole[-1]) - float(own[-1])) if np.isfinite(whole[-1]) else 0.0
         nontorch = outside_torch(float(own[-1]), reserved) if nontorch is None else nontorch
+        limit: float | None
+        alloc: float | None
         if cap:
             limit, alloc = cap + nontorch, cap
         elif total:

@@ -159,17 +159,17 @@ class StreamFile:
             raise ValueError(f"{self.path}: the table's schema changed within a stream")
         payload = batch if self.fd is not None else head + batch
         created = self.fd is None
-        if created:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644) if self.fd is None else self.fd
+        self.fd = fd
         try:
-            _write_all(self.fd, payload)
+            _write_all(fd, payload)
         except BaseException:
             try:
                 if created:
                     self.close()
                     unlink_quietly(self.path)
                 else:
-                    os.ftruncate(self.fd, self.size)
+                    os.ftruncate(fd, self.size)
             except OSError:
                 self.broken = True
                 self.close()

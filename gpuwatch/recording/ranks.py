@@ -60,11 +60,11 @@ def rank_stats(rows: Iterable[dict[str, Any]], last: int = 20) -> list[RankStat]
 
 def straggler(stats: list[RankStat]) -> Straggler | None:
     """The slowest rank (median step time) against the median of all ranks."""
-    timed = [s for s in stats if s.step_s is not None]
+    timed = [(s.step_s, s) for s in stats if s.step_s is not None]
     if len(timed) < 2:
         return None
-    slow = max(timed, key=lambda s: s.step_s)
-    return Straggler(slow.rank, slow.step_s, statistics.median(s.step_s for s in timed))
+    step_s, slow = max(timed, key=lambda ts: ts[0])
+    return Straggler(slow.rank, step_s, statistics.median(t for t, _s in timed))
 
 
 def collectives(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

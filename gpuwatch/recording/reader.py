@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -110,7 +110,7 @@ def read_table_file(path: Path, table: str | None = None) -> tuple[str, pl.DataF
                 raise RecordingError(str(e)) from None
         if df is None:
             raise RecordingError(f"{path}: no complete record batch")
-        return t, df
+        return cast(str, t), df  # a record batch always comes with its table's name
     stat_regular(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -391,7 +391,7 @@ class SessionReader:
                 self._rows[t][p.name] = df.height
             frames[t].append(df)
             if t in ("samples", "events", "steps") and df.height:
-                last = df["ts"].max()
+                last = cast("datetime | None", df["ts"].max())
                 if last is not None:
                     us = int(last.timestamp() * 1e6)
                     self._last_us = us if self._last_us is None else max(self._last_us, us)

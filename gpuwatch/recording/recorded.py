@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -27,7 +27,7 @@ def recorded_interval(meta: dict[str, Any]) -> float:
 
 def recorded_caps(meta: dict[str, Any]) -> dict[int | None, int]:
     """Each GPU's workload memory cap (--gpu-memory-limit) as the session's meta.json records it."""
-    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    cfg = c if isinstance(c := meta.get("config"), dict) else {}
     out: dict[int | None, int] = {}
     for w in cfg.get("workloads") or []:
         if not isinstance(w, dict):
@@ -98,7 +98,7 @@ def first_plan(steps: pl.DataFrame, events: pl.DataFrame, end_us: int) -> dict[s
     if first_us is not None and first_us <= end_us or not events.height:
         return None
     started = events.filter(pl.col("kind").is_in(["session_start", "workload_start"]))["ts"].dt.epoch("us")
-    if not started.len() or int(started.min()) > end_us:
+    if not started.len() or int(cast(int, started.min())) > end_us:
         return None
     ev = events.filter(pl.col("kind").is_in(["oom", "oom_recovered"]))
     rows = [(int(t), k, event_detail({"detail": d})) for t, k, d in

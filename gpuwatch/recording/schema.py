@@ -6,7 +6,12 @@ sentinel. docs/SCHEMA.md documents the same columns; tests check that the two ag
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import polars as pl
+
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType  # a class (pl.UInt8) or an instance (pl.List(...)): both are dtypes
 
 SCHEMA_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
@@ -19,7 +24,7 @@ PROC = pl.List(pl.Struct({"pid": pl.UInt32, "used_bytes": pl.UInt64, "sm_util_pc
                           "mem_util_pct": pl.UInt8, "user": pl.String, "command": pl.String}))
 
 # One row per (tick, GPU); a machine with no GPU writes one row per tick with gpu = null.
-SAMPLES: dict[str, pl.DataType] = {
+SAMPLES: dict[str, PolarsDataType] = {
     "ts": TS,
     "tick": pl.UInt32,
     "gpu": pl.UInt8,
@@ -55,7 +60,7 @@ SAMPLES: dict[str, pl.DataType] = {
 }
 
 # One row per workload step.
-STEPS: dict[str, pl.DataType] = {
+STEPS: dict[str, PolarsDataType] = {
     "ts": TS,
     "step": pl.UInt32,
     "gpu": pl.UInt8,
@@ -92,7 +97,7 @@ STEPS: dict[str, pl.DataType] = {
 }
 
 # One row per (scoring, GPU): the failure risk that was live at that moment (v2).
-RISK: dict[str, pl.DataType] = {
+RISK: dict[str, PolarsDataType] = {
     "ts": TS,
     "gpu": pl.UInt8,
     "kind": pl.String,
@@ -104,7 +109,7 @@ RISK: dict[str, pl.DataType] = {
 }
 
 # Events: the labels for training and the markers in replay. `detail` is a JSON object as text.
-EVENTS: dict[str, pl.DataType] = {
+EVENTS: dict[str, PolarsDataType] = {
     "ts": TS,
     "kind": pl.String,
     "severity": pl.String,
@@ -113,7 +118,7 @@ EVENTS: dict[str, pl.DataType] = {
     "detail": pl.String,
 }
 
-TABLES: dict[str, dict[str, pl.DataType]] = {"samples": SAMPLES, "steps": STEPS, "events": EVENTS, "risk": RISK}
+TABLES: dict[str, dict[str, PolarsDataType]] = {"samples": SAMPLES, "steps": STEPS, "events": EVENTS, "risk": RISK}
 TABLE_RE = "|".join(TABLES)  # for file-name patterns
 
 EVENT_KINDS = (
@@ -161,7 +166,7 @@ def check_schema(schema: pl.Schema | dict, table: str) -> list[str]:
     return problems
 
 
-def _compatible(have: pl.DataType, want: pl.DataType) -> bool:
+def _compatible(have: PolarsDataType, want: PolarsDataType) -> bool:
     """Whether `conform` can read a column of type `have` as `want`: the same type, numbers as numbers,
     lists of compatible items, and structs whose fields are ours (fewer fields: an older session's)."""
     if have == want or (have.is_numeric() and want.is_numeric()):

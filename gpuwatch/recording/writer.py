@@ -25,7 +25,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -209,7 +209,7 @@ class Recorder:
             top = max((b for _, b in chunks), default=0)
             for n in [n for n in mine if STREAM_RE.match(n)]:  # streams of a killed process become chunks
                 mine.remove(n)
-                first = int(STREAM_RE.match(n).group(2))
+                first = int(STREAM_RE.match(n).group(2))  # type: ignore[union-attr]  # it matched just above
                 if any(a <= first <= b for a, b in chunks):  # killed between writing its chunk and deleting it
                     (self.dir / n).unlink()
                     continue
@@ -232,7 +232,7 @@ class Recorder:
                 top = max(top, first + batches - 1)
             for n in mine:
                 m = SEGMENT_RE.match(n)
-                top = max(top, int(m.group(2)) if m else int(CHUNK_RE.match(n).group(3)))
+                top = max(top, int(m.group(2)) if m else int(CHUNK_RE.match(n).group(3)))  # type: ignore[union-attr]
             self._seg[table] = top
             for n in mine:
                 path = self.dir / n
@@ -355,7 +355,7 @@ class Recorder:
         """Hold at most HOLD_S of unwritten rows per table (like the bus ring); older ones are lost."""
         for table, frames in self._pending.items():
             while len(frames) > 1:
-                first, last = frames[0]["ts"].min(), frames[-1]["ts"].max()
+                first, last = cast("datetime | None", frames[0]["ts"].min()), cast("datetime | None", frames[-1]["ts"].max())
                 if first is None or last is None or (last - first).total_seconds() <= HOLD_S:
                     break
                 gone = frames.pop(0)

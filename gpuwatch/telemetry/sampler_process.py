@@ -158,8 +158,8 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
                 deliver_n=deliver_n, c_loop=prof is None)
     s.choose_loop()
     try:
-        conn.send(("hello", {"note": note, "kind": getattr(gpu, "kind", None), "label": getattr(gpu, "label", None),
-                             "driver_version": getattr(gpu, "driver_version", None),
+        conn.send(("hello", {"note": note, "kind": gpu.kind if gpu else None, "label": gpu.label if gpu else None,
+                             "driver_version": gpu.driver_version if gpu else None,
                              "gpus": [asdict(g) for g in gpu.gpus] if gpu else [],
                              "sampler_loop": s.loop, "sampler_loop_note": s.loop_note}))
     except (BrokenPipeError, EOFError, OSError):  # the parent died while this child started: nothing to say

@@ -19,13 +19,14 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from gpuwatch.contract import GuardMode, Precision
 from gpuwatch.recording.source import ReplaySource, TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
 from gpuwatch.ui.screens import MIN_SIZE, ConfirmQuit, EventScreen, GotoScreen, HelpScreen, TooSmallScreen
 
-PRECISION_CYCLE = ("bf16", "fp16", "fp32", "tf32")
-GUARD_CYCLE = ("on", "observe", "off")
+PRECISION_CYCLE: tuple[Precision, ...] = ("bf16", "fp16", "fp32", "tf32")  # the p key's order (contract.PRECISIONS)
+GUARD_CYCLE: tuple[GuardMode, ...] = ("on", "observe", "off")  # the G key's order (contract.GUARD_MODES)
 # The footer whole at 80 columns: each pair of keys under one word, and Textual's "^p palette" only
 # where there is room for it beside the keys (ctrl+p opens the palette at any width; the help says so).
 SEEK = Binding.Group("±10s")
@@ -291,14 +292,7 @@ class Dashboard(Screen):
 
     def _guard_status(self) -> str:
         """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
-        s = self.session
-        if s is None or s.guard is None:
-            return "guard off" if s is not None and s.workloads else ""
-        g = s.guard
-        if getattr(g, "unable", None):  # said once as a guard_unable event; shown here while it holds
-            return f"guard {g.cfg.mode}: cannot act ({g.unable})"
-        manual = " (user has control: a hands back)" if self.workload is not None and self.workload.manual else ""
-        return f"guard {g.cfg.mode}/{g.cfg.rule}: {g.actions} act, {g.misses} miss{manual}"
+        return self.session.status().guard_panel() if self.session is not None else ""
 
     def _plot_meta(self):
         """The GpuMeta of the GPU the plots and the risk line show (None when CPU-only)."""
@@ -323,12 +317,11 @@ class Dashboard(Screen):
         return "steps table missing" if self._steps_missing else "recorded"
 
     def _workload_status(self) -> dict[str, Any] | None:
-        w = self.workload
-        if w is None:
+        live = self.session.status().workloads if self.session is not None else ()
+        if not live:
             rec = self._recorded_workload()
             return {"state": self._recorded_state(), "preset": rec.get("preset", ""), "describe": ""} if rec else None
-        return {"state": w.state, "preset": w.cfg.preset,
-                "describe": f"{w.cfg.preset} {w.cfg.mode} on {w.device_name}" + (f": {w.unrecovered}" if w.unrecovered else "")}
+        return {"state": live[0].state, "preset": live[0].preset, "describe": live[0].line}
 
     # -- keys both screens have ---------------------------------------------------------------------------
     def action_next_gpu(self) -> None:
@@ -354,7 +347,7 @@ class Dashboard(Screen):
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.HELP_MODE, workload=self.workload is not None,
-                                        guard=self.session is not None and getattr(self.session, "guard", None) is not None))
+                                        guard=self.session is not None and self.session.guard is not None))
 
     def action_request_quit(self) -> None:
         w = self.workload
@@ -387,16 +380,12 @@ class LiveScreen(Dashboard):
             return False
         if action == "guard_mode" and (self.session is None or self.session.guard is None):
             return False
-        if action == "mark" and (self.session is None or getattr(self.session, "bus", None) is None):
+        if action == "mark" and (self.session is None or self.session.bus is None):
             return False
         return True
 
     def header_extra(self) -> str:
-        if self.session is not None and self.session.recorder is not None:
-            r = self.session.recorder
-            return (f"rec {r.rows} rows {R.fmt_bytes(r.bytes)} dropped {r.dropped} {r.dir.name}"
-                    if not r.error else f"REC ERROR: {r.error}")
-        return "not recording"
+        return self.session.status().recorder_header() if self.session is not None else "not recording"
 
     def action_toggle_pause_view(self) -> None:
         self.view_paused = not self.view_paused

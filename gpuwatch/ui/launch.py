@@ -206,6 +206,5 @@ def run_tui(cfg, duration_s: float | None = None, status=None) -> int:
             app.call_later(lambda: (session.ends_in(duration_s), app.set_timer(duration_s, app.exit)))
         code = _run_app(app, session.recorder.dir if session.recorder else None, status)
     if session.recorder:
-        r = session.recorder
-        status(f"recording: {r.dir} ({r.rows} rows, {r.bytes} bytes)" + (f"; ERROR {r.error}" if r.error else ""))
+        status(session.status().recorder.summary(late=False))
     return code

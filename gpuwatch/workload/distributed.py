@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gpuwatch.contract import next_step_columns
 from gpuwatch.errors import UsageError
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.workload import flops as F
@@ -440,8 +441,7 @@ class DistributedWorkload(Workload):
         self.bus.emit("oom_recovered", f"another rank ran out of memory at step {self._step}: the step is skipped "
                       f"on every rank; {decision}", "warning", gpu=self.cfg.gpu_index, decision=decision,
                       who="recovery", rank=self.rank, peer_oom=True,
-                      next_batch=(p := self.plan_info() or {}).get("batch"), next_seq_len=p.get("seq_len"),
-                      next_precision=p.get("precision"))
+                      **next_step_columns(self.next_plan()))
 
     def _finish_row(self, row: dict[str, Any], micro: int) -> None:
         dt = time.perf_counter() - row.pop("_t0")

@@ -6,25 +6,11 @@ step loop because it is the contract's translation and nothing else; it reads th
 
 from __future__ import annotations
 
-import math
-
-from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan, lower_precisions
+from gpuwatch.contract import Action, WorkloadView, expand_plan, lower_precisions
 from gpuwatch.workload import mechanics as X
 
 
 class GuardedSide:
-    def next_plan(self) -> StepPlan | None:
-        p = self.plan_info()
-        if p is None:
-            return None
-        wanted = self.schedule.wanted()
-        k = math.ceil(p["effective_batch"] / p["batch"]) if p["effective_batch"] > p["batch"] else 1
-        return StepPlan(batch=p["batch"], seq_len=p["seq_len"], precision=p["precision"], mode=self.cfg.mode,
-                        micro_batches=k, effective_batch=p["effective_batch"],
-                        wanted_batch=wanted[0] if wanted else p["batch"], ahead_batch=p["ahead_batch"],
-                        ahead_seq_len=p["ahead_seq_len"], ahead_steps=p["ahead_steps"],
-                        checkpointing=self.checkpointing)
-
     def guard_view(self) -> WorkloadView:
         last = self.last or {}
         return WorkloadView(gpu=self.cfg.gpu_index, ceiling=self.schedule.ceiling, last_ok_batch=self.last_ok_batch,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from gpuwatch.predict import ahead as A
-from gpuwatch.contract import PRECISIONS
+from gpuwatch.contract import PRECISIONS, StepPlan, next_step_columns
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 from gpuwatch.workload import flops as F
@@ -137,9 +137,10 @@ class Workload(GuardedSide):
     def ceiling(self) -> int | None:
         return self.schedule.ceiling
 
-    def plan_info(self) -> dict[str, Any] | None:
-        """The next step as the risk model scores it: the micro-batch (what memory sees), its
-        sequence length and precision, and the effective batch. Read from any thread."""
+    def next_plan(self) -> StepPlan | None:
+        """The next step as the guard and the risk model see it (gpuwatch.contract.GuardedWorkload): the
+        micro-batch (what memory sees), its sequence length and precision, the effective batch and the
+        lookahead. Read from any thread."""
         p = self.schedule.wanted()
         if p is None or self.past_end():
             return None
@@ -151,8 +152,10 @@ class Workload(GuardedSide):
         prec = pend["precision"][0] if "precision" in pend else self.precision
         seq = pend["seq_len"][0] if "seq_len" in pend else p[1]
         eff = wanted if self.cfg.mode == "train" and self.cfg.accumulate else micro
-        return {"batch": micro, "seq_len": seq, "precision": prec, "effective_batch": eff,
-                **A.capped(self._ahead, ceiling)}  # the lookahead of the last step, under today's ceiling
+        k = math.ceil(eff / micro) if eff > micro else 1
+        return StepPlan(batch=micro, seq_len=seq, precision=prec, mode=self.cfg.mode, micro_batches=k,
+                        effective_batch=eff, wanted_batch=p[0], checkpointing=self.checkpointing,
+                        **A.capped(self._ahead, ceiling))  # the lookahead of the last step, under today's ceiling
 
     def past_end(self) -> bool:
         """Past the run's deadline (`ends_at`): no step starts, nothing is planned."""
@@ -411,15 +414,13 @@ class Workload(GuardedSide):
 
     def _plan_columns(self, row: dict[str, Any]) -> None:
         """The plan of the next step and the largest step planned within the lookahead (predict/ahead.py)
-        on a finished step's row; the lookahead is kept for `plan_info` until the next step."""
+        on a finished step's row; the lookahead is kept for `next_plan` until the next step."""
         self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
         left_s = self.ends_at - self._ends[-1] if self.ends_at is not None else None
         left_steps = self.cfg.max_steps - self._step if self.cfg.max_steps else None
         self._ahead = A.columns(self.schedule, self._ends, left_s, left_steps)
         last = (left_s is not None and left_s <= 0) or left_steps == 0  # the run's last step: nothing planned
-        nxt = (self.plan_info() or {}) if not last else {}
-        row.update(next_batch=nxt.get("batch"), next_seq_len=nxt.get("seq_len"), next_precision=nxt.get("precision"),
-                   **self._ahead)
+        row.update(**next_step_columns(self.next_plan() if not last else None), **self._ahead)
 
     def _timed_step(self, batch: int, seq: int, phase: str, micro: int | None = None, k: int = 1) -> dict[str, Any]:
         dev = self.device
@@ -531,8 +532,7 @@ class Workload(GuardedSide):
                       **X.recovered_detail(decision=decision, retried=react is not None,
                                            retry_control=react[0] if react else None,
                                            retry_value=react[1] if react else None, allocated_before=before,
-                                           allocated_after=after, next_batch=(p := self.plan_info() or {}).get("batch"),
-                                           next_seq_len=p.get("seq_len"), next_precision=p.get("precision")))
+                                           allocated_after=after, **next_step_columns(self.next_plan())))
         return react is not None
 
     def _integrity(self) -> None:
