@@ -470,6 +470,7 @@ def args(argv=None):
     ap.add_argument("--variant-warmup", type=int, default=1)
     ap.add_argument("--variant-steps", type=int, default=2)
     ap.add_argument("--variant-profile-steps", type=int, default=0, help="profile the switches too (default: timed only)")
+    ap.add_argument("--sweep-variants", action="store_true", help="run the switches at every --batch too")
     ap.add_argument("--preset-budget-s", type=float, default=None, help="start no run of a preset after this many "
                     "seconds of it")
     ap.add_argument("--top", type=int, default=15)
@@ -518,7 +519,8 @@ def main(argv=None) -> list[dict]:
         def default(m: str) -> list[int]:
             return batches.get(m) or [32 if m == "decode" and dev.type == "cuda" else b0]
         runs = ([(m, "baseline", b) for m in modes for b in default(m)]
-                + [(m, v, None) for v in variants if v != "baseline" for m in modes])
+                + [(m, v, b) for v in variants if v != "baseline" for m in modes
+                   for b in (default(m) if a.sweep_variants else [None])])
         for mode, variant, batch in runs:
             if not relevant(variant, mode, vmodes):
                 continue
