@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -341,6 +342,16 @@ def relevant(variant: str, mode: str, vmodes: set[str]) -> bool:
     return mode in vmodes and (mode == "train" or "optimizer" not in parse_variant(variant))
 
 
+def plan_runs(modes: list[str], variants: list[str], vmodes: set[str], batches: Callable[[str], list[int]],
+              sweep: bool = False) -> list[tuple[str, str, int | None]]:
+    """(mode, variant, batch) in order: every baseline first (each mode at each of its batches), then each
+    switch in the modes it belongs to, at the first batch (None: where its baseline ran) or, `sweep`, at each."""
+    runs = [(m, "baseline", b) for m in modes for b in batches(m)]
+    runs += [(m, v, b) for v in variants if v != "baseline" for m in modes if relevant(v, m, vmodes)
+             for b in (batches(m) if sweep else [None])]
+    return runs
+
+
 def parse_variant(text: str) -> dict[str, str]:
     if text in ("", "baseline"):
         return {}
@@ -518,12 +529,7 @@ def main(argv=None) -> list[dict]:
 
         def default(m: str) -> list[int]:
             return batches.get(m) or [32 if m == "decode" and dev.type == "cuda" else b0]
-        runs = ([(m, "baseline", b) for m in modes for b in default(m)]
-                + [(m, v, b) for v in variants if v != "baseline" for m in modes
-                   for b in (default(m) if a.sweep_variants else [None])])
-        for mode, variant, batch in runs:
-            if not relevant(variant, mode, vmodes):
-                continue
+        for mode, variant, batch in plan_runs(modes, variants, vmodes, default, a.sweep_variants):
             if (a.budget_s and time.monotonic() - t_start > a.budget_s
                     or a.preset_budget_s and time.monotonic() - t_preset > a.preset_budget_s):
                 print(f"# budget spent: {preset} {mode} {variant} not run", file=sys.stderr, flush=True)

@@ -74,6 +74,16 @@ def test_profiles_every_mode_on_the_cpu(gp, tmp_path):
     assert len((tmp_path / "profile.jsonl").read_text().splitlines()) == 3
 
 
+def test_the_run_plan_puts_baselines_first_and_sweeps_switches_only_when_asked(gp):
+    batches = {"train": [8, 16], "prefill": [32]}.get
+    plan = gp.plan_runs(["train", "prefill"], ["baseline", "optimizer=sgd-fused", "lean=on"], {"train", "prefill"}, batches)
+    assert plan == [("train", "baseline", 8), ("train", "baseline", 16), ("prefill", "baseline", 32),
+                    ("train", "optimizer=sgd-fused", None), ("train", "lean=on", None), ("prefill", "lean=on", None)]
+    swept = gp.plan_runs(["train"], ["lean=on"], {"train"}, batches, sweep=True)
+    assert swept == [("train", "baseline", 8), ("train", "baseline", 16), ("train", "lean=on", 8), ("train", "lean=on", 16)]
+    assert gp.plan_runs(["decode"], ["baseline", "lean=on"], {"train", "prefill"}, lambda m: [32]) == [("decode", "baseline", 32)]
+
+
 def test_a_bad_variant_is_refused(gp):
     assert gp.parse_variant("baseline") == {}
     assert gp.parse_variant("attention=cudnn+optimizer=adamw-fused") == {"attention": "cudnn", "optimizer": "adamw-fused"}
