@@ -5,7 +5,7 @@ gets "+KEY=VALUE" for each switch on). Tests compare each with transformers' own
 CPU (tests/test_workload_tuning.py: logits and gradients within fp32/bf16 tolerance).
 
   attention  sdpa (transformers' default: torch picks the SDPA kernel; MLA's head dims differ, q/k 192 and
-             v 128, so flash attention is never picked and the memory-efficient kernel runs),
+             v 128, and SDPA's flash kernel needs them equal, so another runs: the profile names which),
              sdpa-flash (V zero-padded to q/k's width so SDPA's flash kernel can run, the padding sliced off
              after: the same attention, more PV FLOPs), sdpa-cudnn / sdpa-efficient / sdpa-math (that SDPA
              backend only: an error where it cannot run), flex (transformers' FlexAttention path), eager.
