@@ -145,7 +145,6 @@ def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
             m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             o.step()
             o.zero_grad(set_to_none=True)
-    moved = 0
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), n
     fresh, _ = _pair()
