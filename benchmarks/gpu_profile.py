@@ -527,7 +527,7 @@ def main(argv=None) -> list[dict]:
         print(f"# {preset} built in {build_s:.1f} s", file=sys.stderr, flush=True)
         ok_batch: dict[str, int] = {}
 
-        def default(m: str) -> list[int]:
+        def default(m: str, b0: int = b0) -> list[int]:
             return batches.get(m) or [32 if m == "decode" and dev.type == "cuda" else b0]
         for mode, variant, batch in plan_runs(modes, variants, vmodes, default, a.sweep_variants):
             if (a.budget_s and time.monotonic() - t_start > a.budget_s

@@ -56,7 +56,7 @@ def _close(a, b, rtol, atol):
 def test_attention_switches_compute_transformers_logits_and_grads_fp32(choice):
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"attention": choice}, CPU)
+    done = T.apply(model, {"attention": choice})
     assert model.config._attn_implementation != "sdpa" or choice == "sdpa"
     logits, loss, grads = _fwd_bwd(model, ids)
     rlogits, rloss, rgrads = _fwd_bwd(ref, ids)
@@ -73,7 +73,7 @@ def test_padded_v_flash_attention_keeps_the_latent_cache_in_decode():
     compressed latents (kv_lora_rank wide, one head), not per-head keys, and the tokens equal transformers'."""
     model, ref = _pair()
     ids = _ids(seq=8)
-    T.apply(model, {"attention": "sdpa-flash"}, CPU)
+    T.apply(model, {"attention": "sdpa-flash"})
     toks, last = M.decode_eager(model, ids, 3, keep_tokens=True)
     rtoks, rlast = M.decode_eager(ref, ids, 3, keep_tokens=True)
     assert torch.equal(toks, rtoks) and _close(last, rlast, 1e-4, 1e-5)
@@ -87,7 +87,7 @@ def test_padded_v_flash_attention_keeps_the_latent_cache_in_decode():
 def test_flex_attention_forward_matches_sdpa():
     model, ref = _pair()
     ids = _ids()
-    T.apply(model, {"attention": "flex"}, CPU)
+    T.apply(model, {"attention": "flex"})
     with torch.no_grad():  # FlexAttention has no CPU backward (the GPU test covers training)
         a = model(input_ids=ids).logits
         b = ref(input_ids=ids).logits
@@ -96,7 +96,7 @@ def test_flex_attention_forward_matches_sdpa():
 
 def test_a_backend_that_cannot_run_here_fails_loudly_instead_of_falling_back():
     model, _ = _pair()
-    T.apply(model, {"attention": "sdpa-efficient"}, CPU)  # CUDA only
+    T.apply(model, {"attention": "sdpa-efficient"})  # CUDA only
     with pytest.raises(RuntimeError):
         model(input_ids=_ids())
 
@@ -104,14 +104,14 @@ def test_a_backend_that_cannot_run_here_fails_loudly_instead_of_falling_back():
 def test_lean_is_transformers_numerics_in_fp32_and_within_bf16_tolerance_in_bf16():
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"lean": "on"}, CPU)
+    done = T.apply(model, {"lean": "on"})
     a, la, ga = _fwd_bwd(model, ids)
     b, lb, gb = _fwd_bwd(ref, ids)
     assert _close(a, b, 1e-4, 1e-5) and all(_close(ga[n], gb[n], 1e-3, 1e-6) for n in ga)
     done.revert()
     assert not any("forward" in vars(m) for m in model.modules())
     model, ref = _pair("bf16")
-    T.apply(model, {"lean": "on"}, CPU)
+    T.apply(model, {"lean": "on"})
     a, la, ga = _fwd_bwd(model, ids)
     b, lb, gb = _fwd_bwd(ref, ids)
     scale = b.abs().max()
@@ -136,7 +136,7 @@ def test_lean_max_abs_is_the_same_value_without_an_fp32_copy():
 def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
     model, ref = _pair()
     ids = _ids()
-    opt = T.make_optimizer(model, {"optimizer": choice}, CPU)
+    opt = T.make_optimizer(model, {"optimizer": choice})
     assert type(opt) is ref_cls and bool(opt.defaults.get("fused")) == choice.endswith("-fused")
     ropt = ref_cls(ref.parameters(), lr=T.LR, **ref_kw)
     for m, o in ((model, opt), (ref, ropt)):
@@ -156,7 +156,7 @@ def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
 def test_experts_switch_computes_what_grouped_mm_computes(choice, name):
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"experts": choice}, CPU)
+    done = T.apply(model, {"experts": choice})
     assert model.config._experts_implementation == name
     a, _, ga = _fwd_bwd(model, ids)
     b, _, gb = _fwd_bwd(ref, ids)
@@ -171,7 +171,7 @@ def test_compile_switch_traces_the_moe_blocks_and_reverts(monkeypatch):
     monkeypatch.setattr(T, "COMPILE_BACKEND", "aot_eager")
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"compile": "moe"}, CPU)
+    done = T.apply(model, {"compile": "moe"})
     moe = [lay.mlp for lay in model.model.layers if hasattr(lay.mlp, "experts")]
     assert moe and all(m._compiled_call_impl is not None for m in moe)
     a, _, ga = _fwd_bwd(model, ids)
@@ -221,7 +221,7 @@ def _gpu_pair():
 def test_gpu_switch_matches_transformers_within_bf16_tolerance(tuning):
     model, ref, dev = _gpu_pair()
     ids = torch.randint(0, 32000, (4, 256), device=dev, generator=torch.Generator(dev).manual_seed(0))
-    T.apply(model, tuning, dev)
+    T.apply(model, tuning)
     a, la, ga = _fwd_bwd(model, ids)
     b, lb, gb = _fwd_bwd(ref, ids)
     assert (a - b).abs().max() <= 0.05 * b.abs().max() and la == pytest.approx(lb, rel=0.01)
@@ -235,8 +235,8 @@ def test_gpu_switch_matches_transformers_within_bf16_tolerance(tuning):
 def test_gpu_fused_optimizers_update_as_the_foreach_ones(choice):
     model, ref, dev = _gpu_pair()
     ids = torch.randint(0, 32000, (2, 128), device=dev)
-    opt = T.make_optimizer(model, {"optimizer": choice}, dev)
-    ropt = T.make_optimizer(ref, {"optimizer": choice.replace("-fused", "")}, dev)
+    opt = T.make_optimizer(model, {"optimizer": choice})
+    ropt = T.make_optimizer(ref, {"optimizer": choice.replace("-fused", "")})
     for m, o in ((model, opt), (ref, ropt)):
         m.train()
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
