@@ -51,13 +51,13 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("optimizer", r"multi_tensor_apply|fused_adam|adamw|_foreach|fused_sgd|sgd|aten::_fused_adam"),
     ("attention", r"flash|fmha|attention|attn|cudnn|flex|cutlassf|cutlassb|fwd_kernel|bwd_kernel"),
     ("expert GEMMs (grouped_mm)", r"grouped|groupproblemshape|ptrarray|group_gemm"),
-    ("router/topk", r"topk|sigmoid|gatherTopK|bitonic"),
+    ("router/topk", r"topk|sigmoid|gatherTopK|bitonic|_route"),
     ("permutation/scatter/gather", r"index|scatter|gather|sort|radix|histc|histogram|cumsum|scan|nonzero|"
                                    r"repeat_interleave|masked|embedding|bincount|unique|one_hot|where|searchsorted"),
     ("dense GEMMs", r"gemm|nvjet|xmma|cutlass|cublas|gemv|splitk|matmul|dot_kernel|aten::(mm|addmm|bmm|linear|baddbmm)$"),
     ("elementwise/norms/upcasts", r"elementwise|reduce|norm|softmax|silu|copy|cat|cast|rsqrt|pow|mean|triton|loss|nll|"
                                   r"fill|mul|add|unrolled|cross_entropy|sum|neg|exp|div|sub|clamp|abs|max|view_as|"
-                                  r"rotary|complex|polar|stack|zero|empty|split|chunk|transpose|contiguous|cos|sin"),
+                                  r"rotary|rope|complex|polar|stack|zero|empty|split|chunk|transpose|contiguous|cos|sin"),
 )
 OTHER = "other"
 SCOPES = ("attention", "router", "experts", "mlp", "lm_head")

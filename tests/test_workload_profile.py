@@ -39,6 +39,9 @@ def gp():
     ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "elementwise/norms/upcasts"),
     ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "elementwise/norms/upcasts"),
     ("aten::_grouped_mm", "expert GEMMs (grouped_mm)"),
+    ("_route_act_kernel", "router/topk"), ("_rope_cache_kernel", "elementwise/norms/upcasts"),  # the decode's Triton
+    ("_sum_experts_kernel", "elementwise/norms/upcasts"), ("triton_poi_fused_mul_silu_0", "elementwise/norms/upcasts"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1_kernel0", "attention"),
     ("aten::addmm", "dense GEMMs"),
 ])
 def test_kernel_categories(gp, name, cat):
