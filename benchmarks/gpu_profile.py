@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,13 +51,13 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("optimizer", r"multi_tensor_apply|fused_adam|adamw|_foreach|fused_sgd|sgd|aten::_fused_adam"),
     ("attention", r"flash|fmha|attention|attn|cudnn|flex|cutlassf|cutlassb|fwd_kernel|bwd_kernel"),
     ("expert GEMMs (grouped_mm)", r"grouped|groupproblemshape|ptrarray|group_gemm"),
-    ("router/topk", r"topk|sigmoid|gatherTopK|bitonic"),
+    ("router/topk", r"topk|sigmoid|gatherTopK|bitonic|_route"),
     ("permutation/scatter/gather", r"index|scatter|gather|sort|radix|histc|histogram|cumsum|scan|nonzero|"
                                    r"repeat_interleave|masked|embedding|bincount|unique|one_hot|where|searchsorted"),
     ("dense GEMMs", r"gemm|nvjet|xmma|cutlass|cublas|gemv|splitk|matmul|dot_kernel|aten::(mm|addmm|bmm|linear|baddbmm)$"),
     ("elementwise/norms/upcasts", r"elementwise|reduce|norm|softmax|silu|copy|cat|cast|rsqrt|pow|mean|triton|loss|nll|"
                                   r"fill|mul|add|unrolled|cross_entropy|sum|neg|exp|div|sub|clamp|abs|max|view_as|"
-                                  r"rotary|complex|polar|stack|zero|empty|split|chunk|transpose|contiguous|cos|sin"),
+                                  r"rotary|rope|complex|polar|stack|zero|empty|split|chunk|transpose|contiguous|cos|sin"),
 )
 OTHER = "other"
 SCOPES = ("attention", "router", "experts", "mlp", "lm_head")
@@ -341,6 +342,16 @@ def relevant(variant: str, mode: str, vmodes: set[str]) -> bool:
     return mode in vmodes and (mode == "train" or "optimizer" not in parse_variant(variant))
 
 
+def plan_runs(modes: list[str], variants: list[str], vmodes: set[str], batches: Callable[[str], list[int]],
+              sweep: bool = False) -> list[tuple[str, str, int | None]]:
+    """(mode, variant, batch) in order: every baseline first (each mode at each of its batches), then each
+    switch in the modes it belongs to, at the first batch (None: where its baseline ran) or, `sweep`, at each."""
+    runs = [(m, "baseline", b) for m in modes for b in batches(m)]
+    runs += [(m, v, b) for v in variants if v != "baseline" for m in modes if relevant(v, m, vmodes)
+             for b in (batches(m) if sweep else [None])]
+    return runs
+
+
 def parse_variant(text: str) -> dict[str, str]:
     if text in ("", "baseline"):
         return {}
@@ -470,6 +481,7 @@ def args(argv=None):
     ap.add_argument("--variant-warmup", type=int, default=1)
     ap.add_argument("--variant-steps", type=int, default=2)
     ap.add_argument("--variant-profile-steps", type=int, default=0, help="profile the switches too (default: timed only)")
+    ap.add_argument("--sweep-variants", action="store_true", help="run the switches at every --batch too")
     ap.add_argument("--preset-budget-s", type=float, default=None, help="start no run of a preset after this many "
                     "seconds of it")
     ap.add_argument("--top", type=int, default=15)
@@ -515,13 +527,9 @@ def main(argv=None) -> list[dict]:
         print(f"# {preset} built in {build_s:.1f} s", file=sys.stderr, flush=True)
         ok_batch: dict[str, int] = {}
 
-        def default(m: str) -> list[int]:
+        def default(m: str, b0: int = b0) -> list[int]:
             return batches.get(m) or [32 if m == "decode" and dev.type == "cuda" else b0]
-        runs = ([(m, "baseline", b) for m in modes for b in default(m)]
-                + [(m, v, None) for v in variants if v != "baseline" for m in modes])
-        for mode, variant, batch in runs:
-            if not relevant(variant, mode, vmodes):
-                continue
+        for mode, variant, batch in plan_runs(modes, variants, vmodes, default, a.sweep_variants):
             if (a.budget_s and time.monotonic() - t_start > a.budget_s
                     or a.preset_budget_s and time.monotonic() - t_preset > a.preset_budget_s):
                 print(f"# budget spent: {preset} {mode} {variant} not run", file=sys.stderr, flush=True)

@@ -344,7 +344,7 @@ def cmd_record(args) -> int:
 # flags a resumed run takes from the recorded command line; given again, they must agree with it
 _RESUME_FIXED = ("preset", "mode", "schedule", "precision", "batch", "seq_len", "max_batch", "device", "gpus",
                  "gpu_memory_limit", "leak_mib", "fragment", "fp16_overflow", "integrity_every", "set", "seed",
-                 "graphs", "guard", "guard_rule", "interval", "sampler", "source")
+                 "graphs", "tune", "guard", "guard_rule", "interval", "sampler", "source")
 
 
 def _resumed_args(args, point):

@@ -39,6 +39,9 @@ def gp():
     ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "elementwise/norms/upcasts"),
     ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "elementwise/norms/upcasts"),
     ("aten::_grouped_mm", "expert GEMMs (grouped_mm)"),
+    ("_route_act_kernel", "router/topk"), ("_rope_cache_kernel", "elementwise/norms/upcasts"),  # the decode's Triton
+    ("_sum_experts_kernel", "elementwise/norms/upcasts"), ("triton_poi_fused_mul_silu_0", "elementwise/norms/upcasts"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1_kernel0", "attention"),
     ("aten::addmm", "dense GEMMs"),
 ])
 def test_kernel_categories(gp, name, cat):
@@ -63,7 +66,7 @@ def test_profiles_every_mode_on_the_cpu(gp, tmp_path):
         assert sum(p["categories_ms"].values()) == pytest.approx(p["kernel_ms"], rel=0.05, abs=0.05)
         assert p["top_kernels"] and all(k["category"] == gp.category(k["name"]) for k in p["top_kernels"])
         assert r["expert_impl"] and r["mfu"] is None  # a CPU: no peak to compare with
-    train, prefill, decode = res
+    train, _, decode = res
     assert train["profile"]["categories_ms"]["expert GEMMs (grouped_mm)"] > 0
     assert train["profile"]["scopes_ms"]["experts"] > 0 and train["profile"]["scopes_ms"]["attention"] > 0
     assert decode["decode_ms_per_token"] > 0 and decode["bound_ms_per_token"] > 0
@@ -72,6 +75,16 @@ def test_profiles_every_mode_on_the_cpu(gp, tmp_path):
     md = (tmp_path / "profile.md").read_text()
     assert md.count("| tiny |") == 3 and "idle/launch gaps" in md
     assert len((tmp_path / "profile.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_run_plan_puts_baselines_first_and_sweeps_switches_only_when_asked(gp):
+    batches = {"train": [8, 16], "prefill": [32]}.get
+    plan = gp.plan_runs(["train", "prefill"], ["baseline", "optimizer=sgd-fused", "lean=on"], {"train", "prefill"}, batches)
+    assert plan == [("train", "baseline", 8), ("train", "baseline", 16), ("prefill", "baseline", 32),
+                    ("train", "optimizer=sgd-fused", None), ("train", "lean=on", None), ("prefill", "lean=on", None)]
+    swept = gp.plan_runs(["train"], ["lean=on"], {"train"}, batches, sweep=True)
+    assert swept == [("train", "baseline", 8), ("train", "baseline", 16), ("train", "lean=on", 8), ("train", "lean=on", 16)]
+    assert gp.plan_runs(["decode"], ["baseline", "lean=on"], {"train", "prefill"}, lambda m: [32]) == [("decode", "baseline", 32)]
 
 
 def test_a_bad_variant_is_refused(gp):

@@ -52,11 +52,46 @@ def _close(a, b, rtol, atol):
     return torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
 
 
+def _routes(model) -> tuple[dict, list]:
+    """Each MoE layer's chosen experts per token (sorted), recorded by forward hooks on the routers."""
+    got, handles = {}, []
+    for i, lay in enumerate(model.model.layers):
+        if hasattr(lay.mlp, "gate"):
+            handles.append(lay.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, i=i: got.__setitem__(i, out[2].detach().sort(-1).values)))
+    return got, handles
+
+
+def _bf16_agrees(model, ref, ids, routes: bool = True) -> None:
+    """A switch in bf16 against transformers' path: MoE routing may flip on a near-tie when rounding differs
+    (a token then takes another expert and its logits part; measured on the H200 and the CPU: 4 of 256 tokens
+    at the second MoE layer for experts=gw-grouped, every other token within 0.7 % of the logits' scale). So:
+    every token whose experts did not change is within bf16 tolerance, few tokens changed experts, the loss is
+    within 1 %, and the gradients point the same way (10th percentile of their cosines > 0.98)."""
+    ra, ha = _routes(model) if routes else ({}, [])
+    rb, hb = _routes(ref) if routes else ({}, [])
+    a, la, ga = _fwd_bwd(model, ids)
+    b, lb, gb = _fwd_bwd(ref, ids)
+    for h in ha + hb:
+        h.remove()
+    per_token = (a - b).abs().amax(-1).flatten()
+    scale = b.abs().max()
+    flipped = torch.zeros_like(per_token, dtype=torch.bool)
+    for i in ra:  # the first call's routes (forward): tokens in (batch, seq) order
+        flipped |= (ra[i] != rb[i]).any(-1)[: per_token.numel()]
+    bad = per_token > 0.02 * scale
+    assert (bad & ~flipped).sum() <= (0 if routes else 0.05 * per_token.numel()), (per_token.max(), scale)
+    assert flipped.float().mean() <= 0.05 and la == pytest.approx(lb, rel=0.01)
+    cos = [torch.nn.functional.cosine_similarity(ga[n].flatten().float(), gb[n].flatten().float(), 0).item()
+           for n in ga if gb[n].abs().max() > 0]
+    assert sorted(cos)[len(cos) // 10] > 0.98
+
+
 @pytest.mark.parametrize("choice", ["sdpa-flash", "sdpa-math", "eager"])
 def test_attention_switches_compute_transformers_logits_and_grads_fp32(choice):
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"attention": choice}, CPU)
+    done = T.apply(model, {"attention": choice})
     assert model.config._attn_implementation != "sdpa" or choice == "sdpa"
     logits, loss, grads = _fwd_bwd(model, ids)
     rlogits, rloss, rgrads = _fwd_bwd(ref, ids)
@@ -73,7 +108,7 @@ def test_padded_v_flash_attention_keeps_the_latent_cache_in_decode():
     compressed latents (kv_lora_rank wide, one head), not per-head keys, and the tokens equal transformers'."""
     model, ref = _pair()
     ids = _ids(seq=8)
-    T.apply(model, {"attention": "sdpa-flash"}, CPU)
+    T.apply(model, {"attention": "sdpa-flash"})
     toks, last = M.decode_eager(model, ids, 3, keep_tokens=True)
     rtoks, rlast = M.decode_eager(ref, ids, 3, keep_tokens=True)
     assert torch.equal(toks, rtoks) and _close(last, rlast, 1e-4, 1e-5)
@@ -87,7 +122,7 @@ def test_padded_v_flash_attention_keeps_the_latent_cache_in_decode():
 def test_flex_attention_forward_matches_sdpa():
     model, ref = _pair()
     ids = _ids()
-    T.apply(model, {"attention": "flex"}, CPU)
+    T.apply(model, {"attention": "flex"})
     with torch.no_grad():  # FlexAttention has no CPU backward (the GPU test covers training)
         a = model(input_ids=ids).logits
         b = ref(input_ids=ids).logits
@@ -96,7 +131,7 @@ def test_flex_attention_forward_matches_sdpa():
 
 def test_a_backend_that_cannot_run_here_fails_loudly_instead_of_falling_back():
     model, _ = _pair()
-    T.apply(model, {"attention": "sdpa-efficient"}, CPU)  # CUDA only
+    T.apply(model, {"attention": "sdpa-efficient"})  # CUDA only
     with pytest.raises(RuntimeError):
         model(input_ids=_ids())
 
@@ -104,22 +139,37 @@ def test_a_backend_that_cannot_run_here_fails_loudly_instead_of_falling_back():
 def test_lean_is_transformers_numerics_in_fp32_and_within_bf16_tolerance_in_bf16():
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"lean": "on"}, CPU)
+    done = T.apply(model, {"lean": "on"})
     a, la, ga = _fwd_bwd(model, ids)
     b, lb, gb = _fwd_bwd(ref, ids)
     assert _close(a, b, 1e-4, 1e-5) and all(_close(ga[n], gb[n], 1e-3, 1e-6) for n in ga)
     done.revert()
     assert not any("forward" in vars(m) for m in model.modules())
     model, ref = _pair("bf16")
-    T.apply(model, {"lean": "on"}, CPU)
-    a, la, ga = _fwd_bwd(model, ids)
-    b, lb, gb = _fwd_bwd(ref, ids)
-    scale = b.abs().max()
-    assert (a - b).abs().max() <= 0.05 * scale and la == pytest.approx(lb, rel=0.01)
-    # gradients: bf16 rounding, and a routing choice may flip on a near-tie; the bulk agrees
-    cos = [torch.nn.functional.cosine_similarity(ga[n].flatten().float(), gb[n].flatten().float(), 0).item()
-           for n in ga if gb[n].abs().max() > 0]
-    assert sorted(cos)[len(cos) // 10] > 0.98
+    T.apply(model, {"lean": "on"})
+    _bf16_agrees(model, ref, ids)
+
+
+@pytest.mark.parametrize("tuning", [{"experts": "gw-grouped"}, {"attention": "sdpa-flash"}])
+def test_bf16_switches_agree_with_transformers_but_for_routing_flips(tuning):
+    """bf16 on the CPU (the H200 run's experts=gw-grouped check failed a plain max-difference test: 4 tokens
+    routed differently, tests/test_workload_tuning.py's helper says so now)."""
+    model, ref = _pair("bf16")
+    T.apply(model, tuning)
+    _bf16_agrees(model, ref, _ids(batch=4, seq=32))
+
+
+def test_the_bf16_check_catches_a_wrong_switch():
+    """The routing-aware check is not too lenient: a switch that is wrong everywhere (experts output doubled)
+    fails it."""
+    model, ref = _pair("bf16")
+    T.apply(model, {"experts": "gw-grouped"})
+    real = T.gw_grouped_experts
+    for lay in model.model.layers:
+        if hasattr(lay.mlp, "experts"):
+            lay.mlp.experts.forward = lambda h, i, w, _m=lay.mlp.experts: 2 * real(_m, h, i, w)
+    with pytest.raises(AssertionError):
+        _bf16_agrees(model, ref, _ids(batch=4, seq=32))
 
 
 def test_lean_max_abs_is_the_same_value_without_an_fp32_copy():
@@ -136,7 +186,7 @@ def test_lean_max_abs_is_the_same_value_without_an_fp32_copy():
 def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
     model, ref = _pair()
     ids = _ids()
-    opt = T.make_optimizer(model, {"optimizer": choice}, CPU)
+    opt = T.make_optimizer(model, {"optimizer": choice})
     assert type(opt) is ref_cls and bool(opt.defaults.get("fused")) == choice.endswith("-fused")
     ropt = ref_cls(ref.parameters(), lr=T.LR, **ref_kw)
     for m, o in ((model, opt), (ref, ropt)):
@@ -145,7 +195,6 @@ def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
             m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             o.step()
             o.zero_grad(set_to_none=True)
-    moved = 0
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), n
     fresh, _ = _pair()
@@ -157,7 +206,7 @@ def test_optimizers_update_as_torchs_reference_does(choice, ref_cls, ref_kw):
 def test_experts_switch_computes_what_grouped_mm_computes(choice, name):
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"experts": choice}, CPU)
+    done = T.apply(model, {"experts": choice})
     assert model.config._experts_implementation == name
     a, _, ga = _fwd_bwd(model, ids)
     b, _, gb = _fwd_bwd(ref, ids)
@@ -172,7 +221,7 @@ def test_compile_switch_traces_the_moe_blocks_and_reverts(monkeypatch):
     monkeypatch.setattr(T, "COMPILE_BACKEND", "aot_eager")
     model, ref = _pair()
     ids = _ids()
-    done = T.apply(model, {"compile": "moe"}, CPU)
+    done = T.apply(model, {"compile": "moe"})
     moe = [lay.mlp for lay in model.model.layers if hasattr(lay.mlp, "experts")]
     assert moe and all(m._compiled_call_impl is not None for m in moe)
     a, _, ga = _fwd_bwd(model, ids)
@@ -222,13 +271,8 @@ def _gpu_pair():
 def test_gpu_switch_matches_transformers_within_bf16_tolerance(tuning):
     model, ref, dev = _gpu_pair()
     ids = torch.randint(0, 32000, (4, 256), device=dev, generator=torch.Generator(dev).manual_seed(0))
-    T.apply(model, tuning, dev)
-    a, la, ga = _fwd_bwd(model, ids)
-    b, lb, gb = _fwd_bwd(ref, ids)
-    assert (a - b).abs().max() <= 0.05 * b.abs().max() and la == pytest.approx(lb, rel=0.01)
-    cos = [torch.nn.functional.cosine_similarity(ga[n].flatten().float(), gb[n].flatten().float(), 0).item()
-           for n in ga if gb[n].abs().max() > 0]
-    assert sorted(cos)[len(cos) // 10] > 0.98
+    T.apply(model, tuning)
+    _bf16_agrees(model, ref, ids, routes="compile" not in tuning)  # hooks inside compiled code: not relied on
 
 
 @pytest.mark.gpu
@@ -236,8 +280,8 @@ def test_gpu_switch_matches_transformers_within_bf16_tolerance(tuning):
 def test_gpu_fused_optimizers_update_as_the_foreach_ones(choice):
     model, ref, dev = _gpu_pair()
     ids = torch.randint(0, 32000, (2, 128), device=dev)
-    opt = T.make_optimizer(model, {"optimizer": choice}, dev)
-    ropt = T.make_optimizer(ref, {"optimizer": choice.replace("-fused", "")}, dev)
+    opt = T.make_optimizer(model, {"optimizer": choice})
+    ropt = T.make_optimizer(ref, {"optimizer": choice.replace("-fused", "")})
     for m, o in ((model, opt), (ref, ropt)):
         m.train()
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()

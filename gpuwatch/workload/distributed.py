@@ -118,7 +118,7 @@ class DistributedWorkload(Workload):
             self.ddp, self.engine = _fsdp().shard(self.model, self.device)
             from gpuwatch.workload.tuning import make_optimizer
 
-            self.optimizer = make_optimizer(self.ddp, self.cfg.tuning, self.device)  # over the shards (--tune optimizer=)
+            self.optimizer = make_optimizer(self.ddp, self.cfg.tuning)  # over the shards (--tune optimizer=)
             here, full = _fsdp().param_bytes(self.ddp)
             self.bus.emit("dp_engine", f"rank {self.rank}: {self.engine}, one unit per decoder layer; holds "
                           f"{here / 2**20:.1f} of {full / 2**20:.1f} MiB of parameters", gpu=self.cfg.gpu_index,

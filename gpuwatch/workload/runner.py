@@ -290,11 +290,11 @@ class Workload(GuardedSide):
         else:
             self.model, secs = M.build_model(self.fields, self.device, self.precision, self.cfg.seed,
                                              cancelled=self._build_cancelled if self.cancellable_build else None)
-        self.tuned = T.apply(self.model, self.cfg.tuning, self.device)  # the speed switches (none by default)
+        self.tuned = T.apply(self.model, self.cfg.tuning)  # the speed switches (none by default)
         self.expert_impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
         if self.cfg.faults.fp16_overflow:
             self.model.get_input_embeddings().register_forward_hook(lambda m, i, o: o * 1e7)
-        self.optimizer = T.make_optimizer(self.model, self.cfg.tuning, self.device) if self.cfg.mode == "train" else None
+        self.optimizer = T.make_optimizer(self.model, self.cfg.tuning) if self.cfg.mode == "train" else None
         self.scaler = M.LossScaler() if self.cfg.mode == "train" and self.precision == "fp16" else None
         self.decoder = None
         g, mode = self.cfg.graphs, self.cfg.mode

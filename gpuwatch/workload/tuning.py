@@ -5,7 +5,7 @@ gets "+KEY=VALUE" for each switch on). Tests compare each with transformers' own
 CPU (tests/test_workload_tuning.py: logits and gradients within fp32/bf16 tolerance).
 
   attention  sdpa (transformers' default: torch picks the SDPA kernel; MLA's head dims differ, q/k 192 and
-             v 128, so flash attention is never picked and the memory-efficient kernel runs),
+             v 128, and SDPA's flash kernel needs them equal, so another runs: the profile names which),
              sdpa-flash (V zero-padded to q/k's width so SDPA's flash kernel can run, the padding sliced off
              after: the same attention, more PV FLOPs), sdpa-cudnn / sdpa-efficient / sdpa-math (that SDPA
              backend only: an error where it cannot run), flex (transformers' FlexAttention path), eager.
@@ -180,7 +180,6 @@ class Applied:
 
     def __init__(self, tuning: dict[str, str]) -> None:
         self.tuning = tuning
-        self.notes: list[str] = []  # what could not be done as asked, in words
         self._undo: list[Callable[[], None]] = []
         self.lean = tuning.get("lean") == "on"
 
@@ -190,7 +189,7 @@ class Applied:
         self._undo.clear()
 
 
-def apply(model, tuning: dict[str, str] | None, device: torch.device) -> Applied:
+def apply(model, tuning: dict[str, str] | None) -> Applied:
     """Put the model-side switches of `tuning` on `model` (the optimizer is `make_optimizer`'s)."""
     t = check(tuning)
     done = Applied(t)
@@ -203,7 +202,7 @@ def apply(model, tuning: dict[str, str] | None, device: torch.device) -> Applied
         _set_attention(model, attention_name(t["attention"]))
         done._undo.append(lambda: _set_attention(model, old_attn))
     if done.lean:
-        _apply_lean(model, device, done)
+        _apply_lean(model, done)
     if t.get("compile", "off") != "off":
         _apply_compile(model, t["compile"], done)
     return done
@@ -214,7 +213,7 @@ def _patch(mod, name: str, fn, done: Applied) -> None:
     done._undo.append(lambda: mod.__dict__.pop(name, None))
 
 
-def _apply_lean(model, device: torch.device, done: Applied) -> None:
+def _apply_lean(model, done: Applied) -> None:
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")]
     for m in norms:
         _patch(m, "forward", _rms_forward, done)
@@ -231,7 +230,7 @@ def _apply_compile(model, what: str, done: Applied) -> None:
         done._undo.append(lambda m=m: setattr(m, "_compiled_call_impl", None))
 
 
-def make_optimizer(model, tuning: dict[str, str] | None, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(model, tuning: dict[str, str] | None) -> torch.optim.Optimizer:
     """The train step's optimizer: today's SGD, or what `tuning["optimizer"]` asks for."""
     choice = check(tuning).get("optimizer", "sgd")
     params = model.parameters()
