@@ -162,6 +162,14 @@ FOREIGN_PRIVATE_ALLOWED = {
     "gpuwatch.workload.model: getattr(cfg, '_experts_implementation')",
     "gpuwatch.workload.model: getattr(self.model.config, '_experts_implementation')",
     "gpuwatch.workload.runner: getattr(self.model.config, '_experts_implementation')",
+    # workload/tuning.py: transformers' attention and experts switches are private config fields where a
+    # version refuses a registered name through the public setter; its grouped-GEMM dispatcher has no public
+    # name; torch's `nn.Module.compile` has no public undo (revert clears what it set)
+    "gpuwatch.workload.tuning: model.config._attn_implementation",
+    "gpuwatch.workload.tuning: getattr(model.config, '_experts_implementation')",
+    "gpuwatch.workload.tuning: model.config._experts_implementation",
+    "gpuwatch.workload.tuning: getattr(moe, '_grouped_mm')",
+    "gpuwatch.workload.tuning: setattr(m, '_compiled_call_impl')",
     # a marker gpuwatch sets on a transformers module it fused (its own attribute on a foreign object)
     "gpuwatch.workload.fastpath: getattr(mods[0], '_gw_fused')",
     "gpuwatch.workload.fastpath: mods[0]._gw_fused",

@@ -183,6 +183,10 @@ class Applied:
         self._undo: list[Callable[[], None]] = []
         self.lean = tuning.get("lean") == "on"
 
+    def on_revert(self, undo: Callable[[], None]) -> None:
+        """Register how to take one change off (run last-first by `revert`)."""
+        self._undo.append(undo)
+
     def revert(self) -> None:
         for undo in reversed(self._undo):
             undo()
@@ -196,11 +200,11 @@ def apply(model, tuning: dict[str, str] | None) -> Applied:
     if "experts" in t:
         old = getattr(model.config, "_experts_implementation", None) or "eager"
         _set_experts(model, experts_name(t["experts"]))
-        done._undo.append(lambda: _set_experts(model, old))
+        done.on_revert(lambda: _set_experts(model, old))
     if "attention" in t:
         old_attn = model.config._attn_implementation
         _set_attention(model, attention_name(t["attention"]))
-        done._undo.append(lambda: _set_attention(model, old_attn))
+        done.on_revert(lambda: _set_attention(model, old_attn))
     if done.lean:
         _apply_lean(model, done)
     if t.get("compile", "off") != "off":
@@ -210,7 +214,7 @@ def apply(model, tuning: dict[str, str] | None) -> Applied:
 
 def _patch(mod, name: str, fn, done: Applied) -> None:
     setattr(mod, name, types.MethodType(fn, mod))
-    done._undo.append(lambda: mod.__dict__.pop(name, None))
+    done.on_revert(lambda: mod.__dict__.pop(name, None))
 
 
 def _apply_lean(model, done: Applied) -> None:
@@ -227,7 +231,7 @@ def _apply_compile(model, what: str, done: Applied) -> None:
     mods = [lay.mlp for lay in layers if hasattr(lay.mlp, "experts")] if what == "moe" else layers
     for m in mods:
         m.compile(backend=COMPILE_BACKEND)
-        done._undo.append(lambda m=m: setattr(m, "_compiled_call_impl", None))
+        done.on_revert(lambda m=m: setattr(m, "_compiled_call_impl", None))
 
 
 def make_optimizer(model, tuning: dict[str, str] | None) -> torch.optim.Optimizer:
