@@ -37,6 +37,15 @@ def _until(text: str) -> datetime:
     return parse_when(text, end=True)
 
 
+def _dask(text: str) -> str:
+    from gpuwatch.predict.parallel import parse_dask
+
+    try:
+        return parse_dask(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
     t.add_argument("sessions", nargs="*", type=Path, metavar="PATH",
@@ -57,6 +66,14 @@ def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> a
                    help="OpenMP threads per fit (default 2: the shipped model's bytes; 1 gives other bits)")
     t.add_argument("-j", "--jobs", type=pos_int, default=1, metavar="N",
                    help="processes for cutting windows and for the cross-validation folds (the same model for any N)")
+    t.add_argument("--dask", type=_dask, metavar="ADDRESS",
+                   help="run that work on the Dask cluster at ADDRESS (tcp://HOST:8786), or local:N for N worker "
+                        "processes here (the same model; needs the extra gpuwatch[fleet])")
+    t.add_argument("--no-sample", action="store_true",
+                   help="fit on every window (default: the informative ones and a weighted sample of long quiet "
+                        "stretches; evaluation always scores every window)")
+    t.add_argument("--features", type=Path, metavar="DIR",
+                   help="keep every window's features there, one Parquet file per GPU of a session")
     t.add_argument("--since", type=parse_when, metavar="WHEN", help="only sessions that started at or after WHEN")
     t.add_argument("--until", type=_until, metavar="WHEN",
                    help="only sessions that started before WHEN (a date: through that day)")
@@ -84,13 +101,13 @@ def cmd_train(args, status: Callable[[str], None]) -> int:
     for line in found.said:
         status(line)
     command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
-        (" --no-counterfactual" if args.no_counterfactual else "") + \
+        (" --no-counterfactual" if args.no_counterfactual else "") + (" --no-sample" if args.no_sample else "") + \
         (f" --threads {args.threads}" if args.threads not in (None, FIT_THREADS) else "") + f" -o {args.output}" + \
         ("" if not args.sessions and not found.said else f" <{len(sessions)} sessions>")
     rep = train(sessions, args.output, progress=status, stride=args.stride, evaluate=not args.no_eval,
                 horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
                 counterfactual=not args.no_counterfactual, command=command, threads=args.threads or FIT_THREADS,
-                jobs=args.jobs)
+                jobs=args.jobs, dask=args.dask, sample=not args.no_sample, features_dir=args.features)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "
