@@ -37,6 +37,12 @@ def _until(text: str) -> datetime:
     return parse_when(text, end=True)
 
 
+def _path_or_url(text: str) -> Path | str:
+    from gpuwatch.predict.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
 def _dask(text: str) -> str:
     from gpuwatch.predict.parallel import parse_dask
 
@@ -48,8 +54,9 @@ def _dask(text: str) -> str:
 
 def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
-    t.add_argument("sessions", nargs="*", type=Path, metavar="PATH",
-                   help="session folders, or folders searched for them (default: the shipped H200 sessions)")
+    t.add_argument("sessions", nargs="*", type=_path_or_url, metavar="PATH",
+                   help="session folders, or folders searched for them, local or in object storage (s3://...: "
+                        "needs s3fs; default: the shipped H200 sessions)")
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
                    help="where the model, its manifest and its card go (default models/risk.joblib, the shipped "
                         "model: replacing an existing file needs --force)")
@@ -84,14 +91,23 @@ def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> a
 
 
 def cmd_train(args, status: Callable[[str], None]) -> int:
+    from gpuwatch.predict.remote import is_url, local_copies
+
+    if any(is_url(p) for p in args.sessions):
+        status("copying the sessions in object storage to a local folder for this run...")
+    with local_copies(args.sessions) as given:
+        return _train(args, given, status)
+
+
+def _train(args, given: list[Path], status: Callable[[str], None]) -> int:
     from gpuwatch.predict.dataset import HORIZON_S, Filters, default_sessions, find_sessions
     from gpuwatch.predict.model import check_output
     from gpuwatch.predict.train import FIT_THREADS, train
     from gpuwatch.predict.usable import open_usable
 
     root = Path(__file__).resolve().parents[1]
-    found = find_sessions(args.sessions or default_sessions(root), Filters(args.since, args.until, args.host,
-                                                                             args.scenario))
+    found = find_sessions(given or default_sessions(root), Filters(args.since, args.until, args.host,
+                                                                  args.scenario))
     sessions = found.sessions
     if not sessions:
         raise UsageError("no sessions given and none shipped under recordings/")

@@ -126,3 +126,37 @@ def test_no_scheduler_at_the_address_is_one_line():
     with pytest.raises(UsageError, match="no Dask scheduler there"):
         with cluster("tcp://127.0.0.1:9", timeout_s=2):
             pass
+
+
+def test_sessions_in_object_storage_are_copied_and_found_as_local_ones(tmp_path):
+    """s3:// goes through fsspec like any other store; fsspec's in-memory store stands in for a bucket
+    (s3fs itself and real credentials are not tested here): the sessions under the URL, not what is beside
+    them, byte for byte, found in their places."""
+    fsspec = pytest.importorskip("fsspec")
+    from gpuwatch.predict.dataset import find_sessions
+    from gpuwatch.predict.remote import is_url, local_copies
+
+    fs = fsspec.filesystem("memory")
+    for name, src in (("a/capped", CAPPED), ("b/c/decode", DECODE)):
+        for f in src.iterdir():
+            fs.pipe(f"/bucket/fleet/{name}/{f.name}", f.read_bytes())
+    fs.pipe("/bucket/fleet/notes.txt", b"not a session")
+    assert is_url("s3://bucket/x") and is_url("memory://bucket/fleet") and not is_url("recordings/x")
+    try:
+        with local_copies(["memory://bucket/fleet", CAPPED]) as given:
+            assert given[1] == CAPPED
+            found = find_sessions(given).sessions
+            assert [p.relative_to(given[0]).as_posix() for p in found[:2]] == ["a/capped", "b/c/decode"]
+            assert found[2] == CAPPED
+            for f in DECODE.iterdir():
+                assert (found[1] / f.name).read_bytes() == f.read_bytes()
+            assert not (given[0] / "notes.txt").exists()
+            local = given[0]
+        assert not local.exists()  # the copy lives as long as the run
+        from gpuwatch.errors import UsageError
+
+        with pytest.raises(UsageError, match="no session under it"):
+            with local_copies(["memory://bucket/empty"]):
+                pass
+    finally:
+        fs.rm("/bucket", recursive=True)
