@@ -346,7 +346,7 @@ def compacted(t: Timeline) -> Timeline:
     positives, healthy minutes) kept in `t.whole` for `describe`."""
     from dataclasses import replace
 
-    keep = (t.y != -1) & (t.w > 0) if t.w is not None else t.y != -1
+    keep = fit_rows(t)
     whole = _whole(t)
     return replace(t, ts_us=t.ts_us[keep], X=t.X[keep], y=t.y[keep], w=None if t.w is None else t.w[keep],
                    whole=whole)
@@ -362,9 +362,14 @@ def _step_s(t: Timeline) -> float:
     return float(np.median(np.diff(t.ts_us))) / 1e6 if t.ts_us.size > 1 else t.interval_s
 
 
+def fit_rows(t: Timeline) -> np.ndarray:
+    """The windows of `t` a fit takes: labelled ones, and of those the sample's (predict/sampling.py)."""
+    return (t.y != -1) if t.w is None else (t.y != -1) & (t.w > 0)
+
+
 def _whole(t: Timeline) -> dict[str, Any]:
     return t.whole or {"windows": int(t.y.size), "positives": int((t.y == 1).sum()),
-                       "healthy_s": float((t.y == 0).sum()) * _step_s(t)}
+                       "healthy_s": float((t.y == 0).sum()) * _step_s(t), "labelled": int((t.y != -1).sum())}
 
 
 def describe(timelines: list[Timeline]) -> dict[str, Any]:
@@ -377,4 +382,6 @@ def describe(timelines: list[Timeline]) -> dict[str, Any]:
             "derived_sessions": len({t.session for t in der}),
             "derived_windows": int(sum(_whole(t)["windows"] for t in der)),
             "derived_failures": int(sum(t.failures.size for t in der)),
+            "fit_windows": int(sum(fit_rows(t).sum() for t in timelines)),
+            "labelled_windows": int(sum(t.whole["labelled"] if t.whole else (t.y != -1).sum() for t in timelines)),
             "scenarios": sorted({t.scenario for t in timelines}), "features": list(NAMES)}

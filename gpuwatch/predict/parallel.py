@@ -47,8 +47,10 @@ def cluster(address: str | None, timeout_s: float = 30.0) -> Iterator[Any]:
     local = None
     try:
         if address.startswith("local:"):
+            import logging
+
             local = LocalCluster(n_workers=int(address[6:]), threads_per_worker=1, processes=True,
-                                 dashboard_address=None)
+                                 dashboard_address=None, silence_logs=logging.ERROR)
             client = Client(local)
         else:
             client = Client(address, timeout=timeout_s)

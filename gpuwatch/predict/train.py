@@ -21,7 +21,7 @@ from gpuwatch.errors import UsageError
 from gpuwatch.predict import evaluate as E
 from gpuwatch.predict.card import FEATURE_TABLE, write_card  # noqa: F401 (FEATURE_TABLE: kept importable here)
 from gpuwatch.predict.composite import ALARM, RiskComposite
-from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, load_sessions
+from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, fit_rows, load_sessions
 from gpuwatch.predict.features import NAMES
 from gpuwatch.predict.model import save_model
 
@@ -140,11 +140,6 @@ def fit_threads(n: int = FIT_THREADS):
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=n, user_api="openmp")
-
-
-def fit_rows(t: Timeline) -> np.ndarray:
-    """The windows of `t` a fit takes: labelled ones, and of those the sample's (predict/sampling.py)."""
-    return (t.y != -1) if t.w is None else (t.y != -1) & (t.w > 0)
 
 
 def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
