@@ -125,8 +125,9 @@ def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
 
 
 # OpenMP threads per fit. 2, not 1: the trees' bits depend on it - one thread sums the gradients in
-# another order (the shipped model from one thread hashes 461b7ec8..., not 614e14a9...), while 2, 3, 4
-# and 16 threads all give the shipped bytes (measured on the shipped sessions' windows, the final fit).
+# another order (the then shipped model, every window in the fit - now `--no-sample` - from one thread hashes
+# 461b7ec8..., not 614e14a9...), while 2, 3, 4 and 16 threads all gave its bytes (measured on the shipped
+# sessions' windows, the final fit; not measured again for the sampled fit).
 # The shipped model was fit with 2: the old one-thread limit never held (scikit-learn's libgomp was not
 # loaded yet when it was applied), so every fit ran with the 2 cores of the machine that made it.
 FIT_THREADS = 2
