@@ -3,8 +3,8 @@
 with the shipped model as `gpuwatch score` does (`score_source`), at stride 1 (every 100 ms sample)
 and stride 5.
 
-    python3 benchmarks/bench_score.py [--session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48] [--minutes 60]
-Prints one JSON object: windows, seconds and windows/s per stride.
+    python3 benchmarks/bench_score.py [--session recordings/h200-nearcap-2026-12-01/nc-v2lite-prefill-b48] [--minutes 60] [--jobs 1,2]
+Prints one JSON object: windows, seconds and windows/s per stride and number of processes (`score --jobs`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--session", type=Path, default=ROOT / "recordings" / "h200-nearcap-2026-12-01" / "nc-v2lite-prefill-b48")
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--strides", default="5,1")
+    ap.add_argument("--jobs", default="1", help="comma-separated process counts (score_source(jobs=))")
     a = ap.parse_args()
     model = load_model()
     out = {"session": str(a.session), "minutes": a.minutes, "runs": []}
@@ -54,11 +55,11 @@ def main() -> int:
         t0 = time.perf_counter()
         src = ReplaySource(hour)
         out["open_s"] = round(time.perf_counter() - t0, 3)
-        for stride in [int(x) for x in a.strides.split(",")]:
+        for stride, jobs in [(int(x), int(j)) for x in a.strides.split(",") for j in a.jobs.split(",")]:
             t0 = time.perf_counter()
-            tl = score_source(src, model, stride=stride)
+            tl = score_source(src, model, stride=stride, jobs=jobs)
             dt = time.perf_counter() - t0
-            out["runs"].append({"stride": stride, "windows": tl.height, "seconds": round(dt, 2),
+            out["runs"].append({"stride": stride, "jobs": jobs, "windows": tl.height, "seconds": round(dt, 2),
                                 "windows_per_s": round(tl.height / dt, 1), "alarms": int(tl["alarm"].sum())})
             print(json.dumps(out["runs"][-1]), file=sys.stderr, flush=True)
     print(json.dumps(out))

@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--json", action="store_true", help="print one JSON object (alarms, summary)")
     sc.add_argument("-o", "--output", type=Path, metavar="PATH", help="write the timeline as Parquet")
     sc.add_argument("--stride", type=_pos_int, default=1)
+    sc.add_argument("-j", "--jobs", type=_pos_int, default=1, metavar="N",
+                    help="processes computing the windows' features (the same timeline for any N)")
     _model_args(sc)
     from gpuwatch.report import FORMATS  # cheap: polars, jinja2 and matplotlib load only when a report is made
 
@@ -465,7 +467,7 @@ def cmd_score(args) -> int:
         _status(f"warning: {args.session} has no steps: the risk is computed from the samples alone "
                 "(fewer alarms than a session with its steps)")
     t0 = time.perf_counter()
-    tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status)
+    tl = score_source(src, model, stride=args.stride, progress=None if args.json else _status, jobs=args.jobs)
     if args.output:
         from gpuwatch.recording.writer import write_atomic
 

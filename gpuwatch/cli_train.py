@@ -37,10 +37,26 @@ def _until(text: str) -> datetime:
     return parse_when(text, end=True)
 
 
+def _path_or_url(text: str) -> Path | str:
+    from gpuwatch.predict.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def _dask(text: str) -> str:
+    from gpuwatch.predict.parallel import parse_dask
+
+    try:
+        return parse_dask(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the failure-risk model on recorded sessions")
-    t.add_argument("sessions", nargs="*", type=Path, metavar="PATH",
-                   help="session folders, or folders searched for them (default: the shipped H200 sessions)")
+    t.add_argument("sessions", nargs="*", type=_path_or_url, metavar="PATH",
+                   help="session folders, or folders searched for them, local or in object storage (s3://...: "
+                        "needs s3fs; default: the shipped H200 sessions)")
     t.add_argument("-o", "--output", type=Path, default=Path("models/risk.joblib"), metavar="PATH",
                    help="where the model, its manifest and its card go (default models/risk.joblib, the shipped "
                         "model: replacing an existing file needs --force)")
@@ -57,6 +73,14 @@ def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> a
                    help="OpenMP threads per fit (default 2: the shipped model's bytes; 1 gives other bits)")
     t.add_argument("-j", "--jobs", type=pos_int, default=1, metavar="N",
                    help="processes for cutting windows and for the cross-validation folds (the same model for any N)")
+    t.add_argument("--dask", type=_dask, metavar="ADDRESS",
+                   help="run that work on the Dask cluster at ADDRESS (tcp://HOST:8786), or local:N for N worker "
+                        "processes here (the same model; needs the extra gpuwatch[fleet])")
+    t.add_argument("--no-sample", action="store_true",
+                   help="fit on every window (default: the informative ones and a weighted sample of long quiet "
+                        "stretches; evaluation always scores every window)")
+    t.add_argument("--features", type=Path, metavar="DIR",
+                   help="keep every window's features there, one Parquet file per GPU of a session")
     t.add_argument("--since", type=parse_when, metavar="WHEN", help="only sessions that started at or after WHEN")
     t.add_argument("--until", type=_until, metavar="WHEN",
                    help="only sessions that started before WHEN (a date: through that day)")
@@ -67,14 +91,23 @@ def add_train_parser(sub, pos_int: Callable, unit: Callable, dur: Callable) -> a
 
 
 def cmd_train(args, status: Callable[[str], None]) -> int:
+    from gpuwatch.predict.remote import is_url, local_copies
+
+    if any(is_url(p) for p in args.sessions):
+        status("copying the sessions in object storage to a local folder for this run...")
+    with local_copies(args.sessions) as given:
+        return _train(args, given, status)
+
+
+def _train(args, given: list[Path], status: Callable[[str], None]) -> int:
     from gpuwatch.predict.dataset import HORIZON_S, Filters, default_sessions, find_sessions
     from gpuwatch.predict.model import check_output
     from gpuwatch.predict.train import FIT_THREADS, train
     from gpuwatch.predict.usable import open_usable
 
     root = Path(__file__).resolve().parents[1]
-    found = find_sessions(args.sessions or default_sessions(root), Filters(args.since, args.until, args.host,
-                                                                             args.scenario))
+    found = find_sessions(given or default_sessions(root), Filters(args.since, args.until, args.host,
+                                                                  args.scenario))
     sessions = found.sessions
     if not sessions:
         raise UsageError("no sessions given and none shipped under recordings/")
@@ -84,13 +117,13 @@ def cmd_train(args, status: Callable[[str], None]) -> int:
     for line in found.said:
         status(line)
     command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
-        (" --no-counterfactual" if args.no_counterfactual else "") + \
+        (" --no-counterfactual" if args.no_counterfactual else "") + (" --no-sample" if args.no_sample else "") + \
         (f" --threads {args.threads}" if args.threads not in (None, FIT_THREADS) else "") + f" -o {args.output}" + \
         ("" if not args.sessions and not found.said else f" <{len(sessions)} sessions>")
     rep = train(sessions, args.output, progress=status, stride=args.stride, evaluate=not args.no_eval,
                 horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
                 counterfactual=not args.no_counterfactual, command=command, threads=args.threads or FIT_THREADS,
-                jobs=args.jobs)
+                jobs=args.jobs, dask=args.dask, sample=not args.no_sample, features_dir=args.features)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "

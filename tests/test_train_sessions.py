@@ -216,19 +216,21 @@ def test_a_fit_runs_with_the_threads_it_was_given(tmp_path):
 LEAK = ROOT / "recordings" / "sample-h200-leak-oom"
 
 
-def test_jobs_give_the_same_model_bytes_and_figures(tmp_path):
-    """Sessions cut into windows and the cross-validation folds fit in N processes: results in order, the
-    same model file byte for byte, the same card figures and progress lines, for N = 1 and 2."""
+def test_jobs_and_a_dask_cluster_give_the_same_model_bytes_and_figures(tmp_path):
+    """Sessions cut into windows and the cross-validation folds fit in N processes, or on a local Dask
+    cluster of two workers (issue 31 item 5: joblib's Dask backend): results in order, the same model file
+    byte for byte, the same card figures and progress lines as one process."""
+    pytest.importorskip("dask.distributed", reason="the test extra installs dask[distributed]")
     from gpuwatch.predict.train import train
 
     runs = {}
-    for n in (1, 2):
+    for name, how in (("one", {"jobs": 1}), ("two", {"jobs": 2}), ("dask", {"dask": "local:2"})):
         said: list[str] = []
-        rep = train([CAPPED, ALONE, LEAK], tmp_path / f"j{n}" / "m.joblib", progress=said.append, stride=20, jobs=n)
-        runs[n] = (hashlib.sha256(rep.model_path.read_bytes()).hexdigest(), rep.by_session.row(),
-                   rep.by_scenario.row(), rep.operating_point, [m for m in said if not m.startswith("wrote")])
-    assert runs[1] == runs[2]
-    assert any("fold 3/3" in m for m in runs[1][4])
+        rep = train([CAPPED, ALONE, LEAK], tmp_path / name / "m.joblib", progress=said.append, stride=20, **how)
+        runs[name] = (hashlib.sha256(rep.model_path.read_bytes()).hexdigest(), rep.by_session.row(),
+                      rep.by_scenario.row(), rep.operating_point, [m for m in said if not m.startswith("wrote")])
+    assert runs["one"] == runs["two"] == runs["dask"]
+    assert any("fold 3/3" in m for m in runs["one"][4])
 
 
 # -- issue 31 (4): sessions found under folders, filtered by what meta.json says --------------------------------

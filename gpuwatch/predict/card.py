@@ -76,6 +76,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         f"{d['derived_failures']} virtual OOMs; `gpuwatch/predict/counterfactual.py`): each session relabeled under",
         "smaller virtual caps. They never enter an evaluation, and a held-out session's copies are held out with it.",
         "",
+        *_sampled(d),
         f"Sessions: {', '.join(rep_sessions(rep))}.",
         "",
         "## Alarm threshold",
@@ -254,3 +255,12 @@ def _model_sections(rep) -> list[str]:
         "does not match is refused unless `--trust-model` is given.",
         "",
     ]
+
+
+def _sampled(d: dict) -> list[str]:
+    """The fit's sample of the windows (predict/sampling.py), where the data says (older manifests do not)."""
+    if "fit_windows" not in d:
+        return []
+    return [f"The fits take {d['fit_windows']} of the {d['labelled_windows']} labelled windows (recorded and derived): every",
+            "informative one (near the limit, before an event, around a plan change, labelled positive) and a weighted",
+            "sample of the long quiet stretches (`gpuwatch/predict/sampling.py`); evaluation scores every window.", ""]

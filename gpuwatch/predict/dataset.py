@@ -48,6 +48,8 @@ class Timeline:
     meta: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # the recorded session it comes from (itself, unless derived)
     derived: bool = False  # a counterfactual-cap copy: training only, never evaluated
+    w: np.ndarray | None = None  # per window, how many it stands for in the fit (predict/sampling.py); None: 1 each
+    whole: dict[str, Any] | None = None  # `compacted`: what the timeline held before (for `describe`)
 
     def __post_init__(self) -> None:
         self.source = self.source or self.session
@@ -118,9 +120,9 @@ def plan_changes(steps: pl.DataFrame) -> np.ndarray:
 
 
 def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_s: float = HORIZON_S,
-                      feature_fn: Callable = features) -> list[Timeline]:
+                      feature_fn: Callable = features, sample: bool = False) -> list[Timeline]:
     """Every GPU of one recorded session (a folder, or the session already opened), scored at every
-    `stride`-th sample."""
+    `stride`-th sample; with `sample`, each window's weight in the fit (`sampled`)."""
     src = path if isinstance(path, ReplaySource) else ReplaySource(path)
     meta = src.reader.meta
     out = []
@@ -134,10 +136,26 @@ def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_
         X = np.array([vector(feature_fn(src.window_at(g, int(t)))) for t in ts], dtype=np.float64)
         f, warn, rend = failure_marks(steps_ts, src.events_df, g)
         d = meta.get("derived") if isinstance(meta.get("derived"), dict) else None
+        y = label(ts, f, warn, rend, horizon_s)
         out.append(Timeline(src.reader.path.name, d.get("scenario", "") if d else scenario_of(meta), g,
-                            ts.astype(np.int64), X, label(ts, f, warn, rend, horizon_s), f, warn, steps_ts,
-                            src.interval_s, meta, source=str(d.get("from", "")) if d else "", derived=bool(d)))
+                            ts.astype(np.int64), X, y, f, warn, steps_ts,
+                            src.interval_s, meta, source=str(d.get("from", "")) if d else "", derived=bool(d),
+                            w=sampled(ts, X, y, src.events_df, g, plan_changes(steps)) if sample else None))
     return out
+
+
+def sampled(ts: np.ndarray, X: np.ndarray, y: np.ndarray, events: pl.DataFrame, gpu: int | None,
+            plans_us: np.ndarray) -> np.ndarray:
+    """The fit's weight of each window (predict/sampling.py): the informative ones, and the long quiet
+    stretches sampled. Events: the warnings and errors of this GPU and of the whole session."""
+    from gpuwatch.predict.sampling import fit_weights, informative
+
+    ev = events.filter(pl.col("severity").is_in(["warning", "error"]))
+    if gpu is not None:
+        ev = ev.filter(pl.col("gpu").is_null() | (pl.col("gpu") == gpu))
+    keep = informative(ts, X, y, ev["ts"].dt.epoch("us").to_numpy().astype(np.int64), plans_us)
+    spacing = float(np.median(np.diff(ts))) / 1e6 if ts.size > 1 else 0.1
+    return fit_weights(ts, keep, spacing)
 
 
 def default_sessions(root: Path) -> list[Path]:
@@ -255,15 +273,24 @@ def find_sessions(paths: Iterable[Path], filters: Filters = Filters()) -> Found:
 
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
                   horizon_s: float = HORIZON_S, counterfactual: Path | None = None,
-                  feature_fn: Callable | None = None, jobs: int = 1) -> tuple[list[Timeline], list[str]]:
+                  feature_fn: Callable | None = None, jobs: int = 1, sample: bool = False,
+                  compact: bool = False, features_dir: Path | None = None) -> tuple[list[Timeline], list[str]]:
     """Timelines of every usable session (predict/usable.py); one that is not is left out, said in one
     line beginning "skipped: " among the warnings. With `counterfactual` (a folder), each session's
     counterfactual-cap copies are derived there and loaded too, marked `derived`
     (predict/counterfactual.py). `feature_fn`: the feature function's stand-in (evaluation with a model's
     shape library: `functools.partial(features, prior=...)`). `jobs` > 1: sessions are cut in that many
-    processes (joblib), their results taken in the order given - the same timelines as one process."""
+    processes (joblib; or on the Dask cluster open: predict/parallel.py), their results taken in the order
+    given - the same timelines as one process. `sample`: each window's weight in the fit
+    (predict/sampling.py); `compact` too: each timeline holds only the windows the fit takes (`compacted`),
+    what a fit without evaluation needs - memory then grows with the informative windows, not the hours.
+    `features_dir`: every window of every timeline written there too (predict/shards.py), a folder per
+    session, by the process that cut it."""
     work = [(Path(p), stride, horizon_s, None if counterfactual is None else Path(counterfactual) / f"{i:05d}",
-             feature_fn) for i, p in enumerate(paths)]
+             feature_fn, sample or compact, compact, None if features_dir is None else Path(features_dir) / f"{i:05d}")
+            for i, p in enumerate(paths)]
+    from gpuwatch.predict.parallel import in_order
+
     out, warnings = [], []
     for tls, derived, said, line in in_order(load_one, work, jobs):
         out += tls + derived
@@ -273,17 +300,8 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
     return out, warnings
 
 
-def in_order(fn: Callable, work: Iterable[tuple], jobs: int = 1) -> Iterable:
-    """fn(*args) for each args of `work` (taken lazily), in order: here where `jobs` <= 1, else in `jobs`
-    processes (joblib's loky), each result handed back as soon as it and those before it are done."""
-    if jobs <= 1:
-        return (fn(*a) for a in work)
-    from joblib import Parallel, delayed
-
-    return Parallel(n_jobs=jobs, return_as="generator")(delayed(fn)(*a) for a in work)
-
-
-def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None, feature_fn: Callable | None
+def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None, feature_fn: Callable | None,
+             sample: bool = False, compact: bool = False, shards: Path | None = None
              ) -> tuple[list[Timeline], list[Timeline], list[str], str | None]:
     """One session's (timelines, counterfactual copies' timelines, warnings, progress line); an unusable
     session gives no timelines and its one "skipped: " line. Its copies go under `counterfactual`, a
@@ -291,7 +309,8 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
     from gpuwatch.predict.counterfactual import derive
     from gpuwatch.predict.usable import Unusable, open_usable
 
-    ff = {"feature_fn": feature_fn} if feature_fn is not None else {}
+    ff: dict[str, Any] = {"feature_fn": feature_fn} if feature_fn is not None else {}
+    ff["sample"] = sample
     try:
         tls = session_timelines(open_usable(p), stride, horizon_s, **ff)
     except Unusable as e:
@@ -307,9 +326,30 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
         except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
             warnings.append(f"{p.name}: no counterfactual copies ({_why_unusable(p, e)})")
             derived = []
+        import shutil
+
+        shutil.rmtree(counterfactual, ignore_errors=True)  # cut into windows: the copies' files are done with
     n = len({t.session for t in derived})
-    return tls, derived, warnings, (f"{p.name}: {sum(t.ts_us.size for t in tls)} windows"
-                                    + (f", {n} counterfactual-cap copies" if n else ""))
+    line = f"{p.name}: {sum(t.ts_us.size for t in tls)} windows" + (f", {n} counterfactual-cap copies" if n else "")
+    if shards is not None:
+        from gpuwatch.predict.shards import write
+
+        for t in tls + derived:
+            write(t, shards)
+    if compact:
+        tls, derived = [compacted(t) for t in tls], [compacted(t) for t in derived]
+    return tls, derived, warnings, line
+
+
+def compacted(t: Timeline) -> Timeline:
+    """`t` with only the windows a fit takes (labelled, sampled: weight > 0); what it had in all (windows,
+    positives, healthy minutes) kept in `t.whole` for `describe`."""
+    from dataclasses import replace
+
+    keep = fit_rows(t)
+    whole = _whole(t)
+    return replace(t, ts_us=t.ts_us[keep], X=t.X[keep], y=t.y[keep], w=None if t.w is None else t.w[keep],
+                   whole=whole)
 
 
 def _why_unusable(p: Path, e: Exception) -> str:
@@ -322,13 +362,26 @@ def _step_s(t: Timeline) -> float:
     return float(np.median(np.diff(t.ts_us))) / 1e6 if t.ts_us.size > 1 else t.interval_s
 
 
+def fit_rows(t: Timeline) -> np.ndarray:
+    """The windows of `t` a fit takes: labelled ones, and of those the sample's (predict/sampling.py)."""
+    return (t.y != -1) if t.w is None else (t.y != -1) & (t.w > 0)
+
+
+def _whole(t: Timeline) -> dict[str, Any]:
+    return t.whole or {"windows": int(t.y.size), "positives": int((t.y == 1).sum()),
+                       "healthy_s": float((t.y == 0).sum()) * _step_s(t), "labelled": int((t.y != -1).sum())}
+
+
 def describe(timelines: list[Timeline]) -> dict[str, Any]:
-    real = [t for t in timelines if not t.derived]
+    real = [_whole(t) for t in timelines if not t.derived]
     der = [t for t in timelines if t.derived]
-    return {"sessions": len({t.session for t in real}), "windows": int(sum(t.y.size for t in real)),
-            "positives": int(sum((t.y == 1).sum() for t in real)),
-            "failures": int(sum(t.failures.size for t in real)),
-            "healthy_minutes": round(sum(float((t.y == 0).sum()) * _step_s(t) for t in real) / 60, 1),
-            "derived_sessions": len({t.session for t in der}), "derived_windows": int(sum(t.y.size for t in der)),
+    return {"sessions": len({t.session for t in timelines if not t.derived}),
+            "windows": int(sum(r["windows"] for r in real)), "positives": int(sum(r["positives"] for r in real)),
+            "failures": int(sum(t.failures.size for t in timelines if not t.derived)),
+            "healthy_minutes": round(sum(r["healthy_s"] for r in real) / 60, 1),
+            "derived_sessions": len({t.session for t in der}),
+            "derived_windows": int(sum(_whole(t)["windows"] for t in der)),
             "derived_failures": int(sum(t.failures.size for t in der)),
+            "fit_windows": int(sum(fit_rows(t).sum() for t in timelines)),
+            "labelled_windows": int(sum(t.whole["labelled"] if t.whole else (t.y != -1).sum() for t in timelines)),
             "scenarios": sorted({t.scenario for t in timelines}), "features": list(NAMES)}

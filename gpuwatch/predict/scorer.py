@@ -285,9 +285,11 @@ def _ahead_text(plan: dict | None, risk_next: float, threshold: float) -> str:
 
 
 def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
-                 progress: Callable[[str], None] | None = None) -> pl.DataFrame:
+                 progress: Callable[[str], None] | None = None, jobs: int = 1) -> pl.DataFrame:
     """The risk timeline of a whole recording (the risk table's schema): every `stride`-th sample
-    of every GPU, each window cut as replay would show it at that moment."""
+    of every GPU, each window cut as replay would show it at that moment. `jobs` > 1: the windows' features
+    are computed in that many processes (predict/parallel.py), each a stretch of the recording opened on
+    its own - the same timeline as one."""
     sc = Scorer(model)
     rows: list[dict[str, Any]] = []
     for g in [m.index for m in src.gpus]:
@@ -296,7 +298,7 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
             continue
         steps = src.steps_df.filter(pl.col("gpu") == g) if g is not None else src.steps_df
         moments = np.union1d(ts[::stride], plan_changes(steps))  # and where the guard rescores, live
-        X = np.array([vector(features(src.window_at(g, int(t)), prior=model.prior)) for t in moments], dtype=np.float64)
+        X = feature_rows(src, g, moments, model.prior, jobs)
         if not X.size:
             continue
         risk = sc.proba(X)[:, 1]
@@ -310,6 +312,35 @@ def score_source(src: ReplaySource, model: RiskModel, stride: int = 1,
     if not rows:
         return schema.empty("risk")
     return pl.from_dicts(rows, schema=schema.RISK, strict=False)
+
+
+def feature_rows(src: ReplaySource, g: int | None, moments: np.ndarray, prior, jobs: int = 1) -> np.ndarray:
+    """The feature vectors of GPU `g`'s windows at `moments` (us): here, or with `jobs` > 1 in stretches
+    (a few per process, so that a slow one does not hold the rest) each cut from the session reopened."""
+    if jobs <= 1 or moments.size < 2 * MIN_STRETCH:
+        return _rows(src, g, moments, prior)
+    from gpuwatch.predict.parallel import in_order
+
+    parts = np.array_split(moments, min(4 * jobs, moments.size // MIN_STRETCH))
+    work = ((str(src.reader.path), g, p, prior) for p in parts)
+    return np.concatenate(list(in_order(_stretch, work, jobs)))
+
+
+MIN_STRETCH = 500  # windows a process is handed at least (reopening a session costs ~ a few hundred windows)
+_OPEN: dict[str, ReplaySource] = {}  # in a worker process: the session it cut a stretch of last
+
+
+def _stretch(path: str, g: int | None, moments: np.ndarray, prior) -> np.ndarray:
+    src = _OPEN.get(path)
+    if src is None:
+        _OPEN.clear()
+        src = _OPEN[path] = ReplaySource(path)
+    return _rows(src, g, moments, prior)
+
+
+def _rows(src: ReplaySource, g: int | None, moments: np.ndarray, prior) -> np.ndarray:
+    X = np.array([vector(features(src.window_at(g, int(t)), prior=prior)) for t in moments], dtype=np.float64)
+    return X.reshape(len(moments), len(NAMES))
 
 
 def alarms(timeline: pl.DataFrame) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from gpuwatch.errors import UsageError
 from gpuwatch.predict import evaluate as E
 from gpuwatch.predict.card import FEATURE_TABLE, write_card  # noqa: F401 (FEATURE_TABLE: kept importable here)
 from gpuwatch.predict.composite import ALARM, RiskComposite
-from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, load_sessions
+from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, fit_rows, load_sessions
 from gpuwatch.predict.features import NAMES
 from gpuwatch.predict.model import save_model
 
@@ -111,10 +111,13 @@ def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
     probabilities stay close to the real frequencies, as a part meant to be calibrated needs)."""
     parts = []
     for t in tls:
-        y = t.y[t.y != -1]
-        parts.append(np.full(y.size, 1.0 / max(1, y.size)))
+        m = fit_rows(t)
+        if t.w is None:
+            parts.append(np.full(int(m.sum()), 1.0 / max(1, int(m.sum()))))
+        else:  # sampled (predict/sampling.py): each kept window for the windows it stands for
+            parts.append(t.w[m] / max(1.0, float(t.w[m].sum())))
     w = np.concatenate(parts) if parts else np.array([])
-    y = np.concatenate([t.y[t.y != -1] for t in tls]) if tls else np.array([])
+    y = np.concatenate([t.y[fit_rows(t)] for t in tls]) if tls else np.array([])
     pos, neg = w[y == 1].sum(), w[y == 0].sum()
     if balance and pos > 0 and neg > 0:
         w[y == 1] *= neg / pos
@@ -122,8 +125,9 @@ def weights(tls: list[Timeline], balance: bool = True) -> np.ndarray:
 
 
 # OpenMP threads per fit. 2, not 1: the trees' bits depend on it - one thread sums the gradients in
-# another order (the shipped model from one thread hashes 461b7ec8..., not 614e14a9...), while 2, 3, 4
-# and 16 threads all give the shipped bytes (measured on the shipped sessions' windows, the final fit).
+# another order (the then shipped model, every window in the fit - now `--no-sample` - from one thread hashes
+# 461b7ec8..., not 614e14a9...), while 2, 3, 4 and 16 threads all gave its bytes (measured on the shipped
+# sessions' windows, the final fit; not measured again for the sampled fit).
 # The shipped model was fit with 2: the old one-thread limit never held (scikit-learn's libgomp was not
 # loaded yet when it was applied), so every fit ran with the 2 cores of the machine that made it.
 FIT_THREADS = 2
@@ -140,8 +144,8 @@ def fit_threads(n: int = FIT_THREADS):
 
 
 def _xy(tls: list[Timeline]) -> tuple[np.ndarray, np.ndarray]:
-    X = np.concatenate([t.X[t.y != -1] for t in tls])
-    y = np.concatenate([t.y[t.y != -1] for t in tls])
+    X = np.concatenate([t.X[fit_rows(t)] for t in tls])
+    y = np.concatenate([t.y[fit_rows(t)] for t in tls])
     return X, y
 
 
@@ -229,7 +233,7 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
             yield (X, y, weights(train, balance) if len(set(y.tolist())) >= 2 else None,
                    [tls[j].X for j in h], kind, threads)
 
-    from gpuwatch.predict.dataset import in_order
+    from gpuwatch.predict.parallel import in_order
 
     for i, (g, h, scores) in enumerate(zip(groups, held, in_order(fold_scores, work(), jobs))):
         for j, sc in zip(h, scores if scores is not None else [np.zeros(tls[j].y.size) for j in h]):
@@ -277,11 +281,24 @@ class Report:
 
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
           horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None,
-          counterfactual: bool = True, command: str | None = None, threads: int = FIT_THREADS, jobs: int = 1
-          ) -> Report:
+          counterfactual: bool = True, command: str | None = None, threads: int = FIT_THREADS, jobs: int = 1,
+          dask: str | None = None, sample: bool = True, features_dir: Path | None = None) -> Report:
     """Fit on `sessions` (each usable one: predict/usable.py; the others skipped, one line each) and write the
     model, its manifest and card at `out`. `jobs`: processes for cutting windows and for the cross-validation
-    folds; `threads`: OpenMP threads per fit. The model's bytes are the same for any `jobs`."""
+    folds; `dask`: a Dask scheduler's address (or local:N) to run them on instead (predict/parallel.py);
+    `threads`: OpenMP threads per fit. The model's bytes are the same for any `jobs` or cluster. `sample`:
+    the fits take the informative windows and a weighted sample of long quiet stretches
+    (predict/sampling.py; evaluation scores every window). `features_dir`: every window's features kept there
+    as Parquet (predict/shards.py)."""
+    from gpuwatch.predict.parallel import cluster
+
+    with cluster(dask):
+        return _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counterfactual, command,
+                    threads, jobs, sample, features_dir)
+
+
+def _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counterfactual, command, threads, jobs,
+         sample, features_dir) -> Report:
     import tempfile
 
     from gpuwatch.predict.counterfactual import validate
@@ -291,7 +308,7 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
              + (", with counterfactual-cap copies" if counterfactual else "") + "...")
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cf-") as cf:
         tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None,
-                                      jobs=jobs)
+                                      jobs=jobs, sample=sample, compact=not evaluate, features_dir=features_dir)
     for w in warnings:  # a session left out: "skipped: <session>: why", one line each
         progress(w if w.startswith("skipped: ") else f"warning: {w}")
     if not [t for t in tls if not t.derived]:
