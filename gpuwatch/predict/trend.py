@@ -96,9 +96,27 @@ def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
 def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
           res: np.ndarray, limit: float, planned_peak: float | None) -> None:
     """The trend's features of one window into `out` (the feature function's dict); `limit` is torch's,
-    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none)."""
+    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none). Kept by
+    everything it is computed from: a live round that brought a sample but no step reuses it (as
+    features._FORECASTS does)."""
     if t.size < 2:
         return
+    k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak)
+    got = _KEPT.get(k)
+    if got is None:
+        got = {}
+        _trend(got, t, key, alloc, peak, res, limit, planned_peak)
+        if len(_KEPT) >= 4:
+            _KEPT.pop(next(iter(_KEPT), None), None)
+        _KEPT[k] = got
+    out.update(got)
+
+
+_KEPT: dict[tuple, dict[str, float]] = {}
+
+
+def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
+           res: np.ndarray, limit: float, planned_peak: float | None) -> None:
     pairs = same_shape_pairs(t, key, alloc)
     rate = rate_of(pairs)
     hold = held(res, peak)
