@@ -145,6 +145,7 @@ def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndar
 
 TTF_LO, TTF_HI = "trend_ttf_lo_s", "trend_ttf_hi_s"  # a features dict's extra keys (not model inputs): the
 # trend's time to the limit as a range, for the dashboard (`outlook`)
+OUTLOOK_MIN_P = 0.25  # below this the estimator's strongest signal gives no time to the limit worth showing
 SIGNALS = {"peak_cross_p": "next-step peak", "ahead_cross_p": "lookahead", "trend_cross_p": "trend"}
 
 
@@ -160,14 +161,14 @@ class Outlook:
 
 
 def outlook(f: dict[str, float]) -> Outlook | None:
-    """The time to the limit by the strongest of the estimator's signals (None where none says anything):
+    """The time to the limit by the strongest of the estimator's signals (None where none reaches OUTLOOK_MIN_P):
     the next-step peak - within the next step; the lookahead - within LOOKAHEAD_S; the trend - its range."""
     from gpuwatch.predict.ahead import LOOKAHEAD_S
 
     ps = {k: f.get(k) for k in SIGNALS}
     ps = {k: float(v) for k, v in ps.items() if v is not None and v == v}
-    if not ps:
-        return None
+    if not ps or max(ps.values()) < OUTLOOK_MIN_P:
+        return None  # no signal of the estimator's says the limit is near: no range to show
     k = max(ps, key=lambda n: (ps[n], n == "peak_cross_p"))  # a tie: the nearest
     sps = f.get("steps_per_s")
     step_s = 1.0 / sps if sps and sps == sps and sps > 0 else None
