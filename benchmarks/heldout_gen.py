@@ -298,7 +298,7 @@ WAVE_RESERVE_S = 150  # a wave's time besides its runs: calibration (model build
 def record(scenarios: list[Scenario], out: Path, seconds: int, budget_gib: float, dry: bool,
            deadline_s: float = 1e9) -> dict:
     """Each wave's scenarios side by side, one wave after another; a wave that cannot have WAVE_RESERVE_S + 30
-    s before `deadline_s` is not started, and the seconds of the last ones shrink to fit (said per scenario)."""
+    s (or the seconds asked, if fewer) before `deadline_s` is not started, and the seconds of the last ones shrink to fit (said per scenario)."""
     for d in ("logs", "sessions", "runs", "calib"):
         (out / d).mkdir(parents=True, exist_ok=True)
     result: dict = {}
@@ -311,9 +311,10 @@ def record(scenarios: list[Scenario], out: Path, seconds: int, budget_gib: float
         secs = int(min(seconds, left))
         print(f"wave {k + 1}: {', '.join(s.name for s in wave)} ({sum(s.slot_gib for s in wave):.0f} GiB, {secs} s) "
               f"{time.strftime('%T')}", flush=True)
-        if secs < 30:
+        if secs < min(30, seconds):
             for s in wave:
                 result[s.name] = {**asdict(s), "wave": k + 1, "error": "not run: no time left in the call"}
+            (out / "heldout.json").write_text(json.dumps(result, indent=1))
             continue
         threads = []
         for s in wave:

@@ -64,3 +64,22 @@ def test_the_dry_run_uses_the_tiny_preset_and_no_cuda_graphs():
     sc = G.draw(2, 20, dry=True)
     assert all(s.args[1] == "tiny" for s in sc if s.family == "stress")
     assert all(s.growth != "graphpool" for s in sc)
+
+
+def test_the_runner_fits_the_deadline_and_says_which_waves_it_skipped(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(G, "_guarded", lambda s, out, secs, dry, r: ran.append((s.name, secs)))
+    monkeypatch.setattr(G, "_smi_log", lambda path, stop: None)
+    monkeypatch.setattr(G.time, "sleep", lambda s: None)  # the 2 s between starts on the GPU
+    sc = G.draw(3, 12)
+    n_waves = len(G.waves(sc, 40.0))
+    assert n_waves >= 2
+    res = G.record(sc, tmp_path, 120, 40.0, dry=False, deadline_s=1e6)
+    assert sorted(n for n, _ in ran) == sorted(s.name for s in sc) and {t for _, t in ran} == {120}
+    ran.clear()
+    res = G.record(sc, tmp_path, 120, 40.0, dry=False, deadline_s=10.0)  # no time for any wave
+    assert not ran and all(r["error"].startswith("not run") for r in res.values())
+    assert (tmp_path / "heldout.json").exists()
+    ran.clear()
+    G.record(sc, tmp_path, 20, 40.0, dry=True, deadline_s=1e6)  # fewer seconds than 30 asked: still run
+    assert {t for _, t in ran} == {20}

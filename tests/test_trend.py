@@ -127,3 +127,44 @@ def test_vramtop_refreshes_once_a_second_whatever_the_timeline():
     a = V.alarms(ts, used / (10 * GiB), (10 * GiB - used) / GiB, False)
     b, _ = V.states(ts[::2], used[::2], np.full(40, 10.0 * GiB))
     assert a[::2].tolist() == b.tolist() and not math.isnan(float(a.sum()))
+
+
+def test_the_panel_cuts_a_window_only_near_the_alarm_and_never_fails_on_one():
+    from gpuwatch.ui.render import risk_outlook
+
+    class Src:
+        calls = 0
+
+        def window(self, gpu):
+            Src.calls += 1
+            raise OSError("a window that cannot be cut")
+
+    src = Src()
+    assert risk_outlook(src, 0, {"risk": 0.2, "threshold": 0.5}) is None and Src.calls == 0
+    assert risk_outlook(src, 0, {"risk": 0.3, "threshold": 0.5}) is None and Src.calls == 1
+
+
+def test_the_panel_shows_the_range_before_a_real_oom():
+    """A capped H200 ramp a second before its first OOM: the window there gives a range, carried by one of
+    the estimator's signals; far from the limit none (a classifier's risk alone shows no range)."""
+    from gpuwatch.recording.source import ReplaySource
+    from gpuwatch.ui.render import risk_outlook
+
+    from conftest import RAMP
+
+    src = ReplaySource(RAMP.parent / "sample-h200-capped-ramp-train")
+    g = src.gpus[0].index
+    oom = src.events_df.filter(src.events_df["kind"] == "oom")
+    t_oom = int(oom["ts"].dt.epoch("us")[0])
+
+    class At:
+        t = t_oom - 1_000_000
+
+        def window(self, gpu):
+            return src.window_at(gpu, self.t)
+
+    at = At()
+    o = risk_outlook(at, g, {"risk": 0.9, "threshold": 0.5})
+    assert o is not None and o.signal in T.SIGNALS.values() and o.p >= T.OUTLOOK_MIN_P and o.lo_s <= (o.hi_s or 1e9)
+    at.t = int(src.times(g)[50])  # the run's first seconds, far from the cap
+    assert risk_outlook(at, g, {"risk": 0.9, "threshold": 0.5}) is None

@@ -96,9 +96,27 @@ def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
 def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
           res: np.ndarray, limit: float, planned_peak: float | None) -> None:
     """The trend's features of one window into `out` (the feature function's dict); `limit` is torch's,
-    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none)."""
+    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none). Kept by
+    everything it is computed from: a live round that brought a sample but no step reuses it (as
+    features._FORECASTS does)."""
     if t.size < 2:
         return
+    k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak)
+    got = _KEPT.get(k)
+    if got is None:
+        got = {}
+        _trend(got, t, key, alloc, peak, res, limit, planned_peak)
+        if len(_KEPT) >= 4:
+            _KEPT.pop(next(iter(_KEPT), None), None)
+        _KEPT[k] = got
+    out.update(got)
+
+
+_KEPT: dict[tuple, dict[str, float]] = {}
+
+
+def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
+           res: np.ndarray, limit: float, planned_peak: float | None) -> None:
     pairs = same_shape_pairs(t, key, alloc)
     rate = rate_of(pairs)
     hold = held(res, peak)
@@ -127,6 +145,7 @@ def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarr
 
 TTF_LO, TTF_HI = "trend_ttf_lo_s", "trend_ttf_hi_s"  # a features dict's extra keys (not model inputs): the
 # trend's time to the limit as a range, for the dashboard (`outlook`)
+OUTLOOK_MIN_P = 0.25  # below this the estimator's strongest signal gives no time to the limit worth showing
 SIGNALS = {"peak_cross_p": "next-step peak", "ahead_cross_p": "lookahead", "trend_cross_p": "trend"}
 
 
@@ -142,14 +161,14 @@ class Outlook:
 
 
 def outlook(f: dict[str, float]) -> Outlook | None:
-    """The time to the limit by the strongest of the estimator's signals (None where none says anything):
+    """The time to the limit by the strongest of the estimator's signals (None where none reaches OUTLOOK_MIN_P):
     the next-step peak - within the next step; the lookahead - within LOOKAHEAD_S; the trend - its range."""
     from gpuwatch.predict.ahead import LOOKAHEAD_S
 
     ps = {k: f.get(k) for k in SIGNALS}
     ps = {k: float(v) for k, v in ps.items() if v is not None and v == v}
-    if not ps:
-        return None
+    if not ps or max(ps.values()) < OUTLOOK_MIN_P:
+        return None  # no signal of the estimator's says the limit is near: no range to show
     k = max(ps, key=lambda n: (ps[n], n == "peak_cross_p"))  # a tie: the nearest
     sps = f.get("steps_per_s")
     step_s = 1.0 / sps if sps and sps == sps and sps > 0 else None
