@@ -4,7 +4,7 @@
 #   b: issue 30's baseline profile (gpu_stress_speed.sh, ~200 s), issue 29's blind held-out set of seed 2901
 #      (gpu_heldout.sh, 8 scenarios, ~185 s), issue 28's no-cap pairs (unguarded / planner interleaved, 30 steps)
 #   c: issue 30's switches beside the baseline (train, prefill), then the switches' GPU tests
-#   d: issue 29's blind held-out set of seed 2901 (5 scenarios, 2 waves, HD=400 s), then with what is left of
+#   d: issue 29's blind held-out set (SEED 2902, N 12 scenarios in 2 waves, SECS 90, HD=400 s), then with what is left of
 #      TOTAL (480 s) issue 31's 1,000-session fit on 16 cores (bench_train.py --copies 20 --jobs 16 --no-eval)
 #   run (repo root, carry .dev):  bash benchmarks/gpu_session35.sh b|c|d
 set -u
@@ -32,7 +32,7 @@ c)
   ;;
 d)
   T0=$SECONDS
-  OUT="$R" HELDOUT_DEADLINE_S=${HD:-400} timeout $(( ${HD:-400} + 25 )) bash benchmarks/gpu_heldout.sh 2901 5 60 2>&1 | tail -n 14
+  OUT="$R" HELDOUT_DEADLINE_S=${HD:-400} timeout $(( ${HD:-400} + 25 )) bash benchmarks/gpu_heldout.sh ${SEED:-2902} ${N:-12} ${SECS:-90} 2>&1 | tail -n 14
   left=$(( ${TOTAL:-480} - (SECONDS - T0) ))
   echo "== train, 1,000 sessions on 16 cores: ${left} s left $(date +%T)"
   . benchmarks/device_env.sh
