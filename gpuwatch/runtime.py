@@ -78,7 +78,7 @@ class Session:
                  on_status: Callable[[str], None] | None = None, workload_factory: Callable | None = None,
                  workloads: Callable[[Bus, Callable], list] | None = None) -> None:
         """`workload_factory(spec, bus, nvml_index) -> [Workload]` replaces the default
-        (`gpuwatch.workload.factory.make_workloads`): benchmarks reuse one built model across runs.
+        (`gpuwatch.workload.factory.make_workloads`): the data-parallel ranks' workloads (`stress --nproc`).
         `workloads(bus, nvml_index) -> [GuardedWorkload]`: workloads driven from outside (the library loop
         around a user's training loop), guarded and recorded like gpuwatch's own."""
         self.config = cfg = config or SessionConfig()
@@ -259,14 +259,6 @@ class Session:
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": config,
         }
-
-    def attach_workload(self, w) -> None:
-        """Add a Workload built elsewhere (benchmarks) before start(); it is recorded in meta.json."""
-        if self._started:
-            raise RuntimeError("attach workloads before start()")
-        self.workloads.append(w)
-        if self.recorder:
-            self.recorder.meta["config"]["workloads"] = [x.describe() for x in self.workloads]
 
     @property
     def workload(self):
