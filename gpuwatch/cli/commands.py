@@ -106,7 +106,7 @@ def cmd_stress(args) -> int:
         run.offset_s = s.resumed_after_s
         if point is not None:
             status(f"resuming {point.dir} ({point.previous_close}) after {ci.hms(point.elapsed_s)} of run time, "
-                    f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
+                   f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
         elif s.recorder:
             status(f"recording to {s.recorder.dir}")
         left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
@@ -216,12 +216,12 @@ def cmd_score(args) -> int:
     src = open_usable(args.session)  # the rule `train` uses too (predict/usable.py): else one line, exit 1
     if src.reader.meta.get("single_file"):
         status(f"warning: {args.session} is one file: no steps or events beside it, so the risk is computed "
-                "from what the file holds alone (score the session folder for the full picture)")
+               "from what the file holds alone (score the session folder for the full picture)")
     for w in src.reader.warnings:  # a missing or unreadable table changes the alarms: say so
         status(f"warning: {w}")
     if src.steps_df.is_empty():
         status(f"warning: {args.session} has no steps: the risk is computed from the samples alone "
-                "(fewer alarms than a session with its steps)")
+               "(fewer alarms than a session with its steps)")
     t0 = time.perf_counter()
     tl = score_source(src, model, stride=args.stride, progress=None if args.json else status)
     if args.output:

@@ -195,7 +195,7 @@ def _add_live_commands(sub) -> None:
     w = sub.add_parser("watch", help="dashboard without a workload")
     _common(w, record_default=False)
     for q in (live, w):
-        q.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="quit after DUR (benchmarks)")
+        q.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="quit after DUR")
     r = sub.add_parser("replay", help="replay a recorded session")
     r.add_argument("path", type=_nonempty_path)
     r.add_argument("--follow", action="store_true", help="attach to a session still being recorded")
