@@ -24,13 +24,13 @@ from gpuwatch import __version__
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
-from gpuwatch.recording.source import GpuMeta, LiveSource
-# load_resume and ResumePoint are imported from here by the CLI: the resume logic lives in gpuwatch/resume.py
-from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_workloads, resume_entry, resumed_event
+from gpuwatch.recording.source import LiveSource
+from gpuwatch.recording.window import GpuMeta
+from gpuwatch.resume import ResumeMismatch, ResumePoint, restore_workloads, resume_entry, resumed_event
 from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
-from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
+from gpuwatch.waiting import wait_until
 from gpuwatch.workload.factory import WorkloadSpec
 
 
@@ -353,5 +353,4 @@ class SessionFailed(GpuwatchError):
     """A runtime fault that ends a run (exit 1)."""
 
 
-__all__ = ["ModelChoice", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig", "SessionFailed", "load_resume",
-           "versions", "wait_until"]
+__all__ = ["ModelChoice", "Session", "SessionConfig", "SessionFailed", "versions"]

@@ -66,8 +66,9 @@ def cmd_stress(args) -> int:
     from dataclasses import replace
 
     from gpuwatch import ci
-    from gpuwatch.resume import refuse_finished
-    from gpuwatch.runtime import Session, load_resume
+    from gpuwatch.resume import load_resume, refuse_finished
+    from gpuwatch.runtime import Session
+    from gpuwatch.units import hms
 
     require("the workload", "workload")  # before torchrun is started or torch imported
     factory, dist = None, None
@@ -105,7 +106,7 @@ def cmd_stress(args) -> int:
         status(f"{s.gpu_note}; {s.model_note}")
         run.offset_s = s.resumed_after_s
         if point is not None:
-            status(f"resuming {point.dir} ({point.previous_close}) after {ci.hms(point.elapsed_s)} of run time, "
+            status(f"resuming {point.dir} ({point.previous_close}) after {hms(point.elapsed_s)} of run time, "
                    f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
         elif s.recorder:
             status(f"recording to {s.recorder.dir}")
