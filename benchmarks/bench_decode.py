@@ -253,7 +253,7 @@ def kernel_profile(model, fields, batch, prompt, dev, moe="auto", fast=True, com
             "top": [{"kernel": k, "us": round(t, 1), "share": round(t / total, 3), "calls": c} for k, t, c in kernels[:top]]}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="v2-lite")
     ap.add_argument("--precision", default="bf16")
@@ -269,7 +269,85 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="BATCHxPROMPT[+NEW]: per-kernel profile of one decode token")
     ap.add_argument("--profile-arms", default="transformers,fast-dense,fast-module,fast-compiled")
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def _cases(a) -> list[tuple[int, int, int]]:
+    """(batch, prompt, new tokens) of every case, in order: --decode, --prefill (new = 0), --late."""
+    cases = []
+    for spec in filter(None, a.decode.split(",")):
+        bp, new = spec.split("+")
+        b, p = map(int, bp.split("x"))
+        cases.append((b, p, int(new)))
+    for spec in filter(None, a.prefill.split(",")):
+        b, p = map(int, spec.split("x"))
+        cases.append((b, p, 0))
+    for spec in filter(None, a.late.split(",")):
+        bp, new = spec.split("+")
+        b, p = map(int, bp.split("x"))
+        cases.append((b, p, int(new)))
+    return cases
+
+
+def _case(a, model, fields, dev, meter, events: list, b: int, p: int, new: int) -> dict:
+    """One case: every arm, then the speed-ups against eager and the fraction of the bandwidth bound."""
+    case = {"kind": "decode" if new else "prefill", "batch": b, "prompt_len": p, "new_tokens": new}
+    if new:
+        case["bandwidth"] = decode_bytes(fields, b, p + new // 2, p + new, a.precision)
+    for arm in a.arms.split(","):
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}")
+        reps = a.eager_reps if arm == "eager" else 3
+        try:
+            case[arm] = run_arm(arm, model, fields, b, p, new, dev, a.seconds, meter, events,
+                                None if a.graphs is None else bool(a.graphs), min_steps=reps, phase_reps=reps)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next arm/case
+            case[arm] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if M.is_oom(e) and dev.type == "cuda":
+                torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    e = case.get("eager", {})
+    for arm in ARMS[1:]:
+        f = case.get(arm, {})
+        if "tokens_per_s" in e and "tokens_per_s" in f:
+            case.setdefault("speedup_step", {})[arm] = round(f["tokens_per_s"] / e["tokens_per_s"], 2)
+            if new:
+                case.setdefault("speedup_decode_phase", {})[arm] = round(
+                    f["decode_tokens_per_s"] / e["decode_tokens_per_s"], 2)
+    if new:
+        for arm in ARMS:
+            if "decode_ms_per_token" in case.get(arm, {}):
+                case[arm]["bandwidth_fraction"] = round(
+                    case["bandwidth"]["min_time_ms"] / case[arm]["decode_ms_per_token"], 3)
+    return case
+
+
+def _profiles(a, model, fields, dev) -> dict:
+    """--profile: the per-kernel profile of one decode token for each of --profile-arms, printed too."""
+    bp, _, pn = a.profile.partition("+")
+    b, p = map(int, bp.split("x"))
+    prof = {}
+    kinds = {"transformers": {"fast": False}, "fast-dense": {"moe": "dense"}, "fast-module": {"moe": "module"},
+             "fast-compiled": {"moe": "dense", "compile": True}, "fast-unfused": {"moe": "dense", "fused": False}}
+    for name in a.profile_arms.split(","):
+        kw = kinds[name]
+        try:
+            prof[name] = kernel_profile(model, fields, b, p, dev, new=int(pn or 8), **kw)
+        except Exception as e:  # noqa: BLE001
+            prof[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    for name, pr in prof.items():
+        print(f"-- profile {name} {a.profile}: {pr.get('gpu_us_per_token')} us GPU per token, "
+              f"{pr.get('kernels_per_token')} kernels", file=sys.stderr)
+        for k in pr.get("top", [])[:10]:
+            print(f"   {k['us']:>9.1f} us {100 * k['share']:5.1f} % x{k['calls']:<4} {k['kernel']}", file=sys.stderr)
+    return prof
+
+
+def main() -> None:
+    a = _args()
     t_start = time.monotonic()
     dev = M.resolve_device(a.device)
     fields = config_fields(a.preset)
@@ -285,79 +363,20 @@ def main() -> None:
     except ImportError:
         pass
     meter = GpuMeter((dev.index or 0) if dev.type == "cuda" else 0)
-    cases = []
-    for spec in filter(None, a.decode.split(",")):
-        bp, new = spec.split("+")
-        b, p = map(int, bp.split("x"))
-        cases.append((b, p, int(new)))
-    for spec in filter(None, a.prefill.split(",")):
-        b, p = map(int, spec.split("x"))
-        cases.append((b, p, 0))
-    for spec in filter(None, a.late.split(",")):
-        bp, new = spec.split("+")
-        b, p = map(int, bp.split("x"))
-        cases.append((b, p, int(new)))
 
     def save() -> None:
         result["elapsed_s"] = round(time.monotonic() - t_start, 1)
         if a.out:
             a.out.write_text(json.dumps(result, indent=1))
 
-    for b, p, new in cases:
+    for b, p, new in _cases(a):
         if time.monotonic() - t_start > a.budget:
             result["skipped"].append(f"{b}x{p}+{new}: over the {a.budget:.0f} s budget")
             continue
-        case = {"kind": "decode" if new else "prefill", "batch": b, "prompt_len": p, "new_tokens": new}
-        if new:
-            case["bandwidth"] = decode_bytes(fields, b, p + new // 2, p + new, a.precision)
-        for arm in a.arms.split(","):
-            if arm not in ARMS:
-                raise SystemExit(f"unknown arm {arm!r}")
-            reps = a.eager_reps if arm == "eager" else 3
-            try:
-                case[arm] = run_arm(arm, model, fields, b, p, new, dev, a.seconds, meter, result["events"],
-                                    None if a.graphs is None else bool(a.graphs), min_steps=reps, phase_reps=reps)
-            except Exception as e:  # noqa: BLE001 - report and go on to the next arm/case
-                case[arm] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                if M.is_oom(e) and dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        e = case.get("eager", {})
-        for arm in ARMS[1:]:
-            f = case.get(arm, {})
-            if "tokens_per_s" in e and "tokens_per_s" in f:
-                case.setdefault("speedup_step", {})[arm] = round(f["tokens_per_s"] / e["tokens_per_s"], 2)
-                if new:
-                    case.setdefault("speedup_decode_phase", {})[arm] = round(
-                        f["decode_tokens_per_s"] / e["decode_tokens_per_s"], 2)
-        if new:
-            for arm in ARMS:
-                if "decode_ms_per_token" in case.get(arm, {}):
-                    case[arm]["bandwidth_fraction"] = round(
-                        case["bandwidth"]["min_time_ms"] / case[arm]["decode_ms_per_token"], 3)
-        result["cases"].append(case)
+        result["cases"].append(_case(a, model, fields, dev, meter, result["events"], b, p, new))
         save()
     if a.profile:
-        bp, _, pn = a.profile.partition("+")
-        b, p = map(int, bp.split("x"))
-        prof = {}
-        kinds = {"transformers": {"fast": False}, "fast-dense": {"moe": "dense"}, "fast-module": {"moe": "module"},
-                 "fast-compiled": {"moe": "dense", "compile": True}, "fast-unfused": {"moe": "dense", "fused": False}}
-        for name in a.profile_arms.split(","):
-            kw = kinds[name]
-            try:
-                prof[name] = kernel_profile(model, fields, b, p, dev, new=int(pn or 8), **kw)
-            except Exception as e:  # noqa: BLE001
-                prof[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        result["profile"] = prof
-        for name, pr in prof.items():
-            print(f"-- profile {name} {a.profile}: {pr.get('gpu_us_per_token')} us GPU per token, "
-                  f"{pr.get('kernels_per_token')} kernels", file=sys.stderr)
-            for k in pr.get("top", [])[:10]:
-                print(f"   {k['us']:>9.1f} us {100 * k['share']:5.1f} % x{k['calls']:<4} {k['kernel']}", file=sys.stderr)
+        result["profile"] = _profiles(a, model, fields, dev)
         save()
     print(table(result), file=sys.stderr)
     save()

@@ -65,6 +65,13 @@ def scenarios(cpu: bool) -> list[Scenario]:
     ]
 
 
+def _reusing(w, bus, model_box: dict):
+    """The same workload (its config), given the scenario's model if one was built (`Workload(model=)`)."""
+    from gpuwatch.workload.runner import Workload
+
+    return Workload(bus, w.cfg, model=model_box.get("model"))
+
+
 def _factory(model_box: dict, cpu_limit: int | None):
     """Workloads that reuse the scenario's model (built on the first arm)."""
     def make(spec, bus, nvml_index):
@@ -75,8 +82,7 @@ def _factory(model_box: dict, cpu_limit: int | None):
             if cpu_limit:
                 w.cfg.faults.oom_above_tokens = cpu_limit
                 w.cfg.gpu_index = 0  # the CPU workload stands in for the replayed H200's GPU 0
-            w._prebuilt = model_box.get("model")
-        return ws
+        return [_reusing(w, bus, model_box) for w in ws]
     return make
 
 
@@ -91,7 +97,7 @@ def largest_fit(scn: Scenario, model_box: dict, cpu_limit: int | None, steps: in
         w = make_workloads(spec, bus)[0]
         if cpu_limit:
             w.cfg.faults.oom_above_tokens = cpu_limit
-        w._prebuilt = model_box.get("model")
+        w = _reusing(w, bus, model_box)
         w.run()
         model_box.setdefault("model", w.model)
         ok = w.ooms == 0

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 import polars as pl  # noqa: E402
 
 from gpuwatch.recording import ipc, schema, writer  # noqa: E402
-from gpuwatch.recording.writer import Recorder, StreamFile, append_stream, to_frame, write_atomic  # noqa: E402
+from gpuwatch.recording.ipc import StreamFile  # noqa: E402
+from gpuwatch.recording.writer import Recorder, append_stream, to_frame, write_atomic  # noqa: E402
 from gpuwatch.telemetry.bus import Bus, Tick  # noqa: E402
 
 RAMP = ROOT / "recordings" / "sample-h200-ramp-train"

@@ -41,9 +41,14 @@ def summarize(w, bus):
     return s(w, bus)
 
 
-def _session(record: Path | None, name: str) -> Session:
+def _session(record: Path | None, name: str, **workload) -> Session:
+    """A recorded session; with `workload` (WorkloadConfig's fields), running that one workload, built on
+    the session's bus (`Session(workloads=...)`) and recorded in its meta.json; no model, no guard."""
+    from gpuwatch.control.policy import GuardConfig
+
+    make = (lambda bus, _nvml_index: [_workload(bus, **workload)]) if workload else None
     return Session(SessionConfig(interval_s=0.1, record_dir=record or Path(tempfile.mkdtemp()), name=name,
-                                 model=ModelChoice(enabled=False)))
+                                 model=ModelChoice(enabled=False), guard=GuardConfig(mode="off")), workloads=make)
 
 
 def _power(session: Session) -> dict:
@@ -60,10 +65,10 @@ def _power(session: Session) -> dict:
 
 
 def sweep(a) -> dict:
-    s = _session(a.record, f"sweep-{a.preset}-prefill")
-    w = _workload(s.bus, **dict(preset=a.preset, mode="prefill", schedule="sweep", precision="bf16",
-                                       seq_len=512, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
-    s.attach_workload(w)
+    s = _session(a.record, f"sweep-{a.preset}-prefill", preset=a.preset, mode="prefill", schedule="sweep",
+                 precision="bf16", seq_len=512, device=a.device, gpu_index=0 if a.device != "cpu" else None,
+                 integrity_every=0)
+    w = s.workload
     s.start()
     w.join()
     s.stop()
@@ -128,12 +133,11 @@ def oom(a) -> dict:
 
 
 def ramp(a) -> dict:
-    s = _session(a.record, f"ramp-{a.preset}-train")
-    w = _workload(s.bus, **dict(preset=a.preset, mode="train", schedule="ramp", precision="bf16",
-                                       batch=a.batch, seq_len=1024, device=a.device, gpu_index=0 if a.device != "cpu" else None,
-                                       integrity_every=25))
+    s = _session(a.record, f"ramp-{a.preset}-train", preset=a.preset, mode="train", schedule="ramp",
+                 precision="bf16", batch=a.batch, seq_len=1024, device=a.device,
+                 gpu_index=0 if a.device != "cpu" else None, integrity_every=25)
+    w = s.workload
     w.schedule.per_level = 3
-    s.attach_workload(w)
     s.start()
     deadline = time.monotonic() + a.seconds
     while time.monotonic() < deadline and w.state not in ("failed", "finished"):

@@ -98,7 +98,7 @@ SCENARIOS_5: dict[str, tuple[list[str], float, float, int, float]] = {
 }
 # The sixth set (2026-12-02, after the shape library): first steps of inference under caps around the edge
 # the library draws (room above the weights of 1.0-1.5 x the activations), shapes no set holds - held out,
-# to test the first-step estimate blind (benchmarks/first_step_eval.py). Short runs: the first step is the point.
+# to test the first-step estimate blind (`gpuwatch eval --first-step`). Short runs: the first step is the point.
 SCENARIOS_6: dict[str, tuple[list[str], float, float, int, float]] = {
     "nc6-v3slice-prefill-b10": (["--preset", "v3-slice", "--mode", "prefill", "--batch", "10", "--seq-len", "512"], 0.955, 62, 3, 54),
     "nc6-v2lite-prefill-b56": (["--preset", "v2-lite", "--mode", "prefill", "--batch", "56", "--seq-len", "512"], 0.93, 44, 3, 37),

@@ -29,7 +29,7 @@ from xml.etree import ElementTree as ET
 from gpuwatch import __version__
 from gpuwatch.errors import UsageError
 from gpuwatch.report.judgement import by_status, help_text, judge
-from gpuwatch.units import hms  # noqa: F401 - ci.hms, used by the CLI too
+from gpuwatch.units import hms
 
 # --fail-on KEY: (the comparison that fails the run, the Thresholds field it sets, the health row it
 # gates, the range a value may take, whether a trailing % divides by 100)
@@ -216,7 +216,7 @@ def health_rows(rec, fail_on: dict[str, float]) -> list[dict[str, Any]]:
 
 def verdict(session, why: str, info: RunInfo, summaries: list[dict], rec, rec_note: str | None) -> dict[str, Any]:
     """The whole summary of the run (what --summary-json writes), checks and exit code included."""
-    from gpuwatch.runtime import SIGNAL_EXIT
+    from gpuwatch.waiting import SIGNAL_EXIT
 
     checks: list[dict[str, Any]] = []
     reasons: list[str] = []
@@ -251,7 +251,7 @@ def _workload_checks(session, status, why: str, info: RunInfo, summaries: list[d
                      reasons: list[str]) -> list[dict[str, Any]]:
     """Per workload: its summary for the JSON, and its checks (no unrecovered failure, steps completed,
     integrity) added to `checks`, with why each failure fails the run added to `reasons`."""
-    from gpuwatch.runtime import SIGNAL_EXIT
+    from gpuwatch.waiting import SIGNAL_EXIT
 
     workloads = []
     for w, ws, s in zip(session.workloads, status.workloads, summaries):
@@ -380,7 +380,7 @@ def finish(session, why: str, run: RunInfo | None = None) -> int:
     + its number). With `run` (stress's CI flags or a resumed session) the recording is read back for
     whole-session summaries and the health matrix, `--summary-json`/`--junit` are written, and a health
     row that fails a `--fail-on` threshold makes the exit code 1."""
-    from gpuwatch.runtime import SIGNAL_EXIT
+    from gpuwatch.waiting import SIGNAL_EXIT
 
     rec = rec_note = None
     if run is not None and run.wanted:

@@ -15,3 +15,12 @@ class UsageError(GpuwatchError):
 
 class RecordingError(GpuwatchError):
     """A recording that cannot be opened (names the file)."""
+
+
+class MissingExtra(UsageError, ModuleNotFoundError):
+    """An optional dependency that a command or an import needs is not installed (`gpuwatch.extras`):
+    one line naming the extra to install, exit code 2. A ModuleNotFoundError too, so a library import
+    guarded by it is caught where a missing module is."""
+
+    def __init__(self, message: str) -> None:
+        UsageError.__init__(self, message)

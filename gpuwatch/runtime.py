@@ -25,14 +25,14 @@ from gpuwatch.contract import SessionWorkload
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.recording.backends import BackendFactory, make_gpu_backend
-from gpuwatch.recording.source import GpuMeta, LiveSource
-# load_resume and ResumePoint are imported from here by the CLI: the resume logic lives in gpuwatch/resume.py
-from gpuwatch.resume import ResumeMismatch, ResumePoint, load_resume, restore_workloads, resume_entry, resumed_event
+from gpuwatch.recording.source import LiveSource
+from gpuwatch.recording.window import GpuMeta
+from gpuwatch.resume import ResumeMismatch, ResumePoint, restore_workloads, resume_entry, resumed_event
 from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
 from gpuwatch.units import fmt_bytes
-from gpuwatch.waiting import SIGNAL_EXIT, wait_until  # imported from here by the CLI and ci
+from gpuwatch.waiting import wait_until
 from gpuwatch.workload.factory import WorkloadSpec
 
 if TYPE_CHECKING:  # built lazily (each import costs time, or pulls in scikit-learn)
@@ -87,7 +87,7 @@ class Session:
                  on_status: Callable[[str], None] | None = None, workload_factory: Callable | None = None,
                  workloads: Callable[[Bus, Callable], list] | None = None) -> None:
         """`workload_factory(spec, bus, nvml_index) -> [Workload]` replaces the default
-        (`gpuwatch.workload.factory.make_workloads`): benchmarks reuse one built model across runs.
+        (`gpuwatch.workload.factory.make_workloads`): the data-parallel ranks' workloads (`stress --nproc`).
         `workloads(bus, nvml_index) -> [GuardedWorkload]`: workloads driven from outside (the library loop
         around a user's training loop), guarded and recorded like gpuwatch's own."""
         self.config = cfg = config or SessionConfig()
@@ -275,14 +275,6 @@ class Session:
             "gpus": [asdict(g) for g in self.gpu.gpus] if self.gpu else [],
             "versions": versions(), "argv": sys.argv, "config": config,
         }
-
-    def attach_workload(self, w) -> None:
-        """Add a Workload built elsewhere (benchmarks) before start(); it is recorded in meta.json."""
-        if self._started:
-            raise RuntimeError("attach workloads before start()")
-        self.workloads.append(w)
-        if self.recorder:
-            self.recorder.meta["config"]["workloads"] = [x.describe() for x in self.workloads]
 
     def status(self) -> SessionStatus:
         """The guard's, the recorder's and each workload's state now, as every front end says it."""
@@ -511,6 +503,5 @@ class SessionFailed(GpuwatchError):
     """A runtime fault that ends a run (exit 1)."""
 
 
-__all__ = ["GuardStatus", "ModelChoice", "RecorderStatus", "ResumePoint", "SIGNAL_EXIT", "Session", "SessionConfig",
-           "SessionFailed", "SessionStatus", "WorkloadStatus", "load_resume", "session_status", "versions", "wait_until",
-           "workload_label"]
+__all__ = ["GuardStatus", "ModelChoice", "RecorderStatus", "Session", "SessionConfig", "SessionFailed",
+           "SessionStatus", "WorkloadStatus", "session_status", "versions", "workload_label"]

@@ -3,13 +3,14 @@ row live, filled the same way into sessions recorded before it, and read by the 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
 import polars as pl
 import pytest
 
+from gpuwatch import backfill as bf
+from gpuwatch.cli.parser import parse_recorded
 from gpuwatch.predict import ahead as A
 from gpuwatch.predict.composite import RiskComposite
 from gpuwatch.predict.features import NAMES
@@ -19,13 +20,6 @@ from gpuwatch.workload.schedule import Schedule
 from conftest import ROOT
 
 NEARCAP = ROOT / "recordings" / "h200-nearcap-2026-12-01"
-
-
-def _backfill_module():
-    spec = importlib.util.spec_from_file_location("backfill_ahead", ROOT / "benchmarks" / "backfill_ahead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_the_schedule_walks_ahead_on_a_copy():
@@ -64,7 +58,7 @@ def test_the_lookahead_ends_where_the_run_does():
     assert A.columns(s, ends, left_steps=0) == A.pick([])
 
 
-def test_a_timed_stress_run_tells_its_workload_where_it_ends(tmp_path, py, env):
+def test_a_timed_stress_run_tells_its_workload_where_it_ends(tmp_path, py, env, monkeypatch):
     """`stress --duration`: the run records its deadline (a `deadline` event) and its workload's lookahead
     stops there: the backfill's replay of the run through its command's schedule, ended at that deadline,
     equals every lookahead cell the run wrote - and the same replay without the deadline does not (the
@@ -79,22 +73,21 @@ def test_a_timed_stress_run_tells_its_workload_where_it_ends(tmp_path, py, env):
     assert r.returncode == 0, r.stderr[-2000:]
     folder = out if (out / "meta.json").exists() else next(p for p in out.iterdir() if (p / "meta.json").exists())
     assert open_recording(folder).events.filter(pl.col("kind") == "deadline").height == 1
-    bf = _backfill_module()
 
     def cells(line: str) -> tuple[int, int]:
         m = re.search(r"equals it in (\d+)/(\d+) cells", line)
         assert m, line
         return int(m.group(1)), int(m.group(2))
-    same, n = cells(bf.run(folder, True, True))
+    same, n = cells(bf.run(folder, True, True, parse=parse_recorded))
     assert n > 30 and same == n
-    bf.run_end = lambda *a: (None, [])  # the replay as before the rule: the lookahead runs past the end
-    uncut, _ = cells(bf.run(folder, True, True))
+    monkeypatch.setattr(bf, "run_end", lambda *a: (None, []))  # the replay as before the rule: past the end
+    uncut, _ = cells(bf.run(folder, True, True, parse=parse_recorded))
     assert uncut < n
 
 
 @pytest.mark.parametrize("name", ["nc3-small-prefill-rampmax-b256", "nc-small-train-rampmax-b16"])
 def test_recorded_lookahead_holds_the_next_step_and_stops_at_the_max(name):
-    """On real sessions (filled by benchmarks/backfill_ahead.py, whose replayed plans equalled every
+    """On real sessions (filled by `gpuwatch backfill` (gpuwatch/backfill.py), whose replayed plans equalled every
     recorded next step): the largest step ahead is never smaller than the next one, and a ramp capped by
     --max-batch never looks beyond its max."""
     st = open_recording(NEARCAP / name).steps
@@ -128,7 +121,6 @@ def test_live_rows_equal_what_the_backfill_replays():
     assert len(rows) == 20 and all(r["ahead_batch"] for r in rows[:-1])
     assert rows[-1]["ahead_batch"] is None and rows[-2]["ahead_steps"] == 1  # --steps 20: nothing past the end
     live = to_frame(rows, "steps")
-    bf = _backfill_module()
     replayed, figs = bf.backfill(live.drop("ahead_batch", "ahead_seq_len", "ahead_steps"), schema.empty("events"),
                                  Schedule("ramp", 8, 8), None, max_steps=20)
     assert figs["agree"] == figs["compared"] == 19  # the 20th step, the run's last, plans no next one

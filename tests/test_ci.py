@@ -21,7 +21,8 @@ from gpuwatch import ci
 from gpuwatch.cli import main
 from gpuwatch.errors import UsageError
 from gpuwatch.recording.reader import open_recording
-from gpuwatch.runtime import session_status, wait_until
+from gpuwatch.runtime import session_status
+from gpuwatch.waiting import wait_until
 from gpuwatch.workload.schedule import Schedule
 
 from conftest import ROOT, SWEEP

@@ -158,11 +158,11 @@ def test_busy_prometheus_port_is_refused_before_anything_is_written(tmp_path, ca
 
 def test_prometheus_on_every_interface_warns(capsys):
     """Issue 17 (6): `--prometheus 0.0.0.0:PORT` printed http://127.0.0.1:PORT and said nothing."""
-    from gpuwatch.cli import _check_prometheus
+    from gpuwatch.cli.configs import check_prometheus
 
-    _check_prometheus("0.0.0.0", 0)
+    check_prometheus("0.0.0.0", 0)
     assert "every interface" in capsys.readouterr().err
-    _check_prometheus("127.0.0.1", 0)
+    check_prometheus("127.0.0.1", 0)
     assert capsys.readouterr().err == ""
 
 

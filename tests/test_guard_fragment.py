@@ -1,9 +1,9 @@
-"""The library benchmark's fragment scenario (benchmarks/guard_fragment.py) and the false alarm of its
+"""The library benchmark's fragment scenario (tests/support/guard_fragment.py) and the false alarm of its
 guarded arm on the H200 (calls 25 and 28, step 4), on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -18,10 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """support.guard_sim / support.guard_fragment, imported once torch is known to be there."""
+    return importlib.import_module(f"support.{name}")
 
 
 def test_the_step4_false_alarm_is_reproduced_and_gone_when_the_smaller_plan_is_rescored():
@@ -78,9 +76,9 @@ def test_fragment_criteria():
 def test_the_fragment_scenario_dry_run(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "dry.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/guard_library.py"), "--dry-run", "--only", "fragment",
-                        "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), CUDA_VISIBLE_DEVICES="")
+    code = f"from support.library_scenarios import run; run({str(out)!r}, dry=True, only=['fragment'])"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     s = json.loads(out.read_text())["scenarios"]["fragment"]
     assert "error" not in s, s.get("traceback")

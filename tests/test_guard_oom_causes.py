@@ -1,11 +1,8 @@
-"""The causes of the H200's remaining guarded OOMs (call 23), pinned: benchmarks/guard_sim.py runs the
+"""The causes of the H200's remaining guarded OOMs (call 23), pinned: tests/support/guard_sim.py runs the
 library benchmark's ramps with simulated device memory through the real GuardedLoop, Guard, Policy and
 peak estimator."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -13,14 +10,11 @@ from gpuwatch.control.policy import GuardConfig, Observation, Policy
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def sim():
-    spec = importlib.util.spec_from_file_location("guard_sim", ROOT / "benchmarks" / "guard_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from support import guard_sim  # torch at its import: only once the test knows torch is there
+
+    return guard_sim
 
 
 def o(t, risk, **kw):

@@ -14,7 +14,8 @@ import polars as pl
 import pytest
 
 from gpuwatch.recording import ipc, schema, writer
-from gpuwatch.recording.reader import SessionReader, open_recording, read_table_file, table_files
+from gpuwatch.recording.layout import table_files
+from gpuwatch.recording.reader import SessionReader, open_recording, read_table_file
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
 from gpuwatch.recording.source import ReplaySource
 from gpuwatch.recording.writer import Recorder

@@ -4,6 +4,7 @@ workloads implement, the remedies beyond the batch, and the README's library exa
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -382,12 +383,13 @@ def test_the_readme_library_example_runs_as_is(tmp_path, env):
     assert set(rec.events["kind"].to_list()) >= {"session_start", "workload_start", "session_end"}
 
 
-# -- the H200 benchmark's dry run (CPU, tiny, simulated OOMs): its code paths and its JSON ---------------------
+# -- the H200 benchmark's scenarios, dry run (CPU, tiny, simulated OOMs): their code paths and their JSON ---------
 def test_the_guard_library_benchmark_dry_run(tmp_path, env):
+    """support/library_scenarios.py, the scenarios benchmarks/guard_library.py runs on the H200."""
     out = tmp_path / "dry.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/guard_library.py"), "--dry-run", "--out", str(out),
-                        "--budget-s", "1000"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    env = dict(env, PYTHONPATH=str(ROOT / "tests") + os.pathsep + env["PYTHONPATH"])
+    code = f"from support.library_scenarios import run; run({str(out)!r}, dry=True, budget_s=1000)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["scenarios"]

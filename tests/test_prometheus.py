@@ -391,7 +391,8 @@ def test_watch_source_exports_the_recorded_host_not_this_machine():
     import json as _json
 
     from gpuwatch.recording.replay_backend import ReplayGpuBackend
-    from gpuwatch.recording.source import GpuMeta, LiveSource, RecordedFeed
+    from gpuwatch.recording.source import LiveSource, RecordedFeed
+    from gpuwatch.recording.window import GpuMeta
     from gpuwatch.telemetry.sampler import Sampler
     from gpuwatch.ui.launch import attach_feed
     from uihelpers import T0, FixedHost

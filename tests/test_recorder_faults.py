@@ -20,7 +20,8 @@ from gpuwatch.errors import UsageError
 from gpuwatch.recording import writer
 from gpuwatch.recording.reader import open_recording
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
-from gpuwatch.recording.writer import Recorder, check_output_dir, classify_error
+from gpuwatch.atomic import check_output_dir
+from gpuwatch.recording.writer import Recorder, classify_error
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.sampler import Sampler
 

@@ -232,3 +232,60 @@ def test_the_private_member_check_catches_a_planted_case():
         "        getattr(self, '_mine', None)\n"
         "        return other.__class__, other.public, src.x._ts\n")  # a dunder and a public name pass
     assert [e for _l, e in _private_reads(planted)] == ["other._theirs", "getattr(other, '_probe')", "src.x._ts"]
+# -- benchmarks/: measurements only, under the same rules ----------------------------------------------------
+BENCH = ROOT / "benchmarks"
+# Known in benchmarks/ and owned elsewhere: delete an entry when the change that removes it lands.
+BENCH_LONG_FUNCTIONS_KNOWN = {
+    "benchmarks.planner_curriculum.run_arm",  # issue 28's planner benchmark, owned with the planner
+}
+BENCH_PRIVATE_IMPORTS_KNOWN = {
+    # the decode benchmark's bandwidth bound reuses the FLOP counter's per-layer counts (workload/flops.py)
+    ("benchmarks.bench_decode", "gpuwatch.workload.flops", "_attn_params"),
+    ("benchmarks.bench_decode", "gpuwatch.workload.flops", "_layer_counts"),
+}
+
+
+def _bench_modules() -> dict[str, Path]:
+    return {f"benchmarks.{p.stem}": p for p in sorted(BENCH.glob("*.py"))}
+
+
+def _strings_outside_docstrings(path: Path):
+    """(line, text) of every string literal in code: docstrings and comments are words, not references."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and ast.get_docstring(n, clean=False) is not None}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            yield n.lineno, n.value
+
+
+def test_benchmarks_keep_the_size_rules():
+    mods = _bench_modules()
+    assert "benchmarks.bench_sampler" in mods and len(mods) > 20
+    big = {m: n for m, p in mods.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"benchmarks over {MAX_MODULE_LINES} lines (split by measurement): {big}"
+    found = dict(_functions(mods))
+    long = {q: n for q, n in found.items() if n > MAX_FUNCTION_LINES and q not in BENCH_LONG_FUNCTIONS_KNOWN}
+    assert not long, f"benchmark functions over {MAX_FUNCTION_LINES} lines: {long}"
+    stale = {q for q in BENCH_LONG_FUNCTIONS_KNOWN if found.get(q, 0) <= MAX_FUNCTION_LINES}
+    assert not stale, f"known long benchmark functions that are gone or short now (drop them): {stale}"
+
+
+def test_benchmarks_import_no_private_gpuwatch_name():
+    mods = _bench_modules()
+    used = {(m, target, n) for m, target, names, _line in _imports(mods) for n in names
+            if n.startswith("_") and not n.startswith("__")}
+    assert not used - BENCH_PRIVATE_IMPORTS_KNOWN, f"private gpuwatch names imported by benchmarks: {used - BENCH_PRIVATE_IMPORTS_KNOWN}"
+    assert not BENCH_PRIVATE_IMPORTS_KNOWN - used, f"known private imports no longer made (drop them): {BENCH_PRIVATE_IMPORTS_KNOWN - used}"
+
+
+def test_nothing_outside_benchmarks_runs_or_loads_them():
+    """Benchmarks hold measurements only: no test loads or runs one (what tests share with them lives in
+    tests/support/), and the package names none in its code (its help texts included)."""
+    here = Path(__file__).resolve()
+    files = [p for p in sorted((ROOT / "tests").rglob("*.py")) if p != here] + sorted(PKG.rglob("*.py"))
+    found = [f"{p.relative_to(ROOT)}:{line}: {text[:60]!r}" for p in files
+             for line, text in _strings_outside_docstrings(p) if "benchmarks" in text]
+    assert not found, "benchmarks/ referenced from code:\n" + "\n".join(found)
+    assert not any(t for t in _imports(_modules()) if t[1].split(".")[0] == "benchmarks")

@@ -276,7 +276,7 @@ def test_sessions_are_found_under_folders_in_order(tree):
     (dict(since="2026-11-30T11:00:00", until="2026-12-02T00:00:00Z"), ["cpu"]),
 ])
 def test_filters_from_meta_json(tree, filters, want):
-    from gpuwatch.cli_train import parse_when
+    from gpuwatch.cli.parser import parse_when
     from gpuwatch.predict.dataset import Filters, find_sessions
 
     kw = {k: (parse_when(v, end=k == "until") if k in ("since", "until") else v) for k, v in filters.items()}

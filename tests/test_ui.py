@@ -211,7 +211,8 @@ async def test_follow_a_session_another_process_is_writing(tmp_path, env, py):
 
 
 async def test_two_gpus_both_shown_and_s_cycles_the_plots(monkeypatch):
-    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.recording.source import LiveSource
+    from gpuwatch.recording.window import GpuMeta
     from gpuwatch.telemetry.bus import Bus
     from gpuwatch.telemetry.nvml import NvmlBackend
     from gpuwatch.telemetry.sampler import Sampler
@@ -364,7 +365,8 @@ async def test_watch_source_replays_what_the_session_recorded():
     """Issue 17 (3, f): `watch --source recordings/sample-h200-ramp-train` showed `workload: none in this
     session`, `tok/s -`, none of its 5 OOMs, this machine's host line and the GPU name cut to `H200 [repl`."""
     from gpuwatch.recording.replay_backend import ReplayGpuBackend
-    from gpuwatch.recording.source import GpuMeta, LiveSource, RecordedFeed
+    from gpuwatch.recording.source import LiveSource, RecordedFeed
+    from gpuwatch.recording.window import GpuMeta
     from gpuwatch.telemetry.bus import Bus
     from gpuwatch.telemetry.sampler import Sampler
     from gpuwatch.ui.launch import attach_feed
@@ -434,7 +436,8 @@ async def test_t_shows_every_process_of_the_live_gpus_and_o_sorts_them(monkeypat
     """Issue 17 (b): a process panel (PID, user, command, GPU memory), sortable by a key."""
     import os
 
-    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.recording.source import LiveSource
+    from gpuwatch.recording.window import GpuMeta
     from gpuwatch.telemetry.bus import Bus
     from gpuwatch.telemetry.nvml import NvmlBackend
     from gpuwatch.telemetry.sampler import Sampler
@@ -465,7 +468,8 @@ async def test_process_panel_shows_utilization_user_and_command_live_and_in_repl
     """Issue 17 (2): SM% and MEM% (NVML's per-process utilization), user and command are shown live and,
     recorded in samples.gpu_procs, in the replay of the session (they used to be '-' live and absent in
     replay)."""
-    from gpuwatch.recording.source import GpuMeta, LiveSource
+    from gpuwatch.recording.source import LiveSource
+    from gpuwatch.recording.window import GpuMeta
     from gpuwatch.telemetry.bus import Bus
     from gpuwatch.telemetry.nvml import NvmlBackend
     from gpuwatch.telemetry.procs import ProcInfo

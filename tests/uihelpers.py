@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from gpuwatch.recording.reader import open_recording
 from gpuwatch.recording.replay_backend import ReplayGpuBackend
-from gpuwatch.recording.source import GpuMeta, LiveSource
+from gpuwatch.recording.source import LiveSource
+from gpuwatch.recording.window import GpuMeta
 from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.sampler import Sampler
 

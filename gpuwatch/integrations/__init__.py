@@ -9,6 +9,14 @@ to import torch; transformers and lightning only in their own optional modules).
 - `lightning.GpuwatchLightningCallback`: a Lightning `Callback` (`pip install 'gpuwatch[lightning]'`).
 """
 
-from gpuwatch.integrations.loop import GuardedLoop
-
 __all__ = ["GuardedLoop"]
+
+
+def __getattr__(name: str):
+    """`GuardedLoop` imported on first use, so that `import gpuwatch.integrations.hf` (or `.lightning`)
+    reaches that module's own check and names its extra when one is missing."""
+    if name == "GuardedLoop":
+        from gpuwatch.integrations.loop import GuardedLoop
+
+        return GuardedLoop
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from gpuwatch.extras import require
+
+require("gpuwatch.integrations.hf", "hf")  # one line naming the extra, not a bare ModuleNotFoundError
+
+from transformers import TrainerCallback  # noqa: E402
 
 from gpuwatch.contract import Action
 from gpuwatch.control.policy import GuardConfig

@@ -23,8 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
+from gpuwatch.extras import require
+
+require("gpuwatch.integrations.lightning", "lightning")  # one line naming the extra
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
 
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.integrations.batches import batch_size_of, per_device_batch, seq_len_of

@@ -36,7 +36,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+from gpuwatch.extras import require
+
+require("GuardedLoop (gpuwatch.integrations)", modules=("torch",))  # one line: what to install
+
+import torch  # noqa: E402
 
 from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
 from gpuwatch.integrations.batches import Batch, batch_size_of, first_tensor, seq_len_of, split

@@ -14,8 +14,8 @@ Why LOOKAHEAD_S = 4 s: an alarm counts as true when the OOM follows within the l
 predict/dataset.py) - a warning further ahead would be a false alarm by that measure, and the plan of
 a schedule far ahead is more often overtaken by what happens first (a control, an OOM elsewhere).
 
-Pure Python: the stress workload calls it after every step, `benchmarks/backfill_ahead.py` to fill the
-columns of sessions recorded before them, through the same schedule code.
+Pure Python: the stress workload calls it after every step, `gpuwatch backfill` (gpuwatch/backfill.py) to
+fill the columns of sessions recorded before them, through the same schedule code.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         "",
         "Labels are strict: an alarm the guard acted on in a guarded session (it refused the step the model said",
         "would fail, so no OOM followed) counts as a false alarm. Sessions that neither training nor any design",
-        "choice saw: `python3 benchmarks/heldout_eval.py` scores this model on recordings/heldout-h200-*/",
+        "choice saw: `gpuwatch eval` scores this model on recordings/heldout-h200-*/",
         "(docs/BENCHMARKS.md, issue 20, has its figures).",
         "",
     ]
@@ -186,7 +186,7 @@ def first_step_section(rep) -> list[str]:
         "",
         f"The overhead {FIRST_STEP_OVERHEAD:g} was chosen as the middle of that gap (every failure at <= {fail_max:.2f}, every",
         f"success at >= {ran_min:.2f}) on these sessions; sessions no choice saw are in docs/BENCHMARKS.md",
-        "(`python3 benchmarks/first_step_eval.py`).",
+        "(`gpuwatch eval --first-step`).",
     ]
 
 
@@ -240,8 +240,8 @@ def _model_sections(rep) -> list[str]:
         "(`--duration`, `--steps`), and a run's last step plans no next one: rules added after 5 of the 7",
         "false alarms on the sessions no choice had seen warned of a timed ramp's levels past its end, and one",
         "of this card's near-limit false alarms was a failed shape planned after the run's deadline - so these",
-        "figures, and the held-out sessions', are optimistic about those rules (benchmarks/backfill_ahead.py",
-        "--refill rewrote the recorded sessions' plan columns as the rule would have).",
+        "figures, and the held-out sessions', are optimistic about those rules (`gpuwatch backfill --refill`",
+        "rewrote the recorded sessions' plan columns as the rule would have).",
         "After an OOM, a replay scores the plan the recovery recorded (or none), not the last step's. p_classifier: scikit-learn",
         "HistGradientBoostingClassifier (100 trees of at most 7 leaves, at least 200 windows a leaf) over the",
         "context features (`CONTEXT` in `predict/train.py`), monotone in the memory-pressure features (more",

@@ -35,7 +35,7 @@ import polars as pl
 
 from gpuwatch.atomic import write_file
 from gpuwatch.predict.peak import usable_limit
-from gpuwatch.recording.source import recorded_caps
+from gpuwatch.recording.recorded import recorded_caps
 
 NEAR_FRACTIONS = (0.90, 0.94, 0.97)  # healthy copies: the session's highest peak at these shares of the usable limit
 FAIL_QUANTILES = (0.5, 0.8)  # failing copies: the usable limit at these quantiles of the distinct step peaks

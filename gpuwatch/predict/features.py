@@ -21,7 +21,7 @@ from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTE
                                    nanmedian, usable_limit)
 from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
-from gpuwatch.recording.source import Window
+from gpuwatch.recording.window import Window
 from gpuwatch.telemetry.reasons import LIMITING
 
 GiB = 2**30

@@ -1,7 +1,7 @@
 """How well the shape library (predict/prior.py) says a session's first step: each recorded session's first
 attempted step - the window just before it, cut and scored as replay and live scoring do - against what
 happened (it ran, or it ran out of memory). `gpuwatch train` judges the training sessions leave one session
-out for the card; `benchmarks/first_step_eval.py` prints these and the held-out sessions."""
+out for the card; `gpuwatch eval --first-step` prints these and the held-out sessions (`report`)."""
 
 from __future__ import annotations
 
@@ -84,3 +84,34 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
     ran = [r for r in rows if r["outcome"] == "ran"]
     return {"first_steps": len(rows), "oom": len(ooms), "oom_warned": sum(r["alarm"] for r in ooms),
             "ran": len(ran), "ran_alarmed": sum(r["alarm"] for r in ran), "no_estimate": sum(r["p"] is None for r in rows)}
+
+
+def _show(title: str, rows: list[dict[str, Any]], say) -> None:
+    say(f"== {title}")
+    for r in rows:
+        room = "-" if r["room_over_act"] is None else f"{r['room_over_act']:.2f}"
+        p = "-" if r["p"] is None else f"{r['p']:.2f}"
+        say(f"  {r['session'][:40]:40s} {r['mode']:7s} {r['shape']:>10s} room/act {room:>6s}  p {p:>5s}  "
+            f"{'ALARM' if r['alarm'] else '     '}  {r['outcome']}")
+    say(f"   {summary(rows)}")
+
+
+def report(training: list[Path], heldout: list[Path], model: Path, say=print) -> dict[str, Any]:
+    """`gpuwatch eval --first-step`: every first step of the training sessions judged leave one session out,
+    then those of the held-out sessions with the library of every training session (the shipped model's),
+    each alarm at p >= the estimator's operating point in `model`'s manifest; the lines go to `say`, the
+    figures are returned."""
+    from gpuwatch.predict.model import read_manifest
+    from gpuwatch.predict.prior import FIRST_STEP_REL, build
+
+    with np.errstate(all="ignore"):
+        t_e = float((read_manifest(model).get("operating_point") or {}).get("estimator") or 0.5)
+        out: dict[str, Any] = {"estimator_operating_point": t_e, "overhead": FIRST_STEP_OVERHEAD, "rel": FIRST_STEP_REL}
+        rows = leave_one_out(training, t_e)
+        _show("training sessions, leave one session out", rows, say)
+        out["training"] = {"rows": rows, "summary": summary(rows)}
+        lib = build(training)
+        held = [r for s in sorted(Path(p) for p in heldout) for r in (judge(a, lib, t_e) for a in first_attempts(s)) if r]
+        _show("held-out sessions, the library of every training session", held, say)
+        out["heldout"] = {"rows": held, "summary": summary(held)}
+    return out

@@ -25,7 +25,12 @@ from gpuwatch.predict.features import NAMES
 from gpuwatch.recording import schema
 
 MANIFEST_FORMAT = 1
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "risk.joblib"
+# The shipped model: models/ in a checkout (where `gpuwatch train -o models/risk.joblib` writes it), else
+# the copy a wheel carries inside the package (pyproject.toml: force-include), so `pip install gpuwatch`
+# scores and guards with it too.
+_CHECKOUT_MODEL = Path(__file__).resolve().parents[2] / "models" / "risk.joblib"
+_PACKAGED_MODEL = Path(__file__).resolve().parents[1] / "models" / "risk.joblib"
+DEFAULT_MODEL = _PACKAGED_MODEL if _PACKAGED_MODEL.exists() and not _CHECKOUT_MODEL.exists() else _CHECKOUT_MODEL
 
 
 class ModelError(GpuwatchError):

@@ -16,8 +16,8 @@ it keeps any), which the recordings do not separate from its activations - not e
 The first step's need: weights + FIRST_STEP_OVERHEAD x the activations at the planned shape (looked up,
 interpolated or extrapolated in tokens as peak.py does), against the usable limit (peak.usable_limit). The
 overhead: a first step under a cap cuts a fresh segment for every activation, so it needs more room than
-its steady peak - measured on the training sessions, leave-one-session-out (`python3
-benchmarks/first_step_eval.py`): every first step that failed had room above the weights of at most 1.13 x
+its steady peak - measured on the training sessions, leave-one-session-out (`gpuwatch eval
+--first-step`): every first step that failed had room above the weights of at most 1.13 x
 its activations, every one that ran at least 1.38 x; FIRST_STEP_OVERHEAD is the middle, 1.25. The spread:
 the library's residual and extrapolation spread (as peak.py) and FIRST_STEP_REL of the activations (the
 overhead's own uncertainty). P(need > usable limit) is the `peak_cross_p` of a window with no step

@@ -23,7 +23,9 @@ from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
 from gpuwatch.predict.model import RiskModel
 from gpuwatch.recording import schema
-from gpuwatch.recording.source import ReplaySource, Window, event_detail
+from gpuwatch.recording.recorded import event_detail
+from gpuwatch.recording.source import ReplaySource
+from gpuwatch.recording.window import Window
 from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this

@@ -36,9 +36,8 @@ from gpuwatch.recording.layout import (CHUNK_RE, COMPACT_RE, SEGMENT_RE, STREAM_
                                        fatal_exc, first_flush, one_line, os_why, read_regular, select_files,
                                        stat_regular, table_files)
 
-# Kept importable from here for their older callers (the CLI, compaction): they live in layout.py now.
-__all__ = ["Recording", "SessionReader", "StreamState", "PartialRead", "column_max", "data_names", "open_recording",
-           "read_stream_new", "read_table_file", "select_files", "table_files", "table_max", "validate_meta"]
+__all__ = ["Recording", "SessionReader", "StreamState", "PartialRead", "column_max", "open_recording", "read_stream_new",
+           "read_table_file", "table_max", "validate_meta"]
 
 META_MAX_BYTES = 16 * 2**20  # a meta.json is a few KiB; anything this big is not one
 STALE_S = 60.0  # an incomplete session with no data this long is taken as stopped, not still recording

@@ -17,10 +17,9 @@ import polars as pl
 from gpuwatch.recording import schema
 from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
 from gpuwatch.recording.reader import SessionReader, nothing_read
-from gpuwatch.recording.recorded import (event_detail, fill_plans, first_plan, recorded_caps,  # noqa: F401 - re-exported
-                                         recorded_interval, recorded_pid, recorded_steps, recorded_workload,
-                                         sorted_by_time, StepCount)
-from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window  # noqa: F401 - re-exported
+from gpuwatch.recording.recorded import (fill_plans, first_plan, recorded_caps, recorded_interval, recorded_pid,
+                                         recorded_steps, recorded_workload, sorted_by_time, StepCount)
+from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)

@@ -29,19 +29,17 @@ from typing import Any, cast
 
 import polars as pl
 
-from gpuwatch.atomic import check_output_dir, unlink_quietly, write_file  # check_output_dir: re-exported
+from gpuwatch.atomic import unlink_quietly, write_file
 from gpuwatch.errors import RecordingError
 from gpuwatch.recording import schema
 from gpuwatch.recording.ipc import StreamFile, read_stream_file
 from gpuwatch.recording.layout import (CHUNK_RE, LOCK_NAME, SEGMENT_RE, STREAM_RE, check_frame, data_names,
-                                       data_part, first_flush, lock_session, session_locked, session_name,
+                                       data_part, first_flush, lock_session, session_name,
                                        stat_regular, unlock_session)
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.threads import start_thread
 
-# Kept importable from here for their older callers (the CLI, benchmarks): they live in layout.py now.
-__all__ = ["Recorder", "StreamFile", "append_stream", "check_output_dir", "classify_error", "read_part",
-           "session_locked", "session_name", "to_frame", "write_atomic", "write_json_atomic"]
+__all__ = ["Recorder", "append_stream", "classify_error", "read_part", "to_frame", "write_atomic", "write_json_atomic"]
 FILE_META = {"gpuwatch_schema_version": str(schema.SCHEMA_VERSION)}
 HOLD_S = 3600.0  # unwritten rows held while the disk fails (the bus ring holds as much)
 _BUS_CHANNEL = {"samples": "ticks", "steps": "steps", "events": "events", "risk": "risk"}

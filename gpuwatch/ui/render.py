@@ -12,7 +12,8 @@ from rich.text import Text
 from gpuwatch.predict.headroom import headroom
 from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
 from gpuwatch.recording.ranks import rank_stats, straggler
-from gpuwatch.recording.source import GpuMeta, event_detail
+from gpuwatch.recording.recorded import event_detail
+from gpuwatch.recording.window import GpuMeta
 from gpuwatch.telemetry.reasons import LIMITING, decode
 from gpuwatch.units import fmt_bytes
 

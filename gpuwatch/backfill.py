@@ -1,54 +1,59 @@
-"""Fill the schema-v4 lookahead columns (`ahead_batch`, `ahead_seq_len`, `ahead_steps`) of `gpuwatch
-stress` sessions recorded before them, through the same code the live workload runs.
+"""`gpuwatch backfill`: a migration of recorded sessions. It fills the schema-v4 lookahead columns
+(`ahead_batch`, `ahead_seq_len`, `ahead_steps`) of `gpuwatch stress` sessions recorded before them, through
+the same code the live workload runs.
 
 The stress workload's schedule is pure (gpuwatch/workload/schedule.py): given the command the session
 was started with (meta.json's argv) and what happened in it (each step that ran, each OOM the schedule
 recovered from, each control that was applied - the history `stress --resume` replays), it is in the
-state the live run was in after each step. At each step row this script asks that schedule what
+state the live run was in after each step. At each step row the backfill asks that schedule what
 `Workload._plan_columns` would have asked it live (`predict/ahead.columns`: the largest step planned
 within 4 s at the pace of the last step ends). Nothing is read from the recording's future.
 
 It checks itself: the replayed schedule's plan for the next step must equal the `next_batch` /
-`next_seq_len` the live run recorded (schema v2 and later; in v1 sessions, the step that ran next) - the agreement is printed per session, and a
-session below 99 % is left unchanged. Sessions not started by `gpuwatch stress`, data-parallel sessions and
-sessions that already have the columns are skipped.
+`next_seq_len` the live run recorded (schema v2 and later; in v1 sessions, the step that ran next) - the
+agreement is said per session, and a session below 99 % is left unchanged. Sessions not started by
+`gpuwatch stress`, data-parallel sessions and sessions that already have the columns are skipped.
 
-    python3 benchmarks/backfill_ahead.py recordings/*/ recordings/h200-*/*/   # rewrites steps.parquet
-    python3 benchmarks/backfill_ahead.py --check recordings/...               # only prints the agreement
-    python3 benchmarks/backfill_ahead.py --compare recordings/heldout-h200-*/*/  # live columns vs the replay
-    python3 benchmarks/backfill_ahead.py --refill recordings/...              # again, where the rule changed
+    gpuwatch backfill recordings/*/ recordings/h200-*/*/            # rewrites steps.parquet
+    gpuwatch backfill --check recordings/...                        # only prints the agreement
+    gpuwatch backfill --compare recordings/heldout-h200-*/*/        # live columns vs the replay
+    gpuwatch backfill --refill recordings/...                       # again, where the rule changed
 
 The lookahead ends where the run did (`--steps`, `--duration` from the session's start: `run_end`), as the
 live workload's does since the rule came in (call 29's held-out sessions recorded it without).
+
+A recorded command line is parsed by the CLI's own parser, which sits above this module: the caller
+hands it in (`parse`: argv without the program -> the parsed flags; `gpuwatch.cli.parser.parse_recorded`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+from argparse import Namespace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import polars as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpuwatch.predict import ahead as A
+from gpuwatch.recording import schema
+from gpuwatch.recording.recorded import fill_plans
+from gpuwatch.resume import workload_history
+from gpuwatch.workload.config import WorkloadConfig
+from gpuwatch.workload.presets import defaults
+from gpuwatch.workload.schedule import Schedule
 
-from gpuwatch.cli import _fix_negative_values, build_parser  # noqa: E402
-from gpuwatch.predict import ahead as A  # noqa: E402
-from gpuwatch.recording import schema  # noqa: E402
-from gpuwatch.recording.recorded import fill_plans  # noqa: E402
-from gpuwatch.resume import workload_history  # noqa: E402
-from gpuwatch.workload.config import WorkloadConfig  # noqa: E402
-from gpuwatch.workload.presets import defaults  # noqa: E402
-from gpuwatch.workload.schedule import Schedule  # noqa: E402
+__all__ = ["COLS", "MIN_AGREEMENT", "NEXT", "Parse", "backfill", "gpu_of", "run", "run_end", "schedule_of"]
+
+Parse = Callable[[list[str]], Namespace]  # a recorded command line without the program -> its parsed flags
 
 MIN_AGREEMENT = 0.99
 COLS = ("ahead_batch", "ahead_seq_len", "ahead_steps")
 NEXT = ("next_batch", "next_seq_len", "next_precision")  # emptied on a run's last step (its end: nothing planned)
 
 
-def schedule_of(argv: list[str], rec: dict) -> Schedule:
+def schedule_of(argv: list[str], rec: dict, parse: Parse) -> Schedule:
     """The schedule the live run built (Workload.__init__): from its `gpuwatch stress` command line, or
     (sessions the benchmark scripts recorded) from meta's record of the workload - whose batch is the
     schedule's after construction (a ramp's start, a quarter of the batch asked for: the start is all a
@@ -56,7 +61,7 @@ def schedule_of(argv: list[str], rec: dict) -> Schedule:
     kind = rec.get("schedule") or "steady"
     b, s = defaults(rec["preset"])
     if "stress" in argv[1:2]:
-        args = build_parser().parse_args(_fix_negative_values(argv[1:]))
+        args = parse(argv[1:])
         return Schedule(kind, args.batch or b, args.seq_len or s, args.max_batch, long_seq=WorkloadConfig.long_seq)
     batch = int(rec.get("batch") or b)
     return Schedule(kind, 4 * batch if kind == "ramp" else batch, int(rec.get("seq_len") or s), None,
@@ -69,7 +74,8 @@ def gpu_of(rec: dict):
     return rec.get("gpu_index", int(dev.split(":")[1]) if dev.startswith("cuda:") else 0 if dev == "cuda" else None)
 
 
-def run_end(argv: list[str], meta: dict, events: pl.DataFrame) -> tuple[int | None, list[tuple[float, float]]]:
+def run_end(argv: list[str], meta: dict, events: pl.DataFrame, parse: Parse
+            ) -> tuple[int | None, list[tuple[float, float]]]:
     """(max steps, deadlines) of a `gpuwatch stress` run. Deadlines are (when it was set, the deadline),
     both epoch s: each `deadline` event's ends_at where the run recorded them (one per run of a resumed
     session: a row takes the latest set before it), else `--duration` counted from the session's start
@@ -78,7 +84,7 @@ def run_end(argv: list[str], meta: dict, events: pl.DataFrame) -> tuple[int | No
     (meta's argv is the first run's) unless they recorded their deadlines."""
     if "stress" not in argv[1:2]:
         return None, []
-    args = build_parser().parse_args(_fix_negative_values(argv[1:]))
+    args = parse(argv[1:])
     resumed = bool(meta.get("resumed"))
     ev = events.filter(pl.col("kind") == "deadline") if events.height else events
     if ev.height:
@@ -142,7 +148,10 @@ def backfill(steps: pl.DataFrame, events: pl.DataFrame, sched: Schedule, gpu, se
     return filled, {"steps": st.height, "compared": compared, "agree": agree}
 
 
-def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) -> str:
+def run(folder: Path, check: bool, compare: bool = False, refill: bool = False, *, parse: Parse) -> str:
+    """Backfill one session folder (`check`: say the agreement, write nothing; `compare`: a session recorded
+    with the columns, compared cell by cell with the replay; `refill`: rewrite columns it already has);
+    the one line that says what was done is returned."""
     meta_p, steps_p, events_p = folder / "meta.json", folder / "steps.parquet", folder / "events.parquet"
     if not (meta_p.is_file() and steps_p.is_file()):
         return f"{folder}: skipped (no meta.json / steps.parquet)"
@@ -163,9 +172,9 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     # v1 sessions recorded no plan: compare with what ran next instead (the recording layer's fill_plans)
     steps = fill_plans(schema.conform(steps, "steps"), events)
     parts, figs = [], {"steps": 0, "compared": 0, "agree": 0}
-    max_steps, deadlines = run_end(argv, meta, events)
+    max_steps, deadlines = run_end(argv, meta, events, parse)
     for rec in loads:
-        part, f = backfill(steps, events, schedule_of(argv, rec), gpu_of(rec),
+        part, f = backfill(steps, events, schedule_of(argv, rec, parse), gpu_of(rec),
                            v1 and bool((rec.get("faults") or {}).get("fragment")), max_steps, deadlines)
         parts.append(part)
         figs = {k: figs[k] + f[k] for k in figs}
@@ -194,25 +203,7 @@ def run(folder: Path, check: bool, compare: bool = False, refill: bool = False) 
     tmp.replace(steps_p)
     meta.setdefault("backfilled", []).append({
         "columns": list(COLS) + ([c for c in NEXT if c in original] if deadlines or max_steps else []),
-        "run_end": {"deadlines": [d for _t, d in deadlines], "max_steps": max_steps}, "by": "benchmarks/backfill_ahead.py",
+        "run_end": {"deadlines": [d for _t, d in deadlines], "max_steps": max_steps}, "by": "gpuwatch backfill",
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "plan_agreement": round(share, 4)})
     meta_p.write_text(json.dumps(meta, indent=2) + "\n")
     return line + " - filled"
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sessions", nargs="+", type=Path)
-    ap.add_argument("--check", action="store_true", help="print the agreement only; write nothing")
-    ap.add_argument("--compare", action="store_true",
-                    help="sessions recorded with the columns (live): compare them with the replay; write nothing")
-    ap.add_argument("--refill", action="store_true",
-                    help="rewrite the columns of sessions that have them too (after a change of the lookahead's rule)")
-    a = ap.parse_args()
-    for s in a.sessions:
-        print(run(s, a.check or a.compare, a.compare, a.refill), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""The library benchmark's fragmentation scenario (`benchmarks/guard_library.py --only fragment`).
+"""The library benchmark's fragmentation scenario (`benchmarks/guard_library.py --only fragment`; its other
+scenarios are tests/support/library_scenarios.py, here because the tests run them too).
 
 Calibrated from the H200's calls 25 and 28 (benchmarks/results/guard-library-call25.json,
 guard-library-fragment-call28.json: peak = 2.745 GB + 781,709 B x tokens, cap 31.51 GB): the old scenario's
@@ -72,7 +73,7 @@ def at_failure(device: torch.device, err: BaseException) -> dict:
 
 def scenario_fragment(ctx, lib) -> dict:
     """Unguarded then guarded on the same random lengths (1/4..1 of SMAX_FIT x fit) and the same buffers;
-    `lib` is benchmarks/guard_library (its loops). Its `criteria` say whether the scenario showed the remedy."""
+    `lib` is support.library_scenarios (its loops). Its `criteria` say whether the scenario showed the remedy."""
     d, model, opt, state = ctx["device"], ctx["model"], ctx["opt"], ctx["state"]
     batch = 8
     smax = max(16, int(SMAX_FIT * ctx["fit_tokens"] / batch))

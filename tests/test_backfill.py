@@ -1,0 +1,73 @@
+"""`gpuwatch backfill` (gpuwatch/backfill.py), the migration that filled the shipped sessions' lookahead
+columns, and `gpuwatch eval`, the evaluations the model card cites: commands of the package, not scripts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import polars as pl
+
+from gpuwatch.cli import main
+
+from conftest import ROOT, SWEEP
+
+HELDOUT = ROOT / "recordings" / "heldout-h200-2026-12-02"
+AHEAD = ["ahead_batch", "ahead_seq_len", "ahead_steps"]
+
+
+def _without_the_columns(tmp_path, session):
+    """A copy of a shipped session as it was before schema v4: no lookahead columns."""
+    copy = tmp_path / session.name
+    shutil.copytree(session, copy)
+    p = copy / "steps.parquet"
+    pl.read_parquet(p).drop(AHEAD).write_parquet(p, metadata=pl.read_parquet_metadata(p))
+    return copy
+
+
+def test_backfill_fills_a_session_as_the_shipped_one_was_filled(tmp_path, capsys):
+    copy = _without_the_columns(tmp_path, SWEEP)
+    before = (copy / "steps.parquet").read_bytes()
+    assert main(["backfill", "--check", str(copy)]) == 0
+    assert capsys.readouterr().out.strip() == (f"{copy}: 30 steps, the replayed plan equals the recorded next step "
+                                               "on 29/29 (100.0%)")
+    assert (copy / "steps.parquet").read_bytes() == before  # --check writes nothing
+    assert main(["backfill", str(copy)]) == 0
+    assert capsys.readouterr().out.strip().endswith(" - filled")
+    assert pl.read_parquet(copy / "steps.parquet").equals(pl.read_parquet(SWEEP / "steps.parquet"))
+    note = json.loads((copy / "meta.json").read_text())["backfilled"][-1]
+    assert note["by"] == "gpuwatch backfill" and note["plan_agreement"] == 1.0 and note["columns"] == AHEAD
+    assert main(["backfill", str(copy)]) == 0  # a second run: nothing to do
+    assert capsys.readouterr().out.strip() == f"{copy}: skipped (has the columns)"
+
+
+def test_backfill_compares_a_session_recorded_with_the_columns(capsys):
+    s = ROOT / "recordings" / "h200-nearcap-2026-12-01" / "nc3-small-prefill-rampmax-b256"
+    assert main(["backfill", "--compare", str(s)]) == 0
+    assert capsys.readouterr().out.strip().endswith("lookahead recorded live: the replay equals it in 4506/4506 cells")
+
+
+def test_backfill_refuses_a_bad_flag_combination_in_one_line(capsys):
+    assert main(["backfill", "--check", "--refill", str(SWEEP)]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_eval_scores_the_model_on_held_out_sessions(tmp_path, capsys):
+    s = sorted(p for p in HELDOUT.iterdir() if (p / "meta.json").exists())[0]
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(s), "--stride", "10", "-o", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(s.name) and lines[1].startswith("all (shipped model)") and len(lines) == 3
+    figs = json.loads(out.read_text())
+    assert set(figs["sessions"]) == {s.name} and figs["stride"] == 10 and figs["shape_library"] is True
+
+
+def test_eval_of_the_first_steps(tmp_path, capsys):
+    s = HELDOUT / "nc6-v3slice-prefill-b10"
+    out = tmp_path / "first.json"
+    assert main(["eval", "--first-step", str(s), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "== training sessions, leave one session out" in text and "nc6-v3slice-prefill-b10" in text
+    figs = json.loads(out.read_text())
+    assert [r["session"] for r in figs["heldout"]["rows"]] == ["nc6-v3slice-prefill-b10"]
+    assert figs["training"]["summary"]["first_steps"] > 0
