@@ -107,7 +107,7 @@ def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarr
         got = {}
         _trend(got, t, key, alloc, peak, res, limit, planned_peak)
         if len(_KEPT) >= 4:
-            _KEPT.pop(next(iter(_KEPT), None), None)
+            _KEPT.pop(next(iter(_KEPT)))
         _KEPT[k] = got
     out.update(got)
 
@@ -165,8 +165,8 @@ def outlook(f: dict[str, float]) -> Outlook | None:
     the next-step peak - within the next step; the lookahead - within LOOKAHEAD_S; the trend - its range."""
     from gpuwatch.predict.ahead import LOOKAHEAD_S
 
-    ps = {k: f.get(k) for k in SIGNALS}
-    ps = {k: float(v) for k, v in ps.items() if v is not None and v == v}
+    raw = {k: f.get(k) for k in SIGNALS}
+    ps: dict[str, float] = {k: float(v) for k, v in raw.items() if v is not None and v == v}
     if not ps or max(ps.values()) < OUTLOOK_MIN_P:
         return None  # no signal of the estimator's says the limit is near: no range to show
     k = max(ps, key=lambda n: (ps[n], n == "peak_cross_p"))  # a tie: the nearest

@@ -41,7 +41,8 @@ def states(ts_us: np.ndarray, used: np.ndarray, limit: np.ndarray) -> tuple[np.n
     low = np.zeros(ts_us.size, dtype=bool)
     rates: deque[float] = deque(maxlen=WINDOW)
     grow_n, lo_rate, hi_rate = 0, None, None
-    last_t = last_u = None
+    last_t: float | None = None
+    last_u = 0.0
     cur = (False, False)
     for i in range(ts_us.size):
         t, u, lim = float(ts_us[i]) / 1e6, float(used[i]), float(limit[i])
@@ -64,7 +65,7 @@ def states(ts_us: np.ndarray, used: np.ndarray, limit: np.ndarray) -> tuple[np.n
             grow_n, lo_rate, hi_rate = 0, None, None
         shows_oom = (growing and grow_n >= MIN_SUSTAINED and pct >= MIN_USED_PCT
                      and min(1.0, grow_n / 30.0) >= MIN_CONFIDENCE
-                     and max(lim - u, 0.0) / MB / max(hi_rate, 1e-3) <= CAP_S)
+                     and max(lim - u, 0.0) / MB / max(hi_rate or 0.0, 1e-3) <= CAP_S)
         cur = (shows_oom, (not growing) and pct >= LOW_VRAM_PCT)
         oom[i], low[i] = cur
     return oom, low
