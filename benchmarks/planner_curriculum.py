@@ -54,6 +54,32 @@ def build(a: argparse.Namespace, max_seq: int):
     return cfg, LlamaForCausalLM(cfg)
 
 
+def lightning_module(model):
+    """The Lightning arms' LightningModule around the transformers model, and their padding collate."""
+    import lightning as L
+    import torch
+
+    def collate(rows):
+        n = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        return ids
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, ids, i):
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LM, collate
+
+
 def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     arm = label.split("#")[0]  # "planner#2": a repeat of the planner arm
     import lightning as L
@@ -75,24 +101,7 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     if cap and arm != "lightning-planner":
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
-    def collate(rows):
-        n = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), n, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = r
-        return ids
-
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, ids, i):
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
+    LM, collate = lightning_module(model)
     steps_seen, deadline, cut = [0], time.perf_counter() + a.arm_timeout - 25.0, [False]
 
     class Count(L.Callback):

@@ -41,7 +41,7 @@ def test_the_plan_covers_both_families_and_the_growths():
 
 
 def test_stress_commands_parse_with_the_cli():
-    from gpuwatch.cli import build_parser
+    from gpuwatch.cli.parser import build_parser
 
     p = build_parser()
     for s in G.draw(5, 24) + G.draw(5, 8, dry=True):

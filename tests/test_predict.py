@@ -104,7 +104,9 @@ def test_one_feature_function_everywhere():
 
     assert dataset.features is F.features
     assert scorer.features is F.features
-    assert dataset.session_timelines.__defaults__[-1] is F.features
+    import inspect
+
+    assert inspect.signature(dataset.session_timelines).parameters["feature_fn"].default is F.features
 
 
 def test_features_of_a_window_before_an_oom_say_danger():
