@@ -37,6 +37,7 @@ from gpuwatch.contract import next_step_columns
 from gpuwatch.errors import UsageError
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.workload import flops as F
+from gpuwatch.workload import mechanics as X
 from gpuwatch.workload import model as M
 from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload.comm import CommMeter
@@ -330,7 +331,7 @@ class DistributedWorkload(Workload):
     def _dist_step(self, wanted: int, seq: int, phase: str) -> None:
         seq = self._step_seq(seq)
         batch, micro, k = self._split(wanted)
-        before = M.memory(self.device)["torch_allocated_bytes"]
+        before = X.memory(self.device)["torch_allocated_bytes"]
         row, failure = self._attempt(self._rank_step, batch, seq, phase, micro, k)
         if failure is not None and self.ddp is not None:
             # DDP's reducer part-way through backward, or FSDP's per-layer all-gathers part-way through forward
@@ -452,7 +453,7 @@ class DistributedWorkload(Workload):
             tflops = F.step_flops(self.fields, mode, batch, seq, self.cfg.decode_tokens) / dt / 1e12
             peak = F.peak_tflops(self.device_name, self.precision)
             row.update(step_time_s=dt, tokens_per_s=tokens / dt, tflops=tflops, mfu=tflops / peak if peak else None,
-                       **M.memory(self.device), expert_impl=self._impl_label())
+                       **X.memory(self.device), expert_impl=self._impl_label())
         row.update(ts=time.time_ns() // 1000, rank=self.rank, world_size=self.ctx.world, comm_time_s=comm_s,
                    comm_bytes=comm_bytes)
         self.schedule.done()

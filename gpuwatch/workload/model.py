@@ -204,14 +204,6 @@ def step_train_accumulated(model, chunks, optimizer, scaler, lean: bool = False)
         model.eval()
 
 
-def memory(device: torch.device) -> dict[str, int | None]:
-    if device.type != "cuda":
-        return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}
-    return {"torch_allocated_bytes": torch.cuda.memory_allocated(device),
-            "torch_reserved_bytes": torch.cuda.memory_reserved(device),
-            "torch_peak_bytes": torch.cuda.max_memory_allocated(device)}
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

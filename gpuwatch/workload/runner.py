@@ -305,7 +305,7 @@ class Workload(GuardedSide):
                 lambda kind, msg, **d: self.bus.emit(kind, msg, gpu=self.cfg.gpu_index, **d))
         self.bus.emit("workload_start", f"{self.cfg.preset} ({self.params / 1e9:.3g} B params) built on "
                       f"{self.device_name} in {secs:.2f} s", gpu=self.cfg.gpu_index,
-                      build_s=secs, **self.describe(), **M.memory(self.device))
+                      build_s=secs, **self.describe(), **X.memory(self.device))
 
     def _build_cancelled(self) -> bool:
         return self._stop.is_set() or self.past_end()
@@ -385,7 +385,7 @@ class Workload(GuardedSide):
         seq = self._step_seq(seq)
         for _try in range(20):  # reactive rules retry the same step; the schedule's recovery moves on
             batch, micro, k = self._split(wanted)
-            before = M.memory(self.device)["torch_allocated_bytes"]
+            before = X.memory(self.device)["torch_allocated_bytes"]
             row, failure = self._attempt(self._timed_step, batch, seq, phase, micro, k)
             if failure is None:
                 break
@@ -464,7 +464,7 @@ class Workload(GuardedSide):
                 "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
-                **M.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
+                **X.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
                 "checkpointing": self.checkpointing if mode == "train" else None}
 
     def _impl_label(self) -> str | None:
@@ -501,7 +501,7 @@ class Workload(GuardedSide):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        after = M.memory(self.device)["torch_allocated_bytes"]
+        after = X.memory(self.device)["torch_allocated_bytes"]
         react = self.guard.after_oom(self, batch, micro) if self.guard is not None else None
         if react is not None:
             what, n = react
