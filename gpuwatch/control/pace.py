@@ -15,8 +15,8 @@ checkpointing's recompute adds:
   which is 1.3 % of a 16-row micro-batch per extra micro-batch. The earlier prior (10 % of the time, as
   a + b x tokens with a one tenth) made 8 x 2 look 9 % slower than 16 x 1, and the planner took
   checkpointing (x 4/3) over a 6 s restart for 110 steps: 0.79x the static configuration's tokens/s;
-- checkpointing's recompute is measured as the ratio of a checkpointed group's work to the plain group's
-  fit at the same tokens; until measured, x 4/3 (one more forward of three passes);
+- checkpointing's recompute is measured by fitting the checkpointed steps as their own group; until one
+  has run, the plain group's work x 4/3 (one more forward of three passes);
 - another precision with the same checkpointing is taken at the same pace until it runs.
 Pure Python (the fits are 4 x 4 normal equations).
 """
@@ -44,13 +44,21 @@ class StepTimes:
     """Step times per (checkpointing, precision), and the fitted model of what a configuration costs."""
 
     obs: dict[tuple[bool, str], deque] = field(default_factory=dict)
+    # the fits of the steps seen so far: a decision asks for ~20 configurations, the steps change once a step
+    _fits: dict = field(default_factory=dict, repr=False)
 
     def add(self, ckpt: bool, prec: str, k: int, tokens: float, seq: float, dt: float) -> None:
         if k >= 1 and tokens > 0 and seq > 0 and dt > 0:
             self.obs.setdefault((ckpt, prec), deque(maxlen=MAX_OBS)).append(Obs(k, tokens, seq, dt))
+            self._fits.clear()
 
     def per_micro_s(self) -> float | None:
         """Seconds every extra micro-batch adds: measured where a group ran at two micro-batch counts."""
+        if "per_micro" not in self._fits:
+            self._fits["per_micro"] = self._per_micro_s()
+        return self._fits["per_micro"]
+
+    def _per_micro_s(self) -> float | None:
         for d in sorted(self.obs.values(), key=len, reverse=True):
             ks = {o.k for o in d}
             if len(ks) >= 2:
@@ -74,19 +82,6 @@ class StepTimes:
         work = self._work(ckpt, prec, tokens, seq, pm)
         return None if work is None else work + k * pm
 
-    def ckpt_ratio(self, prec: str) -> float:
-        """Checkpointing's measured cost: its work over the plain work at the same tokens (prior 4/3)."""
-        pm = self.per_micro_s() or 0.0
-        on = self._group(True, prec)
-        off = self._group(False, prec)
-        if not on or not off:
-            return CKPT_TIME_PRIOR
-        line = _fit(off, pm)
-        if line is None:
-            return CKPT_TIME_PRIOR
-        rs = [(o.dt - o.k * pm) / w for o in on if (w := _eval(line, o.tokens, o.seq)) > 0]
-        return max(1.0, _median(rs)) if rs else CKPT_TIME_PRIOR
-
     def _group(self, ckpt: bool, prec: str) -> list[Obs]:
         own = self.obs.get((ckpt, prec))
         if own:
@@ -96,13 +91,18 @@ class StepTimes:
                 return list(d)
         return []
 
+    def _line(self, ckpt: bool, prec: str, pm: float) -> tuple[float, float, float] | None:
+        key = ("line", ckpt, prec)
+        if key not in self._fits:
+            g = self._group(ckpt, prec)
+            self._fits[key] = _fit(g, pm) if g else None
+        return self._fits[key]
+
     def _work(self, ckpt: bool, prec: str, tokens: float, seq: float, pm: float) -> float | None:
-        g = self._group(ckpt, prec)
-        if g:
-            line = _fit(g, pm)
+        if self._group(ckpt, prec):
+            line = self._line(ckpt, prec, pm)
             return None if line is None else _eval(line, tokens, seq)
-        other = self._group(not ckpt, prec)
-        line = _fit(other, pm) if other else None
+        line = self._line(not ckpt, prec, pm)
         if line is None:
             return None
         w = _eval(line, tokens, seq)
