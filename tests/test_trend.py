@@ -76,7 +76,36 @@ def test_what_fragmentation_holds_comes_off_the_usable_limit():
     T.trend(tight, t, key, alloc, peak, peak + 2 * GiB, limit, None)  # 2 GiB reserved above every peak
     T.trend(loose, t, key, alloc, peak, peak, limit, None)
     assert tight["frag_held_frac"] == pytest.approx(0.2)
-    assert tight["alloc_ttf_s"] == pytest.approx(loose["alloc_ttf_s"] - 2 * GiB / rate, rel=1e-6)
+    # the reserve grew with the peak (no reuse): what it holds beyond the usable limit's own margin is off the room
+    margin = limit - usable_limit(limit)
+    assert T.reuse(peak, peak + 2 * GiB) == 0.0
+    assert tight["alloc_ttf_s"] == pytest.approx(loose["alloc_ttf_s"] - (2 * GiB - margin) / rate, rel=1e-6)
+
+
+def test_a_leak_into_a_warm_cache_keeps_the_cache_on_the_limit():
+    """Blind set 2902's ho-01 (5 MiB/step into a cache reserved at 98 % of the cap from the first step, no
+    OOM in 90 s): the peak grew, the reserve did not - the cache met the growth, so it is usable room, and
+    the trend's time to full is the peak's to the usable limit, not 0."""
+    limit = 6.634 * GiB
+    n = 40
+    t = np.arange(n) * 0.5
+    key = np.full(n, 1.0)
+    alloc = 0.93 * GiB + np.arange(n) * 5 * 2**20
+    peak = alloc + 3.46 * GiB
+    flat = np.full(n, 6.488 * GiB)
+    warm: dict = {}
+    T.trend(warm, t, key, alloc, peak, flat, limit, None)
+    assert T.reuse(peak, flat) == 1.0
+    assert warm["alloc_ttf_s"] == pytest.approx((usable_limit(limit) - peak[-1]) / (10 * 2**20), rel=1e-3)
+    assert warm["alloc_ttf_s"] > 100 and warm["trend_cross_p"] < 1e-3
+    # the same growth met by a reserve that grows with it: fragmentation, the room is what the reserve can grow
+    grows = flat - flat[-1] + peak + (flat[-1] - peak[-1])
+    frag: dict = {}
+    T.trend(frag, t, key, alloc, peak, grows, limit, None)
+    assert T.reuse(peak, grows) == 0.0
+    assert frag["alloc_ttf_s"] == pytest.approx((limit - grows[-1]) / (10 * 2**20), rel=1e-3)
+    # too few steps to tell: no evidence of reuse, the conservative room
+    assert T.reuse(peak[:8], flat[:8]) == 0.0
 
 
 def test_p_of_is_half_at_the_horizon_and_falls_with_time():

@@ -60,9 +60,9 @@ FEATURES: dict[str, tuple[str, str]] = {
     "util_pct": ("%", "GPU utilization, last sample"),
     "train_mode": ("0/1", "the workload trains (weights' gradients live across the step)"),
     "alloc_rate_same_shape": ("GiB/s", "growth of torch allocated across steps of the same shape: the sum of each step's allocated minus the previous step's of its shape, over the time between them (a leak, a cache or graph pool that grows, memory kept across a ramp's restarts; 0 for a steady run and for shape changes alone)"),
-    "frag_held_frac": ("fraction", "torch reserved - the highest step peak of the last steps, / torch's limit: cached memory even the peak did not use, which the usable limit is taken net of"),
+    "frag_held_frac": ("fraction", "torch reserved - the highest step peak of the last steps, / torch's limit: cached memory even the peak did not use; the trend takes what of it lies beyond the usable limit's margin off the limit, less the share the steps showed the cache reuses (predict/trend.py reuse)"),
     "reserved_ttf_s": ("s", f"time until torch reserved reaches torch's limit at its slope across the last steps, while rising; else {HORIZON_CAP_S:.0f}"),
-    "alloc_ttf_s": ("s", f"time until the planned step's estimated peak reaches the usable limit net of frag_held_frac at alloc_rate_same_shape, while it grows; 0 where it is there already; else {HORIZON_CAP_S:.0f}"),
+    "alloc_ttf_s": ("s", f"time until the planned step's estimated peak reaches the usable limit net of what fragmentation holds (frag_held_frac, less the cache's reuse) at alloc_rate_same_shape, while it grows; 0 where it is there already; else {HORIZON_CAP_S:.0f}"),
     "trend_cross_p": ("probability", "P(the growth the plan does not explain fills the usable limit within the horizon): from alloc_ttf_s (predict/trend.py)"),
 }
 NAMES = tuple(FEATURES)

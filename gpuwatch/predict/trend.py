@@ -11,8 +11,12 @@ a CUDA-graph pool per captured batch size, memory kept across a ramp's restarts 
   them. A steady run: 0; a ramp alone: 0 (each shape's steps hold the same); memory that stays and grows:
   its rate in time, whatever the steps in between did;
 - `frag_held_frac`: torch reserved minus the highest peak of the last steps - cached memory that even the
-  step at its peak did not use - over torch's limit. The usable limit is taken net of it: the allocator can
-  give that memory back only where whole segments are free, and a fragmented cache's are not;
+  step at its peak did not use - over torch's limit. The usable limit is taken net of it where the steps
+  show the cache is not reused: the allocator can give that memory back only where whole segments are
+  free, and a fragmented cache's are not - beyond the usable limit's own margin, which is there for the same
+  rounding and splits (so with no reuse the room is what the reserve can still grow). Where the peak grew and the reserve did not grow with it (the
+  growth was met from the cache: a leak into a warm cache, blind set 2902's `ho-01`), that share of it is
+  usable and stays on the limit (`reuse`);
 - `reserved_ttf_s`: when the process's reserved memory reaches torch's limit at its least-squares slope
   over the last steps (a context figure: reserved reaching the cap is not itself a failure);
 - `alloc_ttf_s`: when the planned step's peak reaches the usable limit, net of what fragmentation holds,
@@ -39,6 +43,7 @@ RATE_STEPS = 32  # the last steps the same-shape rate reads
 MIN_SPAN_S = 1.0  # ... spanning at least this long
 RESERVED_STEPS = 10
 HELD_STEPS = 5
+REUSE_MIN_BYTES = 16 * 2**20  # the least rise of the peak that counts as evidence (above the allocator's rounding)
 SHARPNESS = 4.0
 
 
@@ -88,6 +93,23 @@ def held(res: np.ndarray, peak: np.ndarray) -> float | None:
     return max(0.0, float(res[-1]) - float(pk.max()))
 
 
+def reuse(peak: np.ndarray, res: np.ndarray) -> float:
+    """The share of the peak's growth over the last RATE_STEPS steps that the cache met without growing:
+    1 - (reserved's rise) / (the peak's rise), clipped to 0..1; 0 (no evidence that the cache is reused)
+    where the peak did not rise by REUSE_MIN_BYTES or a figure is missing."""
+    pk, rs = peak[-RATE_STEPS:], res[-RATE_STEPS:]
+    if pk.size < 2 * HELD_STEPS or not (math.isfinite(rs[0]) and math.isfinite(rs[-1])):
+        return 0.0
+    first, last = pk[:HELD_STEPS], pk[-HELD_STEPS:]
+    first, last = first[np.isfinite(first)], last[np.isfinite(last)]
+    if not first.size or not last.size:
+        return 0.0
+    grew = float(last.max()) - float(first.max())
+    if grew < REUSE_MIN_BYTES:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - max(float(rs[-1]) - float(rs[0]), 0.0) / grew))
+
+
 def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
     """P(full within the horizon) from a time to full (s)."""
     return 1.0 / (1.0 + (max(ttf, 0.0) / horizon_s) ** SHARPNESS)
@@ -132,7 +154,11 @@ def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndar
     pk = planned_peak if planned_peak is not None else (float(peak[-1]) if math.isfinite(peak[-1]) else None)
     if pk is None:
         return
-    room = usable_limit(limit) - (hold or 0.0) - pk
+    usable = usable_limit(limit)
+    # what the cache holds beyond the usable limit's own margin (which is there for rounding and splits),
+    # less the share the steps showed the cache reuses: at no reuse, room is what the reserve can still grow
+    frag = max(0.0, (hold or 0.0) - (limit - usable)) * (1.0 - reuse(peak, res))
+    room = usable - frag - pk
     ttf = CAP_S if rate <= RATE_MIN else 0.0 if room <= 0 else min(CAP_S, room / rate)  # no growth: no trend
     out["alloc_ttf_s"] = ttf
     out["trend_cross_p"] = p_of(ttf) if ttf < CAP_S else 0.0
