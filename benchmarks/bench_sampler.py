@@ -22,7 +22,7 @@
                                                              side by side: CPU of each tree, per thread, and
                                                              the recorded tick CPU (sampler_cpu_us)
   --fake-nvml N: a stand-in libnvidia-ml.so.1 (compiled here) for N GPUs: pynvml runs, the driver costs nothing
-  --gpus N: only the first N GPUs (GPUWATCH_MAX_GPUS), to measure the cost per additional GPU
+  --gpus N: only the first N GPUs (`gpuwatch record --gpus 0,..,N-1`), to measure the cost per additional GPU
   python benchmarks/bench_sampler.py memory                  nvidia-smi's memory.used/.reserved vs gpuwatch's (v2)
                                                              and NVML's v1 call, per GPU, plus power.draw
 Prints one JSON object per measurement (and writes it to --out if given). `profile` and `compare` are
@@ -105,6 +105,11 @@ def _gpu_count() -> int:
         return 0
 
 
+def gpus_flag(n: int) -> list[str]:
+    """`gpuwatch record`'s flags that sample the first n GPUs alone."""
+    return ["--gpus", ",".join(str(i) for i in range(n))]
+
+
 def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, variants: str = "all") -> dict:
     """`max_gpus`: every tool samples the first N GPUs (None: all). With all GPUs on a machine of more than
     one, a second `gpuwatch record` sampling GPU 0 only runs beside them: the difference is the cost of
@@ -115,29 +120,29 @@ def cost(seconds: float, warmup: float = 5.0, max_gpus: int | None = None, varia
     dur = f"{seconds + warmup + 3}s"
     n_gpus = _gpu_count()
     n = min(n_gpus, max_gpus) if max_gpus else n_gpus
-    only = {"GPUWATCH_MAX_GPUS": str(max_gpus)} if max_gpus else {}
+    only = gpus_flag(n) if max_gpus and n else []
     full = variants == "all"
     procs = {f"gpuwatch record (sampler+recorder, all fields, {n} GPU)": ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir)], only)}
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir), *only], {})}
     if full:
         procs["gpuwatch record + risk scoring (2 Hz)"] = ([
-            sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored")], only)
+            sys.executable, "-m", "gpuwatch", "record", "--duration", dur, "-o", str(rec_dir / "scored"), *only], {})
         procs["gpuwatch record, sampler child pinned to one CPU (GPUWATCH_SAMPLER_CPU=last)"] = ([
-            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned")],
-            dict(only, GPUWATCH_SAMPLER_CPU="last"))
+            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pinned"),
+            *only], {"GPUWATCH_SAMPLER_CPU": "last"})
     procs["gpuwatch record, Python sampler loop (GPUWATCH_SAMPLER_LOOP=python; default: the C loop)"] = ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pyloop")],
-        dict(only, GPUWATCH_SAMPLER_LOOP="python"))
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pyloop"),
+        *only], {"GPUWATCH_SAMPLER_LOOP": "python"})
     procs["gpuwatch record, PCIe counters every 1 s (GPUWATCH_PCIE_EVERY=1; default 2 s)"] = ([
-        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1")],
-        dict(only, GPUWATCH_PCIE_EVERY="1"))
+        sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "pcie1"),
+        *only], {"GPUWATCH_PCIE_EVERY": "1"})
     procs["gpuwatch record --sampler thread (no child process, no pipe)"] = ([
         sys.executable, "-m", "gpuwatch", "record", "--no-model", "--sampler", "thread", "--duration", dur,
-        "-o", str(rec_dir / "thread")], only)
+        "-o", str(rec_dir / "thread"), *only], {})
     if n > 1:
         procs["gpuwatch record (sampler+recorder, all fields, GPU 0 only)"] = ([
-            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one")],
-            {"GPUWATCH_MAX_GPUS": "1"})
+            sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", dur, "-o", str(rec_dir / "one"),
+            *gpus_flag(1)], {})
     if shutil.which("nvidia-smi"):
         ids = ["-i", ",".join(str(i) for i in range(n))] if max_gpus and n else []
         procs[f"nvidia-smi --query-gpu (8 fields) -lms 100, {n} GPU"] = (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from bench_sampler import ROOT, cpu_seconds, interval_stats
+from bench_sampler import ROOT, cpu_seconds, gpus_flag, interval_stats
 from support.fake_nvml import fake_nvml_env
 
 __all__ = ["compare", "print_profile", "profile"]
@@ -243,10 +243,9 @@ def profile(seconds: float, out_json: Path | None, fake_nvml: int = 0, warmup: f
     env = dict(os.environ, **{ENV: str(prof_path)})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # the profiler
     fake_how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
-    if max_gpus:
-        env["GPUWATCH_MAX_GPUS"] = str(max_gpus)
     dur = warmup + seconds + 1.5
-    cmd = [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{dur}s", "-o", str(work / "rec")]
+    cmd = [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{dur}s", "-o", str(work / "rec"),
+           *(gpus_flag(max_gpus) if max_gpus else [])]
     p, child = _launch(cmd, env)
     if child is None:
         p.kill()
@@ -299,8 +298,7 @@ def compare(trees: list[Path], seconds: float, runs: int, fake_nvml: int = 0, wa
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-compare-"))
     env = dict(os.environ)
     how = fake_nvml_env(env, work, fake_nvml) if fake_nvml else None
-    if max_gpus:
-        env["GPUWATCH_MAX_GPUS"] = str(max_gpus)
+    only = gpus_flag(max_gpus) if max_gpus else []  # a tree from before the flag refuses it: compare without
     out: dict = {"measure": "cpu_pct_of_one_core_side_by_side", "trees": [str(t) for t in trees], "seconds": seconds,
                  "fake_nvml": how, "max_gpus": max_gpus, "runs": []}
     for r in range(runs):
@@ -309,7 +307,7 @@ def compare(trees: list[Path], seconds: float, runs: int, fake_nvml: int = 0, wa
             e = dict(env, PYTHONPATH=str(tree))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{warmup + seconds + 2}s",
-                 "-o", str(work / f"r{r}-t{k}")], cwd=tree, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                 "-o", str(work / f"r{r}-t{k}"), *only], cwd=tree, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         time.sleep(warmup)
         a = [_thread_snap(p.pid) for p in procs]
         c0 = [cpu_seconds(psutil.Process(p.pid)) for p in procs]

@@ -53,7 +53,7 @@
 #               --mode train --steps 12 --collectives 64MiB`, the session checked for rank/comm columns and
 #               collective events; $R/nccl_smoke.json (benchmarks/nccl_smoke.sh, < 150 s)
 #   risk        issue 20: scoring cost per window (bench_scorer.py), `score` of an hour (bench_score.py), the
-#               workload's tokens/s with scoring on and off (bench_scorer_overhead.py, ABBA)
+#               workload's tokens/s in sessions with and without a scorer (bench_scorer_overhead.py, ABBA)
 #   nearcap     healthy running at 90-97 % of a memory cap, 8 capped workloads side by side with
 #               --guard observe (benchmarks/nearcap.py; NEARCAP_SET=1..6 picks the scenario table,
 #               NEARCAP_S the seconds): issue 20's training data
@@ -123,7 +123,7 @@ stage_prometheus() { EXT=txt stage prometheus 150 python3 benchmarks/bench_prome
 stage_scorer() {
   stage scorer 40 python3 benchmarks/bench_scorer.py --rounds 300
   cat $R/scorer.json
-  stage scorer_overhead 150 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs 6 --window 6
+  stage scorer_overhead 300 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs 6 --window 6
   cat $R/scorer_overhead.json; tail -8 $R/scorer_overhead.err
 }
 stage_library() {
@@ -146,7 +146,7 @@ stage_risk() {  # issue 20: one window's cost, an hour of `score`, and scoring's
   cat $R/risk_scorer_steps.json; echo
   stage risk_score_hour 150 python3 benchmarks/bench_score.py --minutes 60 --strides "${RISK_STRIDES:-5,1}"
   cat $R/risk_score_hour.json; echo
-  stage risk_overhead 240 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window "${RISK_WINDOW:-6}"
+  stage risk_overhead 300 python3 benchmarks/bench_scorer_overhead.py --preset v2-lite --batch 8 --pairs "${RISK_PAIRS:-4}" --window "${RISK_WINDOW:-6}"
   cat $R/risk_overhead.json; tail -8 $R/risk_overhead.err
 }
 stage_decode() {

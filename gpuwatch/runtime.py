@@ -68,6 +68,7 @@ class SessionConfig:
     interval_s: float = 0.1
     record_dir: Path | None = None
     source: str | None = None  # a recording replayed as if live (labelled REPLAY everywhere)
+    gpus: tuple[int, ...] | None = None  # sample only these GPU indices (NVML's; a replay's recorded); None: all
     sampler: str = "process"  # "process" (default: immune to the GIL) or "thread"
     deliver_s: float = 0.0  # process sampler: hand ticks over this many seconds at a time (0 = each)
     name: str | None = None  # the session folder's name (default: UTC start + host)
@@ -122,12 +123,12 @@ class Session:
         if cfg.sampler == "process":
             from gpuwatch.telemetry.sampler_process import SamplerProcess
 
-            proc = SamplerProcess(self.bus, BackendFactory(cfg.source), cfg.interval_s, deliver_s=cfg.deliver_s,
-                                  first_tick=first_tick)
+            proc = SamplerProcess(self.bus, BackendFactory(cfg.source, cfg.gpus), cfg.interval_s,
+                                  deliver_s=cfg.deliver_s, first_tick=first_tick)
             self.sampler = proc
             self.gpu, self.gpu_note = proc.launch()
         else:
-            self.gpu, self.gpu_note = make_gpu_backend(cfg.source)
+            self.gpu, self.gpu_note = make_gpu_backend(cfg.source, cfg.gpus)
             self.sampler = Sampler(self.bus, self.gpu, self.host, interval=cfg.interval_s, first_tick=first_tick)
         if self.gpu is None:
             self._emit_early("no_gpu", self.gpu_note, "warning")

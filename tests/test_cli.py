@@ -21,6 +21,8 @@ def run(py, env, *args, timeout=120):
     (["record", "--interval", "1ms"], "out of range"),
     (["record", "--duration", "0s"], "must be > 0"),
     (["record", "--bogus"], "unrecognized arguments: --bogus"),
+    (["record", "--gpus", "0,x"], "not a list of GPU indices like 0,2: '0,x'"),
+    (["watch", "--gpus", "-1"], "a GPU index is >= 0: '-1'"),
     (["stress", "--mode", "nope"], "invalid choice: 'nope'"),
     (["stress", "--batch", "0"], "must be > 0"),
     (["stress", "--gpu-memory-limit", "lots"], "bad size 'lots'"),
@@ -59,6 +61,17 @@ def test_record_headless_from_a_replayed_source(py, env, tmp_path):
     assert rec.complete and 15 <= rec.samples.height <= 25
     assert rec.meta["gpu_note"].endswith("(not live)")
     assert rec.samples["sampler_interval_us"].drop_nulls().median() == pytest.approx(100_000, rel=0.05)
+
+
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_record_of_a_gpu_that_is_not_there_is_one_line_exit_2(py, env, tmp_path, sampler):
+    """Whether GPU 3 exists is known once the backend opens (for the process sampler: in its child), still
+    a user error in one line, and nothing is recorded."""
+    r = run(py, env, "record", "--gpus", "0,3", "--sampler", sampler, "--source", str(RAMP), "--no-model",
+            "--duration", "1s", "-o", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "gpuwatch: error: no GPU 3 here (GPU indices present: 0)"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_record_into_an_unwritable_place_fails_cleanly(py, env, tmp_path):
@@ -128,8 +141,6 @@ def test_score_warns_when_steps_are_missing(tmp_path, capsys):
 
 def test_score_of_nothing_scored_says_dash_not_none(tmp_path, capsys, monkeypatch):
     """Issue 17 (12): `max risk None`."""
-    import polars as pl
-
     from gpuwatch import cli
     from gpuwatch.predict import scorer
     from gpuwatch.recording import schema

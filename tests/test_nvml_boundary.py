@@ -7,6 +7,7 @@ import types
 import pynvml
 import pytest
 
+from gpuwatch.errors import UsageError
 from gpuwatch.telemetry import nvml
 from gpuwatch.telemetry.bus import Bus
 from gpuwatch.telemetry.sampler import Sampler
@@ -35,6 +36,21 @@ def test_reads_every_field_in_schema_units(driver):
     assert row["gpu_procs"] == [{"pid": 42, "used_bytes": 2**30}]
     slow = b.read_slow(0)  # field values unsupported -> the legacy calls
     assert slow == {"gpu_pcie_tx_bytes_per_s": 100 * 1024, "gpu_pcie_rx_bytes_per_s": 100 * 1024, "gpu_energy_mj": 5000}
+
+
+def test_only_the_gpus_asked_for_are_sampled_under_their_nvml_index(driver):
+    """`gpuwatch record --gpus 1`: GPU 1 alone is opened and read, and its rows and info keep index 1."""
+    b = nvml.NvmlBackend(only=[1])
+    assert [(g.index, g.uuid) for g in b.gpus] == [(1, "GPU-1")]
+    assert list(b.counters) == [1] and (b.direct(1) is not None) == (driver.path == "direct")
+    rows = Sampler(Bus(), b, None).tick().rows
+    assert [(r["gpu"], r["gpu_util_pct"]) for r in rows] == [(1, 97)]
+    assert [g.index for g in nvml.NvmlBackend(only=[1, 0, 1]).gpus] == [1, 0]  # as given, each once
+
+
+def test_a_gpu_asked_for_that_is_not_there_is_a_usage_error(driver):
+    with pytest.raises(UsageError, match=r"^no GPU 5 here \(GPU indices present: 0, 1\)$"):
+        nvml.NvmlBackend(only=[0, 5])
 
 
 def test_not_supported_is_null_and_not_asked_again(driver):
@@ -205,7 +221,7 @@ def test_pcie_counters_read_every_n_slow_ticks(driver, monkeypatch, every):
         monkeypatch.setenv(nvml.PCIE_EVERY_ENV, every)
     driver.fields = {tx: 1000, rx: 2000}
     b = nvml.NvmlBackend()
-    assert b.counters == [True, True] and not b.slow_blocks
+    assert b.counters == {0: True, 1: True} and not b.slow_blocks
     reads = []
     for k in range(5):
         driver.fields = {tx: 1000 + 100 * k, rx: 2000 + 200 * k}

@@ -35,9 +35,9 @@ def fenv(env, fake_lib, tmp_path) -> dict:
                 XDG_CACHE_HOME=str(tmp_path / "cache"))
 
 
-def _record(py, e: dict, out: Path, seconds: int = 3) -> subprocess.Popen:
-    return subprocess.Popen([py, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{seconds}s", "-o", str(out)],
-                            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _record(py, e: dict, out: Path, seconds: int = 3, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([py, "-m", "gpuwatch", "record", "--no-model", "--duration", f"{seconds}s", "-o", str(out),
+                             *flags], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _read(p: subprocess.Popen, out: Path):
@@ -79,6 +79,16 @@ def test_c_loop_rows_are_the_python_loops(py, fenv, tmp_path):
     for loop in (a, b):
         pcie = loop["gpu_pcie_tx_bytes_per_s"].to_list()
         assert pcie[0] is None and pcie[-1] is not None, pcie
+
+
+def test_record_gpus_samples_only_those_gpus_under_their_nvml_index(py, fenv, tmp_path):
+    """`gpuwatch record --gpus 2,0` on a machine of three GPUs: the C loop reads GPUs 2 and 0 alone; rows and
+    meta.json keep NVML's indices."""
+    meta, rec = _read(_record(py, dict(fenv, FAKE_NVML_GPUS="3"), tmp_path / "r", 2, "--gpus", "2,0"), tmp_path / "r")
+    assert meta["sampler_loop"] == "c", meta["sampler_loop_note"]
+    assert [(g["index"], g["uuid"]) for g in meta["gpus"]] == [(2, "GPU-fake-3"), (0, "GPU-fake-1")]
+    assert sorted(set(rec.samples["gpu"].to_list())) == [0, 2]
+    assert rec.samples.filter(rec.samples["gpu"] == 2)["gpu_util_pct"].drop_nulls().len() >= 15
 
 
 def test_falls_back_to_the_python_loop_when_the_compile_fails(py, fenv, tmp_path):

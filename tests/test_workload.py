@@ -66,6 +66,53 @@ def test_soak_overloads_after_warmup():
     assert plans == [(5, "warmup"), (5, "warmup"), (11, "overload"), (11, "overload")]
 
 
+def test_a_model_of_your_own_runs_as_built_and_is_described_by_its_config():
+    """`Workload(model=)`: the caller's DeepseekV3ForCausalLM (here one layer and a vocabulary of 300, where the
+    tiny preset says two and 4096) is run as given, not rebuilt, and the step figures follow its config."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    fields = config_fields("tiny", {"num_hidden_layers": 1, "vocab_size": 300})
+    mine = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+    bus = Bus()
+    w = Workload(bus, WorkloadConfig(preset="tiny", mode="train", batch=2, seq_len=8, integrity_every=0,
+                                     max_steps=2), model=mine)
+    assert w.params == F.param_count(fields) < F.param_count(config_fields("tiny"))
+    w.run()
+    assert w.state == "finished" and w.model is mine and len(bus.steps) == 2
+    start = next(e for e in bus.events.latest(50) if e.kind == "workload_start")
+    assert start.detail["build_s"] == 0.0
+    assert bus.steps.latest(1)[0]["tflops"] == pytest.approx(
+        F.step_flops(fields, "train", 2, 8, 0) / bus.steps.latest(1)[0]["step_time_s"] / 1e12, rel=1e-6)
+
+
+def test_a_model_of_your_own_in_a_session_is_recorded_like_gpuwatchs(tmp_path):
+    """The library path docs/LIBRARY.md shows: a Session running your model through the stress workload."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from gpuwatch.recording.reader import open_recording
+    from gpuwatch.runtime import ModelChoice, Session, SessionConfig
+
+    mine = DeepseekV3ForCausalLM(DeepseekV3Config(**config_fields("tiny", FAST)))
+    cfg = SessionConfig(record_dir=tmp_path, sampler="thread", model=ModelChoice(enabled=False))
+    wcfg = WorkloadConfig(preset="tiny", mode="prefill", batch=2, seq_len=8, integrity_every=0, max_steps=3)
+    with Session(cfg, workloads=lambda bus, nvml_index: [Workload(bus, wcfg, model=mine)]) as s:
+        assert s.wait(duration_s=120, until_done=True) == "done"
+    rec = open_recording(next(tmp_path.iterdir()))
+    assert rec.steps["step"].to_list() == [0, 1, 2] and s.workloads[0].model is mine
+
+
+def test_a_model_of_your_own_on_another_device_or_of_another_family_is_refused():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        on_meta = DeepseekV3ForCausalLM(DeepseekV3Config(**config_fields("tiny")))
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model= is on meta; this workload runs on cpu"):
+        Workload(Bus(), WorkloadConfig(preset="tiny"), model=on_meta)
+    with pytest.raises(ValueError, match="model= takes a DeepseekV3ForCausalLM; got GPT2LMHeadModel"):
+        Workload(Bus(), WorkloadConfig(preset="tiny"), model=gpt2)
+
+
 def test_controls_apply_between_steps():
     bus = Bus()
     w = Workload(bus, WorkloadConfig(batch=2, seq_len=8, overrides=FAST, integrity_every=0, max_steps=6))

@@ -26,8 +26,9 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
         from gpuwatch.atomic import check_output_dir
 
         check_output_dir(out)
-    return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source, sampler=args.sampler,
-                         deliver_s=deliver_s, workload=spec, guard=guard, prometheus=args.prometheus,
+    return SessionConfig(interval_s=args.interval, record_dir=out, source=args.source,
+                         gpus=getattr(args, "sample_gpus", None), sampler=args.sampler, deliver_s=deliver_s,
+                         workload=spec, guard=guard, prometheus=args.prometheus,
                          model=ModelChoice(args.model, not args.no_model, args.trust_model, args.risk_threshold))
 
 

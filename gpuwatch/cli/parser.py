@@ -79,6 +79,18 @@ def _nonempty(text: str) -> str:
     return text
 
 
+def _gpu_indices(text: str) -> tuple[int, ...]:
+    """`--gpus 0,2` of watch/record: GPU indices (NVML's, as `gpuwatch info` lists them); whether each is
+    on this machine is known only when NVML is opened (`telemetry.nvml.chosen_gpus`)."""
+    try:
+        idx = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of GPU indices like 0,2: {text!r}") from None
+    if any(i < 0 for i in idx):
+        raise argparse.ArgumentTypeError(f"a GPU index is >= 0: {text!r}")
+    return idx
+
+
 def _interval(text: str) -> float:
     v = _dur(text)
     if not 0.01 <= v <= 60:
@@ -207,6 +219,10 @@ def _add_live_commands(sub) -> None:
     rec = sub.add_parser("record", help="headless recording")
     _common(rec, record_default=True)
     rec.add_argument("--duration", type=_dur, default=None, metavar="DUR", help="stop after DUR (default: Ctrl-C)")
+    for q in (w, rec):  # live's and stress's --gpus place the workloads (CUDA ordinals); every GPU is sampled
+        q.add_argument("--gpus", dest="sample_gpus", type=_gpu_indices, default=None, metavar="LIST",
+                       help="sample only these GPUs, e.g. 0,2 (NVML indices, as `gpuwatch info` lists them; "
+                            "default: all)")
 
 
 def _add_stress(sub) -> None:

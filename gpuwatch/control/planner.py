@@ -251,9 +251,9 @@ class Planner:
                             f"{why}{_name(current)} peak {_est(cur)} would cross the limit (P {cur.p_over:.2f}) within "
                             f"the coming steps (seq {cur.seq_len}); {_name(best.config)} peak {_est(best)} fits, "
                             f"best expected tokens/s of {len(fitting)} that fit")
-        known = [w for w in weighed if w.peak is not None]
-        low = min(known, key=lambda w: w.peak.mean)  # nothing fits: the smallest peak, where smaller than now
-        if cur.peak is not None and low.peak.mean < cur.peak.mean and low.config != current:
+        # nothing fits: the smallest peak, where smaller than now (some peak is known: checked above)
+        low_mean, low = min(((w.peak.mean, w) for w in weighed if w.peak is not None), key=lambda k: k[0])
+        if cur.peak is not None and low_mean < cur.peak.mean and low.config != current:
             self._changed_at = view.steps
             return Decision(low, cur, tuple(weighed), True, True,
                             f"nothing fits the coming steps (seq {cur.seq_len}); {_name(low.config)} has the smallest "

@@ -57,7 +57,8 @@ class Timeline:
 
 def scenario_of(meta: dict[str, Any]) -> str:
     """What kind of run a session was, from its meta.json (for leave-one-scenario-out evaluation)."""
-    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    raw = meta.get("config")
+    cfg = raw if isinstance(raw, dict) else {}
     loads = cfg.get("workloads") or []
     if not loads:
         return "watch"
@@ -126,7 +127,8 @@ def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_
     src = path if isinstance(path, ReplaySource) else ReplaySource(path)
     meta = src.reader.meta
     out = []
-    for g in [m.index for m in src.gpus] or [None]:
+    gpus: list[int | None] = [m.index for m in src.gpus] or [None]  # a CPU-only session: its one timeline
+    for g in gpus:
         ts_all = src.times(g)
         if ts_all is None or not ts_all.size:
             continue
@@ -239,7 +241,9 @@ def find_sessions(paths: Iterable[Path], filters: Filters = Filters()) -> Found:
     searched (`sessions_under`); anything else (no such path, a link loop) is named, for the reader to
     refuse in its own words. Each session once, in the order given. UsageError: a folder holding none."""
     seen: set[str] = set()
-    out, named, said = [], [], []
+    out: list[Path] = []
+    named: list[Path] = []
+    said: list[str] = []
     for p in map(Path, paths):
         if p.is_dir() and not is_session(p):
             under = sessions_under(p)

@@ -267,7 +267,7 @@ def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq
     lim = usable_limit(limit)
     fc = fit.at(float(nb), float(ns), lim, failed=failed_shapes(events), reserved=reserved) if fit is not None else None
     ahead_p = None
-    if fc is not None and ab and asq:  # the largest step planned within the lookahead (predict/ahead.py):
+    if fit is not None and fc is not None and ab and asq:  # the largest step planned within the lookahead (ahead.py):
         # its estimate and the outgrown-segments rule, not the failed-shape rule - a shape that failed
         # under the allocator's state of now may fit after the steps on the way reshaped the cache (call
         # 24's decode ramp failed at batch 77, then ran it on the next climb: 3 near-limit false alarms)

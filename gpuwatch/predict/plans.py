@@ -72,7 +72,7 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
             continue
         other = fit(not c.checkpointing, c.precision)
         fc = other.at(c.micro_batch, s, usable) if other is not None else None
-        if fc is None:
+        if other is None or fc is None:
             out.append(None)
             continue
         act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth))

@@ -173,7 +173,6 @@ class LiveScorer:
         self.cost_us: list[int] = []  # CPU per scoring round (the last 600)
         self._why: dict[int | None, tuple[float, list]] = {}  # reasons, recomputed at most once a second
         self._publish_lock = threading.Lock()  # the scorer thread and the workload thread (rescore) both publish
-        self.paused = False  # benchmarks switch scoring off and on to measure what it costs
         self._seen: dict[int | None, tuple] = {}  # per GPU: the window and plan last scored
 
     def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
@@ -254,8 +253,7 @@ class LiveScorer:
         failed, said = 0, -1e9
         while not self._stop.is_set():
             try:
-                if not self.paused:
-                    self.score_once()
+                self.score_once()
                 failed = 0
             except Exception as e:  # noqa: BLE001 - scoring must never take the run down
                 failed += 1

@@ -262,8 +262,8 @@ class Report:
     data: dict[str, Any]
     threshold: float
     threshold_why: str
-    by_session: E.Metrics
-    by_scenario: E.Metrics
+    by_session: E.Metrics | None  # None: no evaluation was run (`train --no-eval`)
+    by_scenario: E.Metrics | None
     baselines: dict[str, E.Metrics]
     at_baseline_fa: dict[str, E.Metrics | None]
     per_scenario: dict[str, E.Metrics]
@@ -338,7 +338,8 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
            cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None,
            par: dict | None = None) -> Report:
     par = par or {}
-    by_session = by_scenario = None
+    by_session: E.Metrics | None = None
+    by_scenario: E.Metrics | None = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
     baselines: dict[str, E.Metrics] = {}
     at_fa: dict[str, E.Metrics | None] = {}
@@ -386,7 +387,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
             "estimator + classifier, each at its operating point (shipped)": by_session,
         }
         if any(np.isfinite(t.X[:, NAMES.index("ahead_cross_p")]).any() for t in real):
-            ablation[f"the same without the lookahead (next step only; predict/ahead.py)"] = E.event_metrics(
+            ablation["the same without the lookahead (next step only; predict/ahead.py)"] = E.event_metrics(
                 real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c), ALARM, horizon_s,
                 with_auc=True)
     progress("fitting the final model on every session and its counterfactual copies...")

@@ -4,10 +4,10 @@ with no GPU. Everything that shows its data labels it as a replay (`label`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from gpuwatch.recording.reader import open_recording
-from gpuwatch.telemetry.nvml import GpuInfo, GpuLost
+from gpuwatch.telemetry.nvml import GpuInfo, GpuLost, chosen_gpus
 
 _SLOW = ("gpu_pcie_tx_bytes_per_s", "gpu_pcie_rx_bytes_per_s", "gpu_energy_mj")
 
@@ -15,7 +15,9 @@ _SLOW = ("gpu_pcie_tx_bytes_per_s", "gpu_pcie_rx_bytes_per_s", "gpu_energy_mj")
 class ReplayGpuBackend:
     kind = "replay"
 
-    def __init__(self, path: Path | str, loop: bool = True) -> None:
+    def __init__(self, path: Path | str, loop: bool = True, only: Sequence[int] | None = None) -> None:
+        """`only`: replay those recorded GPUs (their recorded indices), as `NvmlBackend(only=...)` samples
+        those NVML indices; None: every GPU the recording has."""
         rec = open_recording(path)
         if not rec.gpus:  # nothing to replay as a GPU: the same one-line error `replay` gives
             from gpuwatch.errors import RecordingError
@@ -24,7 +26,7 @@ class ReplayGpuBackend:
         self.label = f"REPLAY of {rec.path.name} (not live)"
         self.driver_version = rec.meta.get("driver_version")
         self.loop = loop
-        gpus = rec.gpus
+        gpus = chosen_gpus(rec.gpus, only)
         self._rows: dict[int, list[dict[str, Any]]] = {
             g: rec.samples.filter(rec.samples["gpu"] == g).drop("ts", "tick").to_dicts() for g in gpus}
         meta_gpus = {g.get("index"): g for g in rec.meta.get("gpus", [])}

@@ -13,10 +13,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pynvml
 
+from gpuwatch.errors import UsageError
 from gpuwatch.telemetry.nvml_direct import MEM_V2, NOT_AVAILABLE_CODES, DirectGpu, Lost, Unbatched, field_value
 
 _NOT_AVAILABLE = tuple(
@@ -171,13 +172,27 @@ def _pynvml_is_itself() -> bool:
     return all(getattr(getattr(pynvml, n, None), "__module__", None) == pynvml.__name__ for n in _WRAPPERS)
 
 
+def chosen_gpus(present: Sequence[int], only: Sequence[int] | None) -> list[int]:
+    """The GPUs a backend samples: `only` (GPU indices, in the order given, duplicates once) or, with None,
+    every one `present`. An index not present is a UsageError naming what is (`--gpus` of watch/record)."""
+    if only is None:
+        return list(present)
+    missing = [i for i in only if i not in present]
+    if missing:
+        have = ", ".join(map(str, present)) or "none"
+        raise UsageError(f"no GPU {', '.join(map(str, missing))} here (GPU indices present: {have})")
+    return list(dict.fromkeys(only))
+
+
 class NvmlBackend:
-    """All GPUs NVML sees. Thread-safe for reads (NVML is); one instance per process."""
+    """The GPUs NVML sees (all, or `only` those NVML indices: `chosen_gpus`). Each GPU keeps its NVML index
+    as its `GpuInfo.index` and as the `i` of every read. Thread-safe for reads (NVML is); one instance per
+    process."""
 
     kind = "nvml"
     label = "live (NVML)"
 
-    def __init__(self) -> None:
+    def __init__(self, only: Sequence[int] | None = None) -> None:
         try:
             pynvml.nvmlInit()
         except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded,
@@ -187,30 +202,34 @@ class NvmlBackend:
             raise NvmlUnavailable(f"NVML failed to initialise ({e}); running CPU-only") from None
         self.driver_version = self._try(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
         self.nvml_version = self._try(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
-        count = pynvml.nvmlDeviceGetCount()
-        limit = os.environ.get("GPUWATCH_MAX_GPUS")  # benchmarks: sample only the first N GPUs
-        if limit and limit.isdigit():
-            count = min(count, int(limit))
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        self._unsupported: list[set[str]] = [set() for _ in self._handles]
+        try:
+            sampled = chosen_gpus(range(pynvml.nvmlDeviceGetCount()), only)
+        except UsageError:
+            self._try(pynvml.nvmlShutdown)
+            raise
+        # per GPU, keyed by its NVML index
+        self._handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in sampled}
+        self._unsupported: dict[int, set[str]] = {i: set() for i in sampled}
         self.lost: set[int] = set()
-        self.gpus = [self._info(i) for i in range(count)]
-        self._last_counters: list[tuple[float, tuple[int, int]] | None] = [None] * count
-        self.counters = [self._try(lambda h=h: read_pcie_counters(h)) is not None for h in self._handles]
+        self._infos = {i: self._info(i) for i in sampled}
+        self.gpus = list(self._infos.values())
+        self._last_counters: dict[int, tuple[float, tuple[int, int]] | None] = dict.fromkeys(sampled)
+        self.counters = {i: self._try(lambda h=h: read_pcie_counters(h)) is not None for i, h in self._handles.items()}
         # the slow read blocks (~21 ms a GPU) only where PCIe must be read by the legacy calls
-        self.slow_blocks = not all(self.counters)
-        self._slow_n = [0] * count
+        self.slow_blocks = not all(self.counters.values())
+        self._slow_n = dict.fromkeys(sampled, 0)
         self.pcie_every = _pcie_every()
-        self._util_seen = [0] * count  # per GPU: the newest per-process utilization sample read (NVML's us)
+        self._util_seen = dict.fromkeys(sampled, 0)  # the newest per-process utilization sample read (NVML's us)
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
-        self._mem_fn = [_mem_v2 if MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
-                        for h in self._handles]
-        apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn}
+        self._mem_fn = {i: _mem_v2 if MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
+                        for i, h in self._handles.items()}
+        apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn.values()}
         self.memory_api = apis.pop() if len(apis) == 1 else "mixed"
         # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
-        self._batch: list[list[tuple[str, int, float | None]] | None] = [self._probe_batch(h) for h in self._handles]
-        self._fast = [self._fast_readers(i) for i in range(count)]
-        self._direct: list[DirectGpu | None] = [self._make_direct(i) for i in range(count)]
+        self._batch: dict[int, list[tuple[str, int, float | None]] | None] = {
+            i: self._probe_batch(h) for i, h in self._handles.items()}
+        self._fast = {i: self._fast_readers(i) for i in sampled}
+        self._direct: dict[int, DirectGpu | None] = {i: self._make_direct(i) for i in sampled}
 
     def direct(self, i: int) -> "DirectGpu | None":
         """GPU i's direct reader (libnvidia-ml called without pynvml's wrappers), or None where it runs
@@ -316,7 +335,7 @@ class NvmlBackend:
             return self.read_fast(i)
         if d.batch is not self._batch[i]:  # a batched field dropped out: `probe` reads the backend's list
             self._batch[i] = d.batch
-        info = self.gpus[i]
+        info = self._infos[i]
         raw["gpu_power_limit_w"] = info.power_limit_w
         raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
         return raw
@@ -334,7 +353,7 @@ class NvmlBackend:
         batch = self._batch[i]
         if batch:
             self._read_batch(i, batch, raw)
-        info = self.gpus[i]
+        info = self._infos[i]
         raw["gpu_power_limit_w"] = info.power_limit_w
         raw["gpu_temp_slowdown_c"] = info.temp_slowdown_c
         return raw
@@ -455,11 +474,11 @@ class NvmlBackend:
         watch (None after a normal stop)."""
         try:
             es = pynvml.nvmlEventSetCreate()
-            for h in self._handles:
+            for h in self._handles.values():
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, es)
         except pynvml.NVMLError as e:
             return f"XID events not available: {e}"
-        index = {self._try(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in enumerate(self._handles)}
+        index = {self._try(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in self._handles.items()}
         while not stop.is_set():
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, XID_WAIT_MS)

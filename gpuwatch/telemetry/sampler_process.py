@@ -145,9 +145,9 @@ def _child(conn, stop_conn, factory: Callable[[], tuple[Any, str]], interval: fl
 
     try:
         gpu, note = factory()
-    except Exception as e:  # e.g. a replay source that cannot be opened
-        try:
-            conn.send(("hello", {"error": str(e)}))
+    except Exception as e:  # e.g. a replay source that cannot be opened, a GPU asked for that is not there
+        try:  # exit_code: a UsageError (2) stays one in the parent
+            conn.send(("hello", {"error": str(e), "exit_code": getattr(e, "exit_code", 1)}))
         except (BrokenPipeError, EOFError, OSError):
             pass
         return
@@ -231,7 +231,7 @@ class SamplerProcess:
 
     def launch(self, timeout: float = 30.0) -> tuple[RemoteGpu | None, str]:
         """Start the child and wait for it to say what it found."""
-        from gpuwatch.errors import GpuwatchError
+        from gpuwatch.errors import GpuwatchError, UsageError
 
         # Started with the terminal's signals blocked in this thread: the child inherits the mask
         # through exec, so a Ctrl-C during its start-up cannot kill it before it detaches.
@@ -249,7 +249,7 @@ class SamplerProcess:
             raise GpuwatchError("the sampler process did not start within 30 s")
         _, hello = self._conn.recv()
         if "error" in hello:
-            raise GpuwatchError(hello["error"])
+            raise (UsageError if hello.get("exit_code") == UsageError.exit_code else GpuwatchError)(hello["error"])
         self.note = hello["note"]
         self.loop, self.loop_note = hello.get("sampler_loop", "python"), hello.get("sampler_loop_note", "")
         self.gpu = RemoteGpu(hello) if hello.get("gpus") else None

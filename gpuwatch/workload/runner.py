@@ -37,6 +37,20 @@ from gpuwatch.workload.schedule import Schedule
 OOM_LOOP = 50  # OOMs in a row with no step between them: the run stops (call 29 looped 995 times)
 
 
+def _fields_of(model, preset_fields: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The config fields (those a preset sets) of a caller's model, checked to be a DeepSeek-V3 on `device`."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        raise ValueError(f"model= takes a DeepseekV3ForCausalLM; got {type(model).__name__} "
+                         f"(config model_type {getattr(config, 'model_type', None)!r})")
+    on = next(model.parameters()).device
+    if on.type != device.type or (on.index or 0) != (device.index or 0):
+        raise ValueError(f"model= is on {on}; this workload runs on {device} (move it there first)")
+    # a field the config keeps under another name (rope_theta, in rope_parameters) keeps the preset's value:
+    # only a build reads it
+    return {k: getattr(config, k, v) for k, v in preset_fields.items()}
+
+
 class Workload(GuardedSide):
     """gpuwatch's DeepSeek workload; implements `gpuwatch.contract.GuardedWorkload` (the
     guard's side) and `WorkloadControls` (the dashboard's keys)."""
@@ -47,8 +61,15 @@ class Workload(GuardedSide):
     guard = None  # set by the session: called before every step (gpuwatch.control.guard.Guard)
 
     def __init__(self, bus: Bus, cfg: WorkloadConfig, model=None) -> None:
+        """`model`: an already-built transformers `DeepseekV3ForCausalLM` (your own weights or config, or one
+        model driven through several runs in turn) to run instead of building `cfg.preset` with
+        `cfg.overrides`. It must already be on `cfg.device`; the workload casts it to `cfg.precision` and
+        describes it by its own config (the figures the preset's config would give otherwise: parameters,
+        FLOPs, vocabulary). ValueError for a model of another family or on another device."""
         self.bus, self.cfg = bus, cfg
         self.fields = config_fields(cfg.preset, cfg.overrides)
+        if model is not None:
+            self.fields = _fields_of(model, self.fields, torch.device(cfg.device))
         b, s = defaults(cfg.preset)
         self.schedule = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch,
                                  long_seq=cfg.long_seq)
@@ -284,7 +305,7 @@ class Workload(GuardedSide):
         if lim and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, lim / total), self.device)
-        if self._prebuilt is not None:  # benchmarks reuse one model across arms
+        if self._prebuilt is not None:  # the caller's model (`model=`): nothing to build
             self.model, secs = self._prebuilt, 0.0
             M.apply_precision(self.model, self.precision)
         else:

@@ -121,14 +121,14 @@ class TickProfile:
             g.read_fast = t(lambda i: f"gpu{i}.read_fast", g.read_fast)
             g.read_slow = t(lambda i: f"gpu{i}.read_slow", g.read_slow)
             self.meta["pcie_every"] = getattr(g, "pcie_every", None)
-            fast = getattr(g, "_fast", None)  # NvmlBackend: one reader per NVML call (group) per GPU
-            if isinstance(fast, list):
-                for i, readers in enumerate(fast):
+            fast = getattr(g, "_fast", None)  # NvmlBackend: one reader per NVML call (group), by GPU index
+            if isinstance(fast, dict):
+                for i, readers in fast.items():
                     if isinstance(readers, dict):
                         fast[i] = {k: t(k, fn) for k, fn in readers.items()}
-            direct = getattr(g, "_direct", None)  # NvmlBackend's direct reader per GPU (no pynvml wrappers)
-            if isinstance(direct, list):
-                for d in direct:
+            direct = getattr(g, "_direct", None)  # NvmlBackend's direct reader by GPU index (no pynvml wrappers)
+            if isinstance(direct, dict):
+                for d in direct.values():
                     if d is None:
                         continue
                     d.specs = [(col, t(col, fn), *rest) for col, fn, *rest in d.specs]
@@ -136,7 +136,7 @@ class TickProfile:
                         d.procs_fn = t("gpu_procs", d.procs_fn)
                     if d.fields_fn is not None:
                         d.fields_fn = t("field_values", d.fields_fn)
-                self.meta["nvml_direct"] = [d is not None for d in direct]
+                self.meta["nvml_direct"] = [d is not None for d in direct.values()]
             if hasattr(g, "_slow_n"):  # NvmlBackend's slow read: the PCIe counters and the energy read apart
                 from gpuwatch.telemetry import nvml  # (module state: this child is profiling, nothing else)
 
@@ -148,7 +148,7 @@ class TickProfile:
                 g._read_batch = t("field_values", g._read_batch)
             if hasattr(g, "_read_fields"):
                 g._read_fields = t("field_values", g._read_fields)
-            self.meta["field_batch"] = [[c for c, *_ in b] if b else b for b in getattr(g, "_batch", [])]
+            self.meta["field_batch"] = [[c for c, *_ in b] if b else b for b in getattr(g, "_batch", {}).values()]
         if channel is not None:
             channel.append = t("channel.append", channel.append)
             if hasattr(channel, "_encode"):
