@@ -117,7 +117,7 @@ def cmd_stress(args) -> int:
         why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))
         run.ran_s = time.monotonic() - t0
     if dist is not None:
-        dist.shutdown()
+        dist.shutdown(ctx)
     return ci.finish(s, why, run)
 
 

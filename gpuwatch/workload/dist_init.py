@@ -5,6 +5,7 @@ checks of what cannot combine with ranks, and `stress --nproc N` relaunching its
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -106,12 +107,26 @@ def init_from_env(device: str = "auto") -> DistContext:
     return DistContext(rank, world, local, backend, dev, ctrl, dist.PrefixStore("gpuwatch", store), timeout_s)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
+LEAVE_TIMEOUT_S = 60.0  # how long a rank waits at the end for the others to reach shutdown too
+
+
+def shutdown(ctx: DistContext | None = None) -> None:
+    """Leave the job. With `ctx`, the ranks first meet on the control plane (at most LEAVE_TIMEOUT_S), so no
+    rank tears its groups down while another still talks to it: a gloo pair closed under a peer's pending
+    work aborts that process (SIGABRT, "terminate called without an active exception", seen in CI)."""
+    if not dist.is_initialized():
+        return
+    if ctx is not None and ctx.world > 1:
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a failed job's groups may not tear down cleanly
-            pass
+            dist.monitored_barrier(group=ctx.ctrl, timeout=timedelta(seconds=LEAVE_TIMEOUT_S), wait_all_ranks=True)
+        except Exception as e:  # noqa: BLE001 - a rank that failed or left does not come; leave anyway
+            print(f"gpuwatch: rank {ctx.rank}: leaving without the other ranks ({str(e).splitlines()[0][:160]})",
+                  file=sys.stderr, flush=True)
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - a failed job's groups may not tear down cleanly
+        print(f"gpuwatch: tearing down torch.distributed failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}",
+              file=sys.stderr, flush=True)
 
 
 def join(device: str, resume=None, collectives: int | None = None, dp: str | None = None,

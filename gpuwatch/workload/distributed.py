@@ -528,7 +528,7 @@ def run_rank(ctx: DistContext, spec, collectives_max: int | None = None, peak_gb
         w.run()
     finally:
         if w.state != "failed":
-            shutdown()
+            shutdown(ctx)
     if w.state == "failed":
         print(f"gpuwatch: rank {ctx.rank}: {w.unrecovered}", flush=True)
         return 1

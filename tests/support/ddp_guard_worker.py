@@ -56,7 +56,7 @@ def main() -> int:
                    "decided_on_rank": e.detail.get("decided_on_rank"), "value": e.detail.get("value")}
                   for e in bus.events.latest(100)]
         print(json.dumps({"state": w.state, "rows": rows, "events": events}), flush=True)
-    D.shutdown()
+    D.shutdown(ctx)
     return 0 if w.state == "finished" else 1
 
 
