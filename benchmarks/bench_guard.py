@@ -36,7 +36,8 @@ from gpuwatch.workload.factory import WorkloadSpec  # noqa: E402
 GiB = 2**30
 CPU_SOURCE = Path(__file__).resolve().parents[1] / "recordings" / "sample-h200-ramp-train"  # real telemetry for --cpu
 ARMS = {"none": ("off", "model"), "accelerate": ("on", "accelerate"), "composer": ("on", "composer"),
-        "fixed": ("on", "fixed"), "gpuwatch": ("on", "model")}
+        "fixed": ("on", "fixed"), "gpuwatch": ("on", "model"),
+        "gpuwatch-thresholds": ("on", "model", False)}  # the planner off: the risk threshold and its timer only
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,9 @@ def _free_cache() -> None:
 
 def run_arm(scn: Scenario, arm: str, seconds: float, model_box: dict, cpu_limit: int | None,
             model_path: Path | None, record: Path | None) -> dict:
-    mode, rule = ARMS[arm]
+    mode, rule, *plan = ARMS[arm]
     cfg = SessionConfig(record_dir=record, name=f"guard-{scn.name}-{arm}", workload=scn.spec,
-                        guard=GuardConfig(mode=mode, rule=rule), model=ModelChoice(model_path, True, False),
+                        guard=GuardConfig(mode=mode, rule=rule, plan=bool(plan[0]) if plan else True), model=ModelChoice(model_path, True, False),
                         source=str(CPU_SOURCE) if cpu_limit else None)
     t0 = time.monotonic()
     with Session(cfg, workload_factory=_factory(model_box, cpu_limit)) as s:

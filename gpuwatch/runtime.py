@@ -477,7 +477,7 @@ class SessionStatus:
 def session_status(model_note: str, guard=None, recorder=None, workloads: Iterable[SessionWorkload] = (),
                    sampler=None) -> SessionStatus:
     """A `SessionStatus` of these parts (a Session's own, or a front end's stand-ins in tests)."""
-    g = None if guard is None else GuardStatus(guard.cfg.mode, guard.cfg.rule, guard.actions, guard.misses,
+    g = None if guard is None else GuardStatus(guard.cfg.mode, guard.cfg.label, guard.actions, guard.misses,
                                                 guard.unable, dict(guard.stopped))
     r = None if recorder is None else RecorderStatus(
         recorder.dir, recorder.rows, recorder.bytes, recorder.dropped, recorder.error, recorder.incomplete_reason,

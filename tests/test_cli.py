@@ -33,6 +33,7 @@ def run(py, env, *args, timeout=120):
     (["stress", "--gpus", "all", "--no-record"], "--gpus"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["stress", "--new-tokens", "0"], "must be > 0"),
+    (["stress", "--guard-plan", "maybe"], "invalid choice: 'maybe'"),
     (["stress", "--mode", "train", "--new-tokens", "8", "--no-record"], "--new-tokens is for --mode decode"),
     (["stress", "--preset", "tiny", "--device", "cpu", "--mode", "decode", "--new-tokens", "20000", "--no-record",
       "--no-model"], "longer than tiny's max_position_embeddings (4096)"),
@@ -110,6 +111,19 @@ def test_stress_exit_code_is_1_when_a_failure_was_not_recovered(py, env):
                        timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode == 1
     assert "UNRECOVERED" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,plan,label", [([], True, "model"), (["--guard-plan", "off"], False, "model-thresholds"),
+                                             (["--guard-plan", "off", "--guard-rule", "fixed"], False, "fixed")])
+def test_guard_plan_flag_reaches_the_guard(flag, plan, label, tmp_path):
+    """`--guard-plan off` keeps the guard to the risk threshold and its timer (issue 28's comparison arm):
+    the flag reaches GuardConfig, and the panels name the rule so a replay says which one ran."""
+    from gpuwatch.cli.configs import session_config
+    from gpuwatch.cli.parser import build_parser
+
+    args = build_parser().parse_args(["stress", "--preset", "tiny", "--device", "cpu", "-o", str(tmp_path), *flag])
+    g = session_config(args, workload=True).guard
+    assert g.plan is plan and g.label == label
 
 
 def test_record_no_record_is_refused(capsys):

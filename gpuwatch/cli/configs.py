@@ -18,7 +18,8 @@ def session_config(args, workload: bool, deliver_s: float = 0.0):
     from gpuwatch.runtime import ModelChoice, SessionConfig
 
     spec = workload_spec(args) if workload else None
-    guard = GuardConfig(mode=getattr(args, "guard", "off"), rule=getattr(args, "guard_rule", "model"))
+    guard = GuardConfig(mode=getattr(args, "guard", "off"), rule=getattr(args, "guard_rule", "model"),
+                        plan=getattr(args, "guard_plan", "on") == "on")
     out = args.output if args.record else None
     if args.prometheus is not None:
         check_prometheus(*args.prometheus)
@@ -68,7 +69,7 @@ def workload_spec(args):
 # flags a resumed run takes from the recorded command line; given again, they must agree with it
 RESUME_FIXED = ("preset", "mode", "schedule", "precision", "batch", "seq_len", "max_batch", "device", "gpus",
                 "gpu_memory_limit", "leak_mib", "fragment", "fp16_overflow", "integrity_every", "set", "seed",
-                "graphs", "tune", "guard", "guard_rule", "interval", "sampler", "source")
+                "graphs", "tune", "guard", "guard_rule", "guard_plan", "interval", "sampler", "source")
 
 
 def resumed_args(args, point):

@@ -198,6 +198,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="act on the risk before a failure (on, default), only log what it would do (observe), or off")
     p.add_argument("--guard-rule", choices=GUARD_RULES, default="model",
                    help="model (gpuwatch), fixed (memory >90%% halve, <30%% double), accelerate or composer (reactive)")
+    p.add_argument("--guard-plan", choices=("on", "off"), default="on",
+                   help="with --guard-rule model: on = the planner chooses the micro-batch, checkpointing and "
+                        "precision from the memory estimate (default); off = the risk threshold and its timer only")
 
 
 # -- the commands' flags ------------------------------------------------------------------------------

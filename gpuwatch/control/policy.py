@@ -56,6 +56,11 @@ class GuardConfig:
     plan: bool = True  # the planner decides where the estimator can (control/planner.py); False: thresholds only
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
+    @property
+    def label(self) -> str:
+        """The rule as the panels and summaries name it: `model`, or `model-thresholds` with the planner off."""
+        return self.rule if self.plan or self.rule != "model" else f"{self.rule}-thresholds"
+
 
 @dataclass
 class Observation:
