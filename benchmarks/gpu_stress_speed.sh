@@ -6,7 +6,7 @@
 #   run (repo root, carry .dev):  bash benchmarks/gpu_stress_speed.sh
 #   env: PRESETS="v2-lite v3-slice"  MODES=train,prefill,decode  VARIANTS=baseline  EXTRA="--steps 3"
 #        PRESET_BUDGET_S=N (start no run of a preset after N s of it: both presets get their share)
-#   the switches (call B, GPU_COMMAND.txt): VARIANTS=baseline,attention=sdpa-flash,... MODES=train,prefill
+#   the switches (call B of session 35; now benchmarks/gpu_session38.sh style scripts): VARIANTS=baseline,attention=sdpa-flash,... MODES=train,prefill
 set -u
 R=${OUT:-/tmp/out}; mkdir -p "$R"
 if [ -f .dev/site312.tar.xz ] || ls .whl/*.whl > /dev/null 2>&1; then
