@@ -128,6 +128,11 @@ def _free_cache() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            # an arm whose guard switched the allocator to expandable segments must not hand that to the
+            # next arm (session 38, call b: every arm after the first ramp-train guard ran with them)
+            from gpuwatch.workload.allocator import set_expandable_segments
+
+            set_expandable_segments(False)
     except ImportError:
         pass
 

@@ -27,12 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 import torch  # noqa: E402
 
-from guard_library import amp, build_model, calibrate, lm_loss, set_cap  # noqa: E402
+from support.library_scenarios import amp, build_model, calibrate, lm_loss, set_cap  # noqa: E402
 
 GiB = 2**30
 

@@ -29,17 +29,18 @@ def release_cache(device: torch.device, expandable: bool = False) -> list[str]:
     return done
 
 
-def set_expandable_segments() -> bool | str:
-    """Switch the CUDA caching allocator to expandable segments at run time. torch 2.1-2.13 expose
-    `torch.cuda.memory._set_allocator_settings` (private, stable since 2.1; segments made after the call
-    use it); newer builds also route it through `torch._C._accelerator_setAllocatorSettings`. True, or
-    why not."""
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None) or getattr(
-        torch._C, "_accelerator_setAllocatorSettings", None)
+def set_expandable_segments(on: bool = True) -> bool | str:
+    """Switch the CUDA caching allocator to expandable segments at run time (`on=False`: back to fixed
+    segments, as a process that runs several measurements in turn needs between them). Newer torch
+    builds take it as `torch._C._accelerator_setAllocatorSettings`; torch 2.1-2.13 as
+    `torch.cuda.memory._set_allocator_settings` (private, stable since 2.1; deprecated after). Segments
+    made after the call use it. True, or why not."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None:
         return f"not offered by torch {torch.__version__}"
     try:
-        setter("expandable_segments:True")
+        setter(f"expandable_segments:{on}")
     except Exception as e:  # noqa: BLE001 - a build without it (ROCm, old driver) says so
         return f"refused: {str(e).splitlines()[0][:120]}"
     return True
