@@ -93,6 +93,11 @@ def largest_fit(scn: Scenario, model_box: dict, cpu_limit: int | None, steps: in
     from gpuwatch.workload.factory import make_workloads
 
     def fits(b: int) -> bool:
+        ok = _fits(b)
+        _free_cache()  # the trial's workload is collectable only once _fits has returned
+        return ok
+
+    def _fits(b: int) -> bool:
         bus = Bus()
         spec = replace(scn.spec, schedule="steady", batch=b, leak_mib=0.0, fragment=False, max_steps=steps)
         w = make_workloads(spec, bus)[0]
@@ -194,6 +199,7 @@ def main() -> int:
         print(f"== {scn.name}: largest batch that fits {fit} (search {time.monotonic() - t0:.1f} s)", flush=True)
         for arm in a.arms.split(","):
             r = run_arm(scn, arm, a.seconds, box, cpu_limit, a.model, a.record)
+            _free_cache()  # now that run_arm's frame (its Session and workload, in reference cycles) is gone
             r["largest_fit"] = fit
             r["held_vs_fit"] = round(r["batch_last"] / fit, 3) if fit and r["batch_last"] else None
             results.append(r)
