@@ -4,7 +4,7 @@
 # (benchmarks/heldout_gen.py: the plan is a function of the seed alone), records each one unguarded under its
 # own --gpu-memory-limit, side by side in waves whose caps fit the card, and packs the sessions, the logs and
 # heldout.json (each scenario's exact command, calibrated peak and cap) into $OUT/heldout-SEED.tgz.
-# Score them afterwards, here: `python3 benchmarks/heldout_eval.py --set DIR/sessions` (docs/BENCHMARKS.md).
+# Score them afterwards, here: `python3 -m gpuwatch eval --set DIR --per-session` (docs/BENCHMARKS.md).
 # HELDOUT_DEADLINE_S (540): the wall time of the whole set - a device call has 600 s; later waves run shorter.
 # HELDOUT_DRY=1: the CPU dry run (tiny preset, a toy loop model, no caps).
 set -u

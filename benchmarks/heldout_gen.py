@@ -6,7 +6,7 @@
 The protocol: this file was written and committed before any rule or feature of issue 29 changed (the
 commit is in docs/BENCHMARKS.md, "Held-out protocol"); the sets are drawn from seeds no rule was tuned on and
 recorded after the rule change is committed (benchmarks/gpu_heldout.sh on the H200), then scored with
-`python3 benchmarks/heldout_eval.py DIR/sessions/*` as the headline. Nothing here reads a recording, a model
+`python3 -m gpuwatch eval --set DIR --per-session` as the headline. Nothing here reads a recording, a model
 or a rule: a scenario is a function of (seed, index) alone.
 
 Two families, every run unguarded (`--guard off`: the model scores, nothing acts; the library loop with

@@ -4,6 +4,7 @@ columns, and `gpuwatch eval`, the evaluations the model card cites: commands of 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import polars as pl
@@ -13,6 +14,7 @@ from gpuwatch.cli import main
 from conftest import ROOT, SWEEP
 
 HELDOUT = ROOT / "recordings" / "heldout-h200-2026-12-02"
+BLIND = ROOT / "recordings" / "heldout-h200-2026-12-04-blind-2902"  # the smallest held-out set
 AHEAD = ["ahead_batch", "ahead_seq_len", "ahead_steps"]
 
 
@@ -57,9 +59,36 @@ def test_eval_scores_the_model_on_held_out_sessions(tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert main(["eval", str(s), "--stride", "10", "-o", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(s.name) and lines[1].startswith("all (shipped model)") and len(lines) == 3
+    assert lines[0].startswith(s.name) and lines[2] == f"== {HELDOUT.name}: 1 timelines"
+    assert lines[3].startswith("model ") and not any(x.startswith("== all") for x in lines)
     figs = json.loads(out.read_text())
     assert set(figs["sessions"]) == {s.name} and figs["stride"] == 10 and figs["shape_library"] is True
+    assert set(figs["sets"]) == {HELDOUT.name}
+
+
+def test_eval_of_a_set_prints_every_rule_and_the_model_at_each_baselines_rate(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--set", str(BLIND), "--per-session", "--stride", "10", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    n = len([p for p in BLIND.iterdir() if (p / "meta.json").exists()])
+    assert f"\n== {BLIND.name}: {n} timelines\n" in text
+    for rule in ("model ", "model without the lookahead ", "model without the trend ", "baseline: mem>90% ",
+                 "baseline: vramtop "):
+        assert any(x.startswith(rule) and " OOMs " in x for x in text.splitlines()), rule
+    assert re.search(r"^   at mem>90%'s [0-9.]+ near-limit false alarms/h \(\d+/\d+\): model ", text, re.M)
+    figs = json.loads(out.read_text())
+    row = figs["sets"][BLIND.name]
+    assert {"model", "model without the lookahead", "model without the trend", "baseline: mem>90%",
+            "at the rate of baseline: mem>90%"} <= set(row)
+    assert row["model"]["oom_events"] == row["baseline: mem>90%"]["oom_events"] > 0
+    assert len(figs["sessions"]) == n and {"model", "threshold", "stride", "shape_library"} <= set(figs)
+
+
+def test_eval_of_an_empty_set_is_a_one_line_usage_error(tmp_path, capsys):
+    (tmp_path / "empty" / "nothing").mkdir(parents=True)
+    assert main(["eval", "--set", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--set" in err[0] and "no sessions" in err[0]
 
 
 def test_eval_of_the_first_steps(tmp_path, capsys):

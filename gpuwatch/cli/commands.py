@@ -170,6 +170,7 @@ def cmd_eval(args) -> int:
     """The model card's figures on sessions no training or design choice saw (predict/heldout.py), or
     with --first-step the shape library's word on each first step (predict/first_step.py)."""
     from gpuwatch.predict import heldout
+    from gpuwatch.predict.dataset import sessions_under
     from gpuwatch.predict.model import DEFAULT_MODEL
 
     model_path = args.model or DEFAULT_MODEL
@@ -177,7 +178,13 @@ def cmd_eval(args) -> int:
         from gpuwatch.atomic import check_output_file
 
         check_output_file(args.output, "-o")
-    paths = args.sessions or heldout.heldout_sessions(REPO)
+    paths = list(args.sessions)
+    for d in args.sets:
+        found = sessions_under(d)
+        if not found:
+            raise UsageError(f"--set {d}: no sessions under it")
+        paths += found
+    paths = paths or heldout.heldout_sessions(REPO)
     if args.first_step:
         from gpuwatch.predict import first_step
         from gpuwatch.predict.dataset import default_sessions

@@ -299,10 +299,16 @@ def _add_eval(sub) -> None:
         "eval", help="score a risk model on held-out sessions (the model card's held-out figures)",
         description="Score a risk model on sessions it never trained on (default: the shipped held-out H200 "
                     "sessions, recordings/heldout-h200-*/): recall, false alarms per healthy hour, near the "
-                    "limit, lead time, per session and in all, and the same without the lookahead. "
+                    "limit, lead time: the model per session, then per set (the folder a session lies in) and in "
+                    "all the model, the model without the lookahead and without the trend, every baseline, and "
+                    "the model at each baseline's own near-limit false-alarm rate. "
                     "--first-step: what the shape library says of each session's first step, against what happened.")
     ev.add_argument("sessions", nargs="*", type=Path, metavar="SESSION",
                     help="session folders (default: every session under recordings/heldout-h200-*/)")
+    ev.add_argument("--set", action="append", type=Path, default=[], metavar="DIR", dest="sets",
+                    help="every session under DIR, one set (repeatable; e.g. a blind held-out set)")
+    ev.add_argument("--per-session", action="store_true",
+                    help="the model's line for every session (the default already; kept for old command lines)")
     ev.add_argument("--model", type=Path, metavar="PATH", help="the model (default: models/risk.joblib)")
     ev.add_argument("--stride", type=_pos_int, default=5, help="score every Nth sample (default 5)")
     ev.add_argument("--no-prior", action="store_true",
