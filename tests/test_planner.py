@@ -159,6 +159,51 @@ def test_the_guard_acts_on_the_plan_and_says_what_it_weighed():
     assert ev.detail["chosen"]["checkpointing"] and len(ev.detail["weighed"]) >= 4 and ev.detail["urgent"]
 
 
+def test_far_from_the_limit_the_planners_keep_stands_a_few_steps_and_any_change_weighs_again():
+    """Weighing costs ~2 ms of Python a step (the guard's main cost where nothing is wrong, docs/BENCHMARKS.md
+    session 38): its "keep" is reused while the coming steps are far from the limit, for at most PLAN_EVERY
+    steps, and weighed again at once when the plan grows by more than PLAN_GROWTH, the risk rises or the
+    estimate nears the limit. The steps are still learned."""
+    from gpuwatch.control import guard as G
+
+    bus, w = Bus(), FakeWorkload()
+    calls = []
+    model = memory_model(per_token=1e-5)  # 16 x 1000 tokens: 0.46 of the usable limit
+
+    def est(gpu, asks):
+        calls.append(len(asks))
+        return [(e.mean, e.sigma) for e in model(asks)]
+
+    g = Guard(bus, GuardConfig(), {0: w}, threshold=0.5, limits={0: 80 * 2**30}, estimate=est)
+    g.on_risk(0, 0.05, [], {"next_peak_est_frac": 0.46}, plan(16, 1000).scored(), False)
+    weighed = []
+    for i in range(7, 7 + 2 * G.PLAN_EVERY):
+        w.v = view(i, 16, 1000, restart=30.0)
+        n = len(calls)
+        assert g.before_step(w).kind == "none"
+        weighed.append(len(calls) > n)
+    assert weighed == ([True] + [False] * (G.PLAN_EVERY - 1)) * 2
+    assert g.planners[0].lens[-1] == 1000 and len(g.planners[0].lens) >= 2 * G.PLAN_EVERY  # every step learned
+    n = len(calls)
+    w.next_plan = lambda: plan(16, 1200)  # 20 % more tokens: weighed now
+    g.before_step(w)
+    assert len(calls) > n
+    n = len(calls)
+    w.next_plan = lambda: plan(16, 1200)
+    g.on_risk(0, 0.3, [], {"next_peak_est_frac": 0.5}, plan(16, 1200).scored(), False)  # the risk rose
+    w.v = view(7 + 2 * G.PLAN_EVERY + 1, 16, 1200, restart=30.0)
+    g.before_step(w)
+    assert len(calls) > n
+    n = len(calls)
+    near = memory_model(per_token=3.3e-5)  # 16 x 1200: 0.93 of the usable limit - every step is weighed
+    g.estimate = lambda gpu, asks: (calls.append(len(asks)), [(e.mean, e.sigma) for e in near(asks)])[1]
+    g.on_risk(0, 0.05, [], {"next_peak_est_frac": 0.93}, plan(16, 1200).scored(), False)
+    for i in range(3):
+        w.v = view(7 + 2 * G.PLAN_EVERY + 2 + i, 16, 1200, restart=30.0)
+        g.before_step(w)
+    assert len(calls) - n >= 3
+
+
 def test_the_threshold_rule_decides_where_the_planner_is_off():
     bus = Bus()
     w = FakeWorkload()

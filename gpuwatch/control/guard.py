@@ -22,11 +22,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.contract import NONE, Action, GuardedWorkload, GuardMode, StepPlan, WorkloadView
+from gpuwatch.contract import NONE, Action, Config, GuardedWorkload, GuardMode, StepPlan, WorkloadView
 from gpuwatch.control.planner import Decision, Estimate, Planner
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.ahead import RISK_NEXT
 from gpuwatch.predict.peak import FIRST_STEP_BASE, usable_limit
+
+# the planner's "keep" stands without weighing again (Guard._still_kept) while the coming steps are this far from
+# the usable limit (its estimate + 1 sigma, and the scorer's), grow at most this much in tokens, for this many steps
+PLAN_FAR = 0.8
+PLAN_GROWTH = 1.1
+PLAN_EVERY = 4
 
 
 class Guard:
@@ -48,6 +54,8 @@ class Guard:
         self.estimate = estimate
         self.planners = {g: Planner(cfg.planner) for g in workloads}
         self._kept_at_alarm: dict[int | None, bool] = {}
+        self._last_plan: dict[int | None, tuple[Decision | None, int, int]] = {}  # the planner's last word, its plan's
+        # tokens and the step it was given at (`_still_kept`)
         self._latest: dict[int | None, dict[str, Any]] = {}
         self._first_scored: set[int | None] = set()  # GPUs whose first step the guard scored itself
         self._lock = threading.Lock()
@@ -179,8 +187,12 @@ class Guard:
         def ask(asks):
             return [None if e is None else Estimate(*e) for e in self.estimate(gpu, list(asks))]
 
+        kept = self._still_kept(w.gpu_index, plan, view, obs)
+        if kept is not None:
+            return kept
         try:
             dec = self.planners[w.gpu_index].decide(plan, view, ask, obs.risk, obs.threshold, self.cfg.clear_ratio)
+            self._last_plan[w.gpu_index] = (dec, plan.tokens, view.steps)
         except Exception as e:  # noqa: BLE001 - the guard must never take the run down: the threshold rule decides
             self._unable(w.gpu_index, "planner", f"the planner failed ({type(e).__name__}: {e}); the threshold rule "
                          "decides", None)
@@ -191,6 +203,28 @@ class Guard:
                           f"{dec.why}", gpu=w.gpu_index, chosen=dec.chosen.summary(), current=dec.current.summary(),
                           weighed=[x.summary() for x in dec.weighed], risk=obs.risk, change=False)
         self._kept_at_alarm[w.gpu_index] = alarm and dec is not None and not dec.change
+        return dec
+
+    def _still_kept(self, gpu: int | None, plan: StepPlan, view: WorkloadView, obs: Observation) -> Decision | None:
+        """The planner's last "keep", reused without weighing again, where nothing it weighs can have moved:
+        the same configuration, no alarm, its own estimate and the scorer's both under PLAN_FAR of the usable
+        limit, the plan's tokens grown by at most PLAN_GROWTH since, and fewer than PLAN_EVERY steps ago.
+        Weighing costs ~2 ms of Python a step (the estimate over the window, the pace fits): most of the
+        guard's cost where nothing is wrong. The step is still learned (its time and length)."""
+        last = self._last_plan.get(gpu)
+        if last is None or last[0] is None or last[0].change:
+            return None
+        dec, tokens, at = last
+        cur = dec.current
+        est = obs.features.get("next_peak_est_frac")
+        if (obs.risk is None or obs.risk >= obs.threshold * self.cfg.clear_ratio
+                or cur.config != Config(plan.batch, bool(plan.checkpointing), plan.precision)
+                or cur.peak is None or cur.peak.mean + cur.peak.sigma >= PLAN_FAR
+                or est is None or est != est or est >= PLAN_FAR
+                or plan.tokens > PLAN_GROWTH * tokens or view.steps - at >= PLAN_EVERY):
+            return None
+        self.planners[gpu].observe(view, plan.precision)
+        self._kept_at_alarm[gpu] = False
         return dec
 
     def _worth_rescoring(self, plan: StepPlan, latest: dict) -> bool:
