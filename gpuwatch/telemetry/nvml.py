@@ -200,12 +200,12 @@ class NvmlBackend:
             raise NvmlUnavailable(f"NVML unavailable ({e}); running CPU-only") from None
         except pynvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML failed to initialise ({e}); running CPU-only") from None
-        self.driver_version = self._try(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
-        self.nvml_version = self._try(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
+        self.driver_version = self.or_none(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
+        self.nvml_version = self.or_none(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
         try:
             sampled = chosen_gpus(range(pynvml.nvmlDeviceGetCount()), only)
         except UsageError:
-            self._try(pynvml.nvmlShutdown)
+            self.or_none(pynvml.nvmlShutdown)
             raise
         # per GPU, keyed by its NVML index
         self._handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in sampled}
@@ -214,7 +214,7 @@ class NvmlBackend:
         self._infos = {i: self._info(i) for i in sampled}
         self.gpus = list(self._infos.values())
         self._last_counters: dict[int, tuple[float, tuple[int, int]] | None] = dict.fromkeys(sampled)
-        self.counters = {i: self._try(lambda h=h: read_pcie_counters(h)) is not None for i, h in self._handles.items()}
+        self.counters = {i: self.or_none(lambda h=h: read_pcie_counters(h)) is not None for i, h in self._handles.items()}
         # the slow read blocks (~21 ms a GPU) only where PCIe must be read by the legacy calls
         self.slow_blocks = not all(self.counters.values())
         self._slow_n = dict.fromkeys(sampled, 0)
@@ -230,6 +230,15 @@ class NvmlBackend:
             i: self._probe_batch(h) for i, h in self._handles.items()}
         self._fast = {i: self._fast_readers(i) for i in sampled}
         self._direct: dict[int, DirectGpu | None] = {i: self._make_direct(i) for i in sampled}
+
+    def handle(self, i: int) -> Any:
+        """GPU i's NVML device handle, for NVML calls of the caller's own."""
+        return self._handles[i]
+
+    def batched_fields(self, i: int) -> list[str] | None:
+        """The columns GPU i reads in its one batched field-values call (None: that call failed, legacy calls)."""
+        batch = self._batch[i]
+        return None if batch is None else [c for c, _, _ in batch]
 
     def direct(self, i: int) -> "DirectGpu | None":
         """GPU i's direct reader (libnvidia-ml called without pynvml's wrappers), or None where it runs
@@ -273,7 +282,8 @@ class NvmlBackend:
         return fields
 
     @staticmethod
-    def _try(fn):
+    def or_none(fn):
+        """fn(), or None where NVML raises (a read this GPU or driver does not answer)."""
         try:
             return fn()
         except pynvml.NVMLError:
@@ -281,7 +291,7 @@ class NvmlBackend:
 
     def _info(self, i: int) -> GpuInfo:
         h = self._handles[i]
-        t = self._try
+        t = self.or_none
         lim = t(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
         return GpuInfo(
             index=i, name=t(lambda: _s(pynvml.nvmlDeviceGetName(h))) or f"GPU {i}",
@@ -463,7 +473,7 @@ class NvmlBackend:
             try:
                 pynvml.nvmlDeviceRegisterEvents(self._handles[i], pynvml.nvmlEventTypeXidCriticalError, es)
             finally:
-                self._try(lambda: pynvml.nvmlEventSetFree(es))
+                self.or_none(lambda: pynvml.nvmlEventSetFree(es))
             out["xid_events"] = "ok (NVML event set)"
         except pynvml.NVMLError as e:
             out["xid_events"] = f"null ({e})"
@@ -478,7 +488,7 @@ class NvmlBackend:
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, es)
         except pynvml.NVMLError as e:
             return f"XID events not available: {e}"
-        index = {self._try(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in self._handles.items()}
+        index = {self.or_none(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in self._handles.items()}
         while not stop.is_set():
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, XID_WAIT_MS)
@@ -486,10 +496,10 @@ class NvmlBackend:
                 continue
             except pynvml.NVMLError as e:
                 return f"XID watch stopped: {e}"
-            uuid = self._try(lambda: _s(pynvml.nvmlDeviceGetUUID(data.device)))
+            uuid = self.or_none(lambda: _s(pynvml.nvmlDeviceGetUUID(data.device)))
             on_xid(index.get(uuid, -1), int(data.eventData))
-        self._try(lambda: pynvml.nvmlEventSetFree(es))
+        self.or_none(lambda: pynvml.nvmlEventSetFree(es))
         return None
 
     def close(self) -> None:
-        self._try(pynvml.nvmlShutdown)
+        self.or_none(pynvml.nvmlShutdown)
