@@ -111,7 +111,6 @@ def oom(a) -> dict:
     s = _session(a.record, f"oom-inject-{a.preset}-train")
     w = _workload(s.bus, **dict(preset=a.preset, mode="train", precision="bf16", batch=a.batch,
                                        seq_len=1024, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
-    s.config["workloads"] = [w.describe()]  # driven step by step here, not by its own thread
     s.start()
     w.build()
     out = []
