@@ -318,7 +318,7 @@ def parts() -> dict:
     s.slow_tick()
     out["host_read_fast"] = cpu_us(host.read_fast, 2000)
     out["host_read_slow"] = cpu_us(host.read_slow, 200)
-    out["host_read_slow_psutil"] = cpu_us(host._read_slow_psutil, 200)
+    out["host_read_slow_psutil"] = cpu_us(host.read_slow_psutil, 200)
     meta: dict = {}
     if gpu is not None:
         out["gpu0_read_fast"] = cpu_us(lambda: gpu.read_fast(0), 2000)
@@ -329,14 +329,14 @@ def parts() -> dict:
             from gpuwatch.telemetry import nvml
 
             h = gpu.handle(0)
-            out["nvml_mem_v1"] = cpu_us(lambda: nvml._mem(h), 2000)
-            out["nvml_mem_v2"] = cpu_us(lambda: nvml._mem_v2(h), 2000)
+            out["nvml_mem_v1"] = cpu_us(lambda: nvml.read_memory_v1(h), 2000)
+            out["nvml_mem_v2"] = cpu_us(lambda: nvml.read_memory_v2(h), 2000)
             ids = [fid for _, fid, _ in nvml.FIELD_BATCH]
             out["nvml_field_values_batch"] = cpu_us(lambda: nvml.pynvml.nvmlDeviceGetFieldValues(h, ids), 2000)
             out["nvml_power_ecc_legacy_3_calls"] = cpu_us(lambda: (
                 nvml.FAST["gpu_power_w"](h), gpu.or_none(lambda: nvml.FAST["gpu_ecc_corrected"](h)),
                 gpu.or_none(lambda: nvml.FAST["gpu_ecc_uncorrected"](h))), 2000)
-            out["nvml_procs"] = cpu_us(lambda: nvml._procs(h), 2000)
+            out["nvml_procs"] = cpu_us(lambda: nvml.read_compute_procs(h), 2000)
         except Exception as e:  # noqa: BLE001
             meta["nvml_parts_error"] = repr(e)[:200]
     out["tick_all"] = cpu_us(s.tick, 2000)
@@ -418,7 +418,7 @@ def memory() -> dict:
     gpus = []
     for g in b.gpus:
         row = b.read_fast(g.index)
-        v1 = b.or_none(lambda: nvml._mem(b.handle(g.index)))
+        v1 = b.or_none(lambda: nvml.read_memory_v1(b.handle(g.index)))
         mib = lambda x: None if x is None else round(x / 2**20, 1)  # noqa: E731
         gpus.append({"gpu": g.index, "nvidia_smi": smi.get(g.index, smi),
                      "gpuwatch_used_mib": mib(row.get("gpu_mem_used_bytes")),

@@ -291,7 +291,7 @@ class ReplaySource:
         return self._ts.get(gpu)
 
     def samples(self, gpu: int | None) -> pl.DataFrame | None:
-        """GPU `gpu`'s sample rows, all of them as read so far (not only up to the cursor), or None where it has none."""
+        """GPU `gpu`'s sample rows, all read so far (not only up to the cursor); None where it has none."""
         return self._by_gpu.get(gpu)
 
     @property

@@ -52,13 +52,13 @@ def _s(v: Any) -> Any:
 
 
 # Fast fields: (column, reader(handle) -> value). Each is one NVML call of a few microseconds.
-def _mem(h):
+def read_memory_v1(h):
     """v1: `used` counts driver-reserved memory (615 MiB on an idle H200 where nvidia-smi says 0)."""
     m = pynvml.nvmlDeviceGetMemoryInfo(h)
     return m.used, m.total, None
 
 
-def _mem_v2(h):
+def read_memory_v2(h):
     """v2 (driver >= 510): used / total / reserved as nvidia-smi's memory.used / .total / .reserved."""
     m = pynvml.nvmlDeviceGetMemoryInfo(h, version=MEM_V2)
     return m.used, m.total, m.reserved
@@ -74,7 +74,8 @@ def _reasons(h):
     return (fn or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)(h)
 
 
-def _procs(h):
+def read_compute_procs(h):
+    """The compute processes on the GPU: [{"pid", "used_bytes" (None where NVML does not say)}]."""
     out = []
     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
         used = p.usedGpuMemory
@@ -84,7 +85,7 @@ def _procs(h):
 
 FAST: dict[str, Callable[[Any], Any]] = {
     "util": _util,  # nvidia-smi utilization.gpu / utilization.memory (%, averaged over 1/6-1 s)
-    "mem": _mem,  # nvidia-smi memory.used / memory.total (bytes); _mem_v2 where the driver has it
+    "mem": read_memory_v1,  # nvidia-smi memory.used / memory.total (bytes); read_memory_v2 where the driver has it
     "gpu_temp_c": lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
     "gpu_power_w": lambda h: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # power.draw (mW -> W)
     "gpu_sm_clock_mhz": lambda h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
@@ -94,7 +95,7 @@ FAST: dict[str, Callable[[Any], Any]] = {
         h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
     "gpu_ecc_uncorrected": lambda h: pynvml.nvmlDeviceGetTotalEccErrors(
         h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-    "gpu_procs": _procs,  # compute-apps (pid, used memory)
+    "gpu_procs": read_compute_procs,  # compute-apps (pid, used memory)
 }
 
 # Slow fields, measured on an H200 (benchmarks/bench_nvml.py): nvmlDeviceGetPcieThroughput blocks
@@ -221,9 +222,10 @@ class NvmlBackend:
         self.pcie_every = _pcie_every()
         self._util_seen = dict.fromkeys(sampled, 0)  # the newest per-process utilization sample read (NVML's us)
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
-        self._mem_fn = {i: _mem_v2 if MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
+        self._mem_fn = {i: read_memory_v2 if MEM_V2 is not None and self._works(lambda h=h: read_memory_v2(h))
+                        else read_memory_v1
                         for i, h in self._handles.items()}
-        apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn.values()}
+        apis = {"v2" if f is read_memory_v2 else "v1" for f in self._mem_fn.values()}
         self.memory_api = apis.pop() if len(apis) == 1 else "mixed"
         # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
         self._batch: dict[int, list[tuple[str, int, float | None]] | None] = {
@@ -250,7 +252,7 @@ class NvmlBackend:
         if not _pynvml_is_itself() or os.environ.get("GPUWATCH_NVML_WRAPPERS"):
             return None
         try:
-            return DirectGpu(self._handles[i], self._mem_fn[i] is _mem_v2, self._batch[i], self._unsupported[i])
+            return DirectGpu(self._handles[i], self._mem_fn[i] is read_memory_v2, self._batch[i], self._unsupported[i])
         except (pynvml.NVMLError, AttributeError, TypeError):
             return None
 
@@ -456,7 +458,7 @@ class NvmlBackend:
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""
-        out = {"memory api": f"{'v2' if self._mem_fn[i] is _mem_v2 else 'v1'} (v2: used excludes driver-reserved "
+        out = {"memory api": f"{'v2' if self._mem_fn[i] is read_memory_v2 else 'v1'} (v2: used excludes driver-reserved "
                              "memory, like nvidia-smi; v1: reserved counted as used)"}
         batch = self._batch[i]
         out["field values (one call)"] = ("not available: legacy calls" if batch is None
