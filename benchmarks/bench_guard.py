@@ -121,7 +121,7 @@ def largest_fit(scn: Scenario, model_box: dict, cpu_limit: int | None, steps: in
 
 
 def _free(w) -> None:
-    w._leak.clear()
+    w.release_fault_memory()
     w.optimizer = None
     _free_cache()
 

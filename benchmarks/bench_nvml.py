@@ -15,7 +15,7 @@ from gpuwatch.telemetry import nvml  # noqa: E402
 
 def main(n: int = 200) -> None:
     b = nvml.NvmlBackend()
-    h = b._handles[0]
+    h = b.handle(0)
     out = {}
     fields = {**nvml.FAST, **nvml.LEGACY_SLOW, "pcie counters (field values)": nvml.read_pcie_counters}
     for name, fn in fields.items():

@@ -155,8 +155,7 @@ def recorder_path(load: Load, n: int, folder: Path, roll_every: int) -> list[flo
     """The new path end to end: the rows go through a bus and `Recorder.flush()` (drain, to_frame,
     append, rolls), as in `gpuwatch record`."""
     bus = Bus()
-    r = Recorder(bus, folder, {"bench": True}, roll_every=roll_every, name="rec").start()
-    r._stop.set()  # no thread: flush by hand
+    r = Recorder(bus, folder, {"bench": True}, roll_every=roll_every, name="rec").start(thread=False)  # flush by hand
     cost = []
     try:
         for i in range(n):

@@ -124,7 +124,7 @@ def main() -> None:
     moved = (play.cursor_us() - play.start_us) / 1e6
     follow_ms = follow(path, tmp)
     res = {
-        "samples": rows or sum(df.height for df in src._by_gpu.values()), "file_bytes": (path / "samples.parquet").stat().st_size,
+        "samples": rows or src.sample_rows, "file_bytes": (path / "samples.parquet").stat().st_size,
         "open_s": round(open_s, 3),
         "seek_ms": {"p50": round(seeks[100] * 1e3, 2), "p99": round(seeks[197] * 1e3, 2), "max": round(seeks[-1] * 1e3, 2)},
         "playback_16x": {"refresh_ms_p50": round(frames[100] * 1e3, 2), "refresh_ms_max": round(frames[-1] * 1e3, 2),

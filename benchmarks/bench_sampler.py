@@ -318,25 +318,25 @@ def parts() -> dict:
     s.slow_tick()
     out["host_read_fast"] = cpu_us(host.read_fast, 2000)
     out["host_read_slow"] = cpu_us(host.read_slow, 200)
-    out["host_read_slow_psutil"] = cpu_us(host._read_slow_psutil, 200)
+    out["host_read_slow_psutil"] = cpu_us(host.read_slow_psutil, 200)
     meta: dict = {}
     if gpu is not None:
         out["gpu0_read_fast"] = cpu_us(lambda: gpu.read_fast(0), 2000)
         out["gpu0_read_slow"] = cpu_us(lambda: gpu.read_slow(0), 60)
         meta = {"memory_api": getattr(gpu, "memory_api", None),
-                "field_batch": [c for c, _, _ in (gpu._batch[0] or [])] if getattr(gpu, "_batch", None) else None}
+                "field_batch": (gpu.batched_fields(0) or []) if hasattr(gpu, "batched_fields") else None}
         try:
             from gpuwatch.telemetry import nvml
 
-            h = gpu._handles[0]
-            out["nvml_mem_v1"] = cpu_us(lambda: nvml._mem(h), 2000)
-            out["nvml_mem_v2"] = cpu_us(lambda: nvml._mem_v2(h), 2000)
+            h = gpu.handle(0)
+            out["nvml_mem_v1"] = cpu_us(lambda: nvml.read_memory_v1(h), 2000)
+            out["nvml_mem_v2"] = cpu_us(lambda: nvml.read_memory_v2(h), 2000)
             ids = [fid for _, fid, _ in nvml.FIELD_BATCH]
             out["nvml_field_values_batch"] = cpu_us(lambda: nvml.pynvml.nvmlDeviceGetFieldValues(h, ids), 2000)
             out["nvml_power_ecc_legacy_3_calls"] = cpu_us(lambda: (
-                nvml.FAST["gpu_power_w"](h), gpu._try(lambda: nvml.FAST["gpu_ecc_corrected"](h)),
-                gpu._try(lambda: nvml.FAST["gpu_ecc_uncorrected"](h))), 2000)
-            out["nvml_procs"] = cpu_us(lambda: nvml._procs(h), 2000)
+                nvml.FAST["gpu_power_w"](h), gpu.or_none(lambda: nvml.FAST["gpu_ecc_corrected"](h)),
+                gpu.or_none(lambda: nvml.FAST["gpu_ecc_uncorrected"](h))), 2000)
+            out["nvml_procs"] = cpu_us(lambda: nvml.read_compute_procs(h), 2000)
         except Exception as e:  # noqa: BLE001
             meta["nvml_parts_error"] = repr(e)[:200]
     out["tick_all"] = cpu_us(s.tick, 2000)
@@ -418,14 +418,14 @@ def memory() -> dict:
     gpus = []
     for g in b.gpus:
         row = b.read_fast(g.index)
-        v1 = b._try(lambda: nvml._mem(b._handles[g.index]))
+        v1 = b.or_none(lambda: nvml.read_memory_v1(b.handle(g.index)))
         mib = lambda x: None if x is None else round(x / 2**20, 1)  # noqa: E731
         gpus.append({"gpu": g.index, "nvidia_smi": smi.get(g.index, smi),
                      "gpuwatch_used_mib": mib(row.get("gpu_mem_used_bytes")),
                      "gpuwatch_reserved_mib": mib(row.get("gpu_mem_reserved_bytes")),
                      "gpuwatch_total_mib": mib(row.get("gpu_mem_total_bytes")),
                      "nvml_v1_used_mib": mib(v1[0]) if v1 else None, "gpuwatch_power_w": row.get("gpu_power_w"),
-                     "legacy_power_usage_w": b._try(lambda: nvml.FAST["gpu_power_w"](b._handles[g.index]))})
+                     "legacy_power_usage_w": b.or_none(lambda: nvml.FAST["gpu_power_w"](b.handle(g.index)))})
     b.close()
     return {"measure": "memory_used_vs_nvidia_smi", "memory_api": b.memory_api, "gpus": gpus}
 

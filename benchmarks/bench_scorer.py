@@ -35,7 +35,7 @@ def main() -> int:
     a = ap.parse_args()
     rec = ReplaySource(a.session)
     g = rec.gpus[0].index
-    rows = rec._by_gpu[g].to_dicts()
+    rows = rec.samples(g).to_dicts()
     for r in rows:
         r["ts"] = int(r["ts"].timestamp() * 1e6)
     steps = rec.steps_df.filter(rec.steps_df["gpu"] == g).to_dicts() if a.steps else []

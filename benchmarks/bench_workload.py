@@ -111,18 +111,17 @@ def oom(a) -> dict:
     s = _session(a.record, f"oom-inject-{a.preset}-train")
     w = _workload(s.bus, **dict(preset=a.preset, mode="train", precision="bf16", batch=a.batch,
                                        seq_len=1024, device=a.device, gpu_index=0 if a.device != "cpu" else None, integrity_every=0))
-    s.config["workloads"] = [w.describe()]  # driven step by step here, not by its own thread
     s.start()
-    w._build()
+    w.build()
     out = []
     for i in range(10):
-        w._one_step(a.batch, 1024, "steady")
+        w.run_step(a.batch, 1024, "steady")
         pre = torch.cuda.memory_allocated()
-        w._one_step(a.big_batch, 1024, "inject")
+        w.run_step(a.big_batch, 1024, "inject")
         ev = [e for e in s.bus.events.latest(20) if e.kind == "oom_recovered"]
         after = torch.cuda.memory_allocated()
         w.schedule.set_batch(a.batch)
-        w._one_step(a.batch, 1024, "steady")  # and the next normal step runs
+        w.run_step(a.batch, 1024, "steady")  # and the next normal step runs
         out.append({"pre_step_allocated": pre, "after_recovery_allocated": after, "back": after <= pre,
                     "event_back_to_pre_step": ev[-1].detail.get("back_to_pre_step") if ev else None})
     s.stop()

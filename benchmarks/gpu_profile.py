@@ -265,10 +265,10 @@ def measure(w: Workload, batch: int, seq: int, a, cuda: bool) -> dict:
 
     t0 = time.perf_counter()
     for _ in range(a.warmup):
-        w._timed_step(batch, seq, "profile")
+        w.timed_step(batch, seq, "profile")
     warm_s = time.perf_counter() - t0
     with Meter(0 if cuda else None) as meter:
-        rows = [w._timed_step(batch, seq, "profile") for _ in range(a.steps)]
+        rows = [w.timed_step(batch, seq, "profile") for _ in range(a.steps)]
     out = {"warmup_s": round(warm_s, 2), **step_stats(rows), **meter.summary()}
     if w.cfg.mode == "decode":
         out.update(decode_stats(w, batch, seq))
@@ -281,7 +281,7 @@ def measure(w: Workload, batch: int, seq: int, a, cuda: bool) -> dict:
         M.synchronize(w.device)
         t1 = time.perf_counter()
         for _ in range(a.profile_steps):
-            w._timed_step(batch, seq, "profile")
+            w.timed_step(batch, seq, "profile")
         M.synchronize(w.device)
         wall = time.perf_counter() - t1
     krows, scopes = kernel_rows(prof, cuda)
@@ -377,7 +377,7 @@ def run_one(model, preset: str, mode: str, variant: str, batch: int, seq: int, a
                                  integrity_every=0, decode_tokens=a.new_tokens, graphs=a.graphs,
                                  **({"tuning": parse_variant(variant)} if "tuning" in WorkloadConfig.__dataclass_fields__ else {}))
             w = Workload(Bus(), cfg, model=model)
-            w._build()
+            w.build()
             return {**base, "batch": batch, **measure(w, batch, seq, _for_variant(a, variant), cuda)}
         except Exception as e:  # noqa: BLE001 - an OOM halves the batch; anything else is reported
             err = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"

@@ -27,7 +27,7 @@ def summary(path: str) -> dict:
         pl.len().alias("steps"), pl.col("torch_peak_bytes").median().alias("peak"),
         pl.col("torch_allocated_bytes").median().alias("allocated"),
         pl.col("torch_reserved_bytes").median().alias("reserved")).sort("batch")
-    ts = src._ts[g]
+    ts = src.times(g)
     fr = np.array([features(src.window_at(g, int(t)))["mem_used_frac"] for t in ts[len(ts) // 4::25]])
     procs = pl.read_parquet(f"{path}/samples.parquet", columns=["gpu_procs"])["gpu_procs"].drop_nulls()
     others = max((len(p) for p in procs.to_list()), default=0)

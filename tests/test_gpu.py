@@ -35,11 +35,11 @@ def test_a_real_cuda_oom_is_recovered_to_the_pre_step_allocation():
     w = Workload(bus, WorkloadConfig(preset="small", mode="train", precision="bf16", batch=2, seq_len=256,
                                      device="cuda:0", gpu_index=0, integrity_every=0,
                                      faults=Faults(memory_limit_bytes=8 * 2**30)))
-    w._build()
-    w._one_step(2, 256, "steady")
+    w.build()
+    w.run_step(2, 256, "steady")
     before = torch.cuda.memory_allocated()
-    w._one_step(512, 2048, "inject")
+    w.run_step(512, 2048, "inject")
     assert w.ooms == 1 and w.recovered == 1
     assert torch.cuda.memory_allocated() <= before
-    w._one_step(2, 256, "steady")
+    w.run_step(2, 256, "steady")
     assert bus.steps.latest(1)[0]["batch"] == 2

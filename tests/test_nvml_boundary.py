@@ -149,11 +149,11 @@ def test_a_batched_field_not_supported_is_null_and_remembered(driver):
     driver.fields = {FI["power"]: 350_000, FI["sbe"]: ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED),
                      FI["dbe"]: ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED)}
     b = nvml.NvmlBackend()  # the probe at start already drops the unsupported ECC fields
-    assert [c for c, _, _ in b._batch[0]] == ["gpu_power_w"]
+    assert b.batched_fields(0) == ["gpu_power_w"]
     driver.fields[FI["power"]] = ("ret", pynvml.NVML_ERROR_NOT_SUPPORTED)  # stops answering later
     row = b.read_fast(0)
     assert "gpu_power_w" not in row and "gpu_ecc_corrected" not in row
-    assert b._batch[0] == []
+    assert b.batched_fields(0) == []
     calls = driver.calls["fields"]
     b.read_fast(0)
     assert driver.calls["fields"] == calls  # nothing left to ask: no call at all
@@ -171,7 +171,7 @@ def test_a_transient_batched_field_error_is_null_for_one_tick(driver):
 
 def test_field_values_unsupported_falls_back_to_the_legacy_calls(driver):
     b = nvml.NvmlBackend()  # driver.fields None: the call is not supported
-    assert b._batch[0] is None and b.read_fast(0)["gpu_power_w"] == 350.0
+    assert b.batched_fields(0) is None and b.read_fast(0)["gpu_power_w"] == 350.0
     assert b.probe(0)["field values (one call)"].startswith("not available")
 
 
@@ -205,7 +205,7 @@ def test_field_values_call_gone_mid_run_falls_back_to_single_calls(driver):
     driver.fields = None  # the driver stops answering the call at all
     b.read_fast(0)
     row = b.read_fast(0)
-    assert b._batch[0] is None and row["gpu_power_w"] == 350.0  # nvmlDeviceGetPowerUsage from now on
+    assert b.batched_fields(0) is None and row["gpu_power_w"] == 350.0  # nvmlDeviceGetPowerUsage from now on
     assert (b.direct(0) is not None) == (driver.path == "direct")
 
 

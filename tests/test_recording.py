@@ -209,6 +209,20 @@ def test_follow_reads_only_new_files(tmp_path):
     assert reader.load_new()["samples"]["tick"].to_list() == [3, 4]
 
 
+def test_a_recorder_started_without_its_thread_writes_when_flushed_by_hand(tmp_path):
+    bus = Bus()
+    s = Sampler(bus, ReplayGpuBackend(RAMP), None)
+    r = Recorder(bus, tmp_path, {}, name="manual", flush_interval=0.01).start(thread=False)
+    reader = SessionReader(r.dir)
+    s.tick()
+    time.sleep(0.1)  # ten flush intervals: no thread flushes them
+    assert reader.load_new()["samples"].height == 0
+    r.flush()
+    assert reader.load_new()["samples"].height == 1
+    r.stop()
+    assert r.error is None and open_recording(r.dir).samples.height == 1
+
+
 def test_follow_returns_each_row_once_through_rolls_and_compaction(tmp_path):
     bus = Bus()
     s = Sampler(bus, ReplayGpuBackend(RAMP), None)

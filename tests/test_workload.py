@@ -116,14 +116,14 @@ def test_a_model_of_your_own_on_another_device_or_of_another_family_is_refused()
 def test_controls_apply_between_steps():
     bus = Bus()
     w = Workload(bus, WorkloadConfig(batch=2, seq_len=8, overrides=FAST, integrity_every=0, max_steps=6))
-    w._build()
-    w._one_step(*w.schedule.plan())
+    w.build()
+    w.run_step(*w.schedule.plan())
     w.set_batch_size(3)
     w.set_seq_len(12)
     w.set_precision("bf16")
     assert bus.steps.latest(1)[0]["batch"] == 2  # nothing changes mid-step
     w._apply_controls()
-    w._one_step(*w.schedule.plan())
+    w.run_step(*w.schedule.plan())
     row = bus.steps.latest(1)[0]
     assert (row["batch"], row["seq_len"], row["precision"]) == (3, 12, "bf16")
     assert next(w.model.parameters()).dtype == torch.bfloat16

@@ -224,6 +224,6 @@ def test_a_step_rows_mfu_is_against_the_peak_of_the_gpu_it_ran_on(name, peak):
     w = Workload(Bus(), WorkloadConfig(preset="tiny", mode="prefill", batch=1, seq_len=8, integrity_every=0,
                                        overrides={"vocab_size": 512}, precision="bf16"))
     w.device_name = name  # what torch.cuda.get_device_name says on that GPU
-    w._build()
-    row = w._timed_step(1, 8, "steady")
+    w.build()
+    row = w.timed_step(1, 8, "steady")
     assert row["mfu"] == pytest.approx(row["tflops"] / peak)

@@ -290,6 +290,15 @@ class ReplaySource:
         training walk a recording by."""
         return self._ts.get(gpu)
 
+    def samples(self, gpu: int | None) -> pl.DataFrame | None:
+        """GPU `gpu`'s sample rows, all read so far (not only up to the cursor); None where it has none."""
+        return self._by_gpu.get(gpu)
+
+    @property
+    def sample_rows(self) -> int:
+        """How many sample rows were read so far, every GPU's (and the host-only rows) together."""
+        return sum(df.height for df in self._by_gpu.values())
+
     def step_count(self) -> StepCount:
         """How many steps the replayed session ran and where that is known from (recording/recorded.py
         recorded_steps): its steps table, else its workload_stop events where steps.parquet is missing.

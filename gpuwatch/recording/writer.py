@@ -151,7 +151,8 @@ class Recorder:
         self._lock_fd: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def start(self) -> "Recorder":
+    def start(self, thread: bool = True) -> "Recorder":
+        """Create (or reopen) the session folder and start the flush thread (`thread=False`: the caller flushes)."""
         if self._resume is not None:
             try:
                 self._lock_fd = lock_session(self.dir)
@@ -160,7 +161,7 @@ class Recorder:
                 self._fatal = True
                 self._fail(e, "recording stopped (the session folder could not be reopened)")
                 return self
-            self._thread = start_thread(self._run, "gpuwatch-recorder")
+            self._thread = start_thread(self._run, "gpuwatch-recorder") if thread else None
             return self
         try:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +179,7 @@ class Recorder:
             self._fatal = True
             self._fail(e, "recording stopped (the session folder could not be created)")
             return self
-        self._thread = start_thread(self._run, "gpuwatch-recorder")
+        self._thread = start_thread(self._run, "gpuwatch-recorder") if thread else None
         return self
 
     def _reopen(self, entry: dict[str, Any]) -> None:

@@ -190,7 +190,7 @@ class HostSampler:
                 return self._read_slow_proc()
             except (OSError, ValueError, IndexError, KeyError):
                 self._proc_ok = False  # e.g. not Linux after all: psutil from now on
-        return self._read_slow_psutil()
+        return self.read_slow_psutil()
 
     def _pread(self, name: str, path: str, size: int) -> bytes:
         fd = self._fds.get(name)
@@ -240,7 +240,8 @@ class HostSampler:
             "proc_cpu_pct": 100.0 * (cpu - last_cpu) / (now - last_t) if cpu is not None and now > last_t else None,
         }
 
-    def _read_slow_psutil(self) -> dict[str, Any]:
+    def read_slow_psutil(self) -> dict[str, Any]:
+        """`read_slow` through psutil: the path where /proc cannot be read directly (not Linux)."""
         vm = psutil.virtual_memory()
         now = time.monotonic()
         try:

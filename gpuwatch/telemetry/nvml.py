@@ -52,13 +52,13 @@ def _s(v: Any) -> Any:
 
 
 # Fast fields: (column, reader(handle) -> value). Each is one NVML call of a few microseconds.
-def _mem(h):
+def read_memory_v1(h):
     """v1: `used` counts driver-reserved memory (615 MiB on an idle H200 where nvidia-smi says 0)."""
     m = pynvml.nvmlDeviceGetMemoryInfo(h)
     return m.used, m.total, None
 
 
-def _mem_v2(h):
+def read_memory_v2(h):
     """v2 (driver >= 510): used / total / reserved as nvidia-smi's memory.used / .total / .reserved."""
     m = pynvml.nvmlDeviceGetMemoryInfo(h, version=MEM_V2)
     return m.used, m.total, m.reserved
@@ -74,7 +74,8 @@ def _reasons(h):
     return (fn or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)(h)
 
 
-def _procs(h):
+def read_compute_procs(h):
+    """The compute processes on the GPU: [{"pid", "used_bytes" (None where NVML does not say)}]."""
     out = []
     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
         used = p.usedGpuMemory
@@ -84,7 +85,7 @@ def _procs(h):
 
 FAST: dict[str, Callable[[Any], Any]] = {
     "util": _util,  # nvidia-smi utilization.gpu / utilization.memory (%, averaged over 1/6-1 s)
-    "mem": _mem,  # nvidia-smi memory.used / memory.total (bytes); _mem_v2 where the driver has it
+    "mem": read_memory_v1,  # nvidia-smi memory.used / memory.total (bytes); read_memory_v2 where the driver has it
     "gpu_temp_c": lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
     "gpu_power_w": lambda h: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # power.draw (mW -> W)
     "gpu_sm_clock_mhz": lambda h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
@@ -94,7 +95,7 @@ FAST: dict[str, Callable[[Any], Any]] = {
         h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
     "gpu_ecc_uncorrected": lambda h: pynvml.nvmlDeviceGetTotalEccErrors(
         h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-    "gpu_procs": _procs,  # compute-apps (pid, used memory)
+    "gpu_procs": read_compute_procs,  # compute-apps (pid, used memory)
 }
 
 # Slow fields, measured on an H200 (benchmarks/bench_nvml.py): nvmlDeviceGetPcieThroughput blocks
@@ -200,12 +201,12 @@ class NvmlBackend:
             raise NvmlUnavailable(f"NVML unavailable ({e}); running CPU-only") from None
         except pynvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML failed to initialise ({e}); running CPU-only") from None
-        self.driver_version = self._try(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
-        self.nvml_version = self._try(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
+        self.driver_version = self.or_none(lambda: _s(pynvml.nvmlSystemGetDriverVersion()))
+        self.nvml_version = self.or_none(lambda: _s(pynvml.nvmlSystemGetNVMLVersion()))
         try:
             sampled = chosen_gpus(range(pynvml.nvmlDeviceGetCount()), only)
         except UsageError:
-            self._try(pynvml.nvmlShutdown)
+            self.or_none(pynvml.nvmlShutdown)
             raise
         # per GPU, keyed by its NVML index
         self._handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in sampled}
@@ -214,22 +215,32 @@ class NvmlBackend:
         self._infos = {i: self._info(i) for i in sampled}
         self.gpus = list(self._infos.values())
         self._last_counters: dict[int, tuple[float, tuple[int, int]] | None] = dict.fromkeys(sampled)
-        self.counters = {i: self._try(lambda h=h: read_pcie_counters(h)) is not None for i, h in self._handles.items()}
+        self.counters = {i: self.or_none(lambda h=h: read_pcie_counters(h)) is not None for i, h in self._handles.items()}
         # the slow read blocks (~21 ms a GPU) only where PCIe must be read by the legacy calls
         self.slow_blocks = not all(self.counters.values())
         self._slow_n = dict.fromkeys(sampled, 0)
         self.pcie_every = _pcie_every()
         self._util_seen = dict.fromkeys(sampled, 0)  # the newest per-process utilization sample read (NVML's us)
         # v2 memory where the driver has it (used without driver-reserved memory, like nvidia-smi)
-        self._mem_fn = {i: _mem_v2 if MEM_V2 is not None and self._works(lambda h=h: _mem_v2(h)) else _mem
+        self._mem_fn = {i: read_memory_v2 if MEM_V2 is not None and self._works(lambda h=h: read_memory_v2(h))
+                        else read_memory_v1
                         for i, h in self._handles.items()}
-        apis = {"v2" if f is _mem_v2 else "v1" for f in self._mem_fn.values()}
+        apis = {"v2" if f is read_memory_v2 else "v1" for f in self._mem_fn.values()}
         self.memory_api = apis.pop() if len(apis) == 1 else "mixed"
         # the batched field values: per GPU, the (column, id, scale) still asked (None: call failed -> legacy)
         self._batch: dict[int, list[tuple[str, int, float | None]] | None] = {
             i: self._probe_batch(h) for i, h in self._handles.items()}
         self._fast = {i: self._fast_readers(i) for i in sampled}
         self._direct: dict[int, DirectGpu | None] = {i: self._make_direct(i) for i in sampled}
+
+    def handle(self, i: int) -> Any:
+        """GPU i's NVML device handle, for NVML calls of the caller's own."""
+        return self._handles[i]
+
+    def batched_fields(self, i: int) -> list[str] | None:
+        """The columns GPU i reads in its one batched field-values call (None: that call failed, legacy calls)."""
+        batch = self._batch[i]
+        return None if batch is None else [c for c, _, _ in batch]
 
     def direct(self, i: int) -> "DirectGpu | None":
         """GPU i's direct reader (libnvidia-ml called without pynvml's wrappers), or None where it runs
@@ -241,7 +252,7 @@ class NvmlBackend:
         if not _pynvml_is_itself() or os.environ.get("GPUWATCH_NVML_WRAPPERS"):
             return None
         try:
-            return DirectGpu(self._handles[i], self._mem_fn[i] is _mem_v2, self._batch[i], self._unsupported[i])
+            return DirectGpu(self._handles[i], self._mem_fn[i] is read_memory_v2, self._batch[i], self._unsupported[i])
         except (pynvml.NVMLError, AttributeError, TypeError):
             return None
 
@@ -273,7 +284,8 @@ class NvmlBackend:
         return fields
 
     @staticmethod
-    def _try(fn):
+    def or_none(fn):
+        """fn(), or None where NVML raises (a read this GPU or driver does not answer)."""
         try:
             return fn()
         except pynvml.NVMLError:
@@ -281,7 +293,7 @@ class NvmlBackend:
 
     def _info(self, i: int) -> GpuInfo:
         h = self._handles[i]
-        t = self._try
+        t = self.or_none
         lim = t(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
         return GpuInfo(
             index=i, name=t(lambda: _s(pynvml.nvmlDeviceGetName(h))) or f"GPU {i}",
@@ -446,7 +458,7 @@ class NvmlBackend:
 
     def probe(self, i: int) -> dict[str, str]:
         """For `gpuwatch info`: what each field reads on this GPU ('ok: value' / 'not supported')."""
-        out = {"memory api": f"{'v2' if self._mem_fn[i] is _mem_v2 else 'v1'} (v2: used excludes driver-reserved "
+        out = {"memory api": f"{'v2' if self._mem_fn[i] is read_memory_v2 else 'v1'} (v2: used excludes driver-reserved "
                              "memory, like nvidia-smi; v1: reserved counted as used)"}
         batch = self._batch[i]
         out["field values (one call)"] = ("not available: legacy calls" if batch is None
@@ -463,7 +475,7 @@ class NvmlBackend:
             try:
                 pynvml.nvmlDeviceRegisterEvents(self._handles[i], pynvml.nvmlEventTypeXidCriticalError, es)
             finally:
-                self._try(lambda: pynvml.nvmlEventSetFree(es))
+                self.or_none(lambda: pynvml.nvmlEventSetFree(es))
             out["xid_events"] = "ok (NVML event set)"
         except pynvml.NVMLError as e:
             out["xid_events"] = f"null ({e})"
@@ -478,7 +490,7 @@ class NvmlBackend:
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, es)
         except pynvml.NVMLError as e:
             return f"XID events not available: {e}"
-        index = {self._try(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in self._handles.items()}
+        index = {self.or_none(lambda h=h: _s(pynvml.nvmlDeviceGetUUID(h))): i for i, h in self._handles.items()}
         while not stop.is_set():
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, XID_WAIT_MS)
@@ -486,10 +498,10 @@ class NvmlBackend:
                 continue
             except pynvml.NVMLError as e:
                 return f"XID watch stopped: {e}"
-            uuid = self._try(lambda: _s(pynvml.nvmlDeviceGetUUID(data.device)))
+            uuid = self.or_none(lambda: _s(pynvml.nvmlDeviceGetUUID(data.device)))
             on_xid(index.get(uuid, -1), int(data.eventData))
-        self._try(lambda: pynvml.nvmlEventSetFree(es))
+        self.or_none(lambda: pynvml.nvmlEventSetFree(es))
         return None
 
     def close(self) -> None:
-        self._try(pynvml.nvmlShutdown)
+        self.or_none(pynvml.nvmlShutdown)

@@ -107,8 +107,9 @@ class DistributedWorkload(Workload):
         return {**super().describe(), "distributed": {**self.ctx.describe(), "dp": self.dp, "engine": self.engine}}
 
     # -- DDP ----------------------------------------------------------------------------------------
-    def _build(self) -> None:
-        super()._build()
+    def build(self) -> None:
+        """Build the model as a single-GPU workload does, then wrap it for data parallelism (train)."""
+        super().build()
         if self.cfg.mode == "train":
             self._wrap()
 
@@ -270,7 +271,7 @@ class DistributedWorkload(Workload):
     def run(self) -> None:
         finished = False
         try:
-            self._build()
+            self.build()
             if self.collectives_max:
                 self._collectives()
             while True:
@@ -357,7 +358,7 @@ class DistributedWorkload(Workload):
             self._sim = None
             raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.rank} at step {self._step})")
         if self.ddp is None:  # prefill/decode: the base step, every rank in step with the others
-            row = self._timed_step(batch, seq, phase, micro, k)
+            row = self.timed_step(batch, seq, phase, micro, k)
             row["_t0"] = time.perf_counter() - row["step_time_s"]
             row["_nonfinite"] = False
             return row

@@ -81,7 +81,7 @@ class Workload(GuardedSide):
         self.unrecovered: str | None = None
         self.params = F.param_count(self.fields)
         self.expert_impl: str | None = None
-        self.tuned = T.Applied({})  # the speed switches on the model (set by _build)
+        self.tuned = T.Applied({})  # the speed switches on the model (set by build)
         self._pending: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._resume = threading.Event()
@@ -261,7 +261,7 @@ class Workload(GuardedSide):
     def run(self) -> None:
         try:
             try:
-                self._build()
+                self.build()
             except M.BuildCancelled:
                 self.bus.emit("control", "build abandoned: the run was stopped or its deadline passed while the "
                               "model was being built", gpu=self.cfg.gpu_index, control="stop", who="schedule")
@@ -287,7 +287,7 @@ class Workload(GuardedSide):
                     self.state = "finished"
                     break
                 self.state = "running"
-                self._one_step(*plan)
+                self.run_step(*plan)
         except Exception as e:  # a failure we could not recover: visible, never a crash of the app
             self.state = "failed"
             self.unrecovered = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -299,7 +299,8 @@ class Workload(GuardedSide):
             self.bus.emit("workload_stop", f"workload {self.state} after {self._step} steps{by}", gpu=self.cfg.gpu_index,
                           stopped_by=self.stopped_by)
 
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Build the model and what its steps need (optimizer, scaler, decode engine): `run` does it first."""
         self.state = "building"
         lim = self.cfg.faults.memory_limit_bytes
         if lim and self.device.type == "cuda":
@@ -402,12 +403,13 @@ class Workload(GuardedSide):
                 raise
             return None, str(e).splitlines()[0][:300]
 
-    def _one_step(self, wanted: int, seq: int, phase: str) -> None:
+    def run_step(self, wanted: int, seq: int, phase: str) -> None:
+        """Run one step as the run loop does (OOM recovery, counters, the row appended to the bus)."""
         seq = self._step_seq(seq)
         for _try in range(20):  # reactive rules retry the same step; the schedule's recovery moves on
             batch, micro, k = self._split(wanted)
             before = X.memory(self.device)["torch_allocated_bytes"]
-            row, failure = self._attempt(self._timed_step, batch, seq, phase, micro, k)
+            row, failure = self._attempt(self.timed_step, batch, seq, phase, micro, k)
             if failure is None:
                 break
             # recover OUTSIDE the except block: its traceback pins the step's tensors
@@ -443,7 +445,8 @@ class Workload(GuardedSide):
         last = (left_s is not None and left_s <= 0) or left_steps == 0  # the run's last step: nothing planned
         row.update(**next_step_columns(self.next_plan() if not last else None), **self._ahead)
 
-    def _timed_step(self, batch: int, seq: int, phase: str, micro: int | None = None, k: int = 1) -> dict[str, Any]:
+    def timed_step(self, batch: int, seq: int, phase: str, micro: int | None = None, k: int = 1) -> dict[str, Any]:
+        """One timed step at this batch and sequence length: its row, not recorded (an OOM propagates)."""
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -488,6 +491,10 @@ class Workload(GuardedSide):
                 **X.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
                 "checkpointing": self.checkpointing if mode == "train" else None}
 
+    def release_fault_memory(self) -> None:
+        """Drop the memory the leak fault (`faults.leak_mib`) has held so far."""
+        self._leak.clear()
+
     def _impl_label(self) -> str | None:
         """What ran the step: the experts implementation, and for the decode engine its path and mode
         (e.g. "dense-bmm+mla-absorbed+fused/graphs", "grouped_mm/eager" after a fall-back)."""
@@ -514,7 +521,7 @@ class Workload(GuardedSide):
                       **X.oom_detail(micro=micro, seq=seq, precision=self.precision, error=message, effective_batch=batch,
                                      allocated_before=before, step=self._step, checkpointing=self.checkpointing,
                                      phase=self.schedule.plan()[2] if not self.schedule.finished else None))
-        self._leak.clear()  # the leak fault's memory is what a real leak fix would release
+        self.release_fault_memory()  # the leak fault's memory is what a real leak fix would release
         if getattr(self, "decoder", None) is not None:
             self.decoder.release()
         if self.optimizer is not None:
