@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpuwatch.control.policy import GuardConfig
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig, session_status
 
 
 def _parts(error=None, incomplete=None, gpu_index=0, unable=None, manual=False):
-    guard = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=3, misses=1, unable=unable,
+    guard = SimpleNamespace(cfg=GuardConfig(mode="on", rule="model"), actions=3, misses=1, unable=unable,
                             stopped={})
     rec = SimpleNamespace(dir=Path("/r/s1"), rows=120, bytes=2048, dropped=2, error=error,
                           incomplete_reason=incomplete, meta={"complete": True, "resumed": []})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from types import SimpleNamespace
 
+from gpuwatch.control.policy import GuardConfig
 from gpuwatch.recording.source import ReplaySource
 from gpuwatch.runtime import session_status
 from gpuwatch.ui.app import make_app
@@ -42,7 +43,7 @@ def _fake_session(bus):
     w = SimpleNamespace(state="running", cfg=SimpleNamespace(preset="v2-lite", mode="train", gpu_index=None),
                         device_name="H200", unrecovered=None, manual=False, batch=8, precision="bf16", paused=False,
                         describe=lambda: {"preset": "v2-lite", "mode": "train", "gpu_index": None})
-    g = SimpleNamespace(cfg=SimpleNamespace(mode="on", rule="model"), actions=0, misses=0, unable=None, stopped={})
+    g = SimpleNamespace(cfg=GuardConfig(mode="on", rule="model"), actions=0, misses=0, unable=None, stopped={})
     return SimpleNamespace(workload=w, workloads=[w], guard=g, recorder=None, model_note="no risk model", bus=bus,
                            status=lambda: session_status("no risk model", g, None, [w]))
 

@@ -212,9 +212,11 @@ class Guard:
         Weighing costs ~2 ms of Python a step (the estimate over the window, the pace fits): most of the
         guard's cost where nothing is wrong. The step is still learned (its time and length)."""
         last = self._last_plan.get(gpu)
-        if last is None or last[0] is None or last[0].change:
+        if last is None:
             return None
         dec, tokens, at = last
+        if dec is None or dec.change:
+            return None
         cur = dec.current
         est = obs.features.get("next_peak_est_frac")
         if (obs.risk is None or obs.risk >= obs.threshold * self.cfg.clear_ratio
