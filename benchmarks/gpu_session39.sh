@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The next session's H200 calls (written in session 38; each part dry-run on the CPU with DRY=1 before it is spent):
+#   a: issue 28 - bench_guard's stress arms again with the fixed harness (each arm's workload collected before the
+#      next, the allocator reset between arms): ramp-train, leak, fragment x unguarded / planner / threshold rule;
+#      then the no-cap HF pairs, interleaved, after the planner's keep is reused far from the limit (is it >= 0.98x?)
+#   b: issue 29 - a blind set of a new seed with longer runs (SEED 2903, 5 scenarios in one wave, 200 s; the 2901 leaks did not
+#      reach their OOM in 90 s)
+#   c: issue 31 - the 1,000-session fit alone (400 s), printing its progress
+#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session39.sh a|b|c
+set -u
+R=${OUT:-/tmp/out}; mkdir -p "$R"
+T0=$SECONDS
+left() { echo $(( ${TOTAL:-540} - (SECONDS - T0) )); }
+if [ -z "${DRY:-}" ]; then
+  . benchmarks/device_env.sh
+  nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv,noheader > "$R/gpu.txt" 2>&1
+else
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+fi
+PY=${PYTHON:-python3}
+echo "tree $(cat REV 2>/dev/null || git rev-parse --short HEAD 2>/dev/null) part $1 $(date +%T)" | tee "$R/tree.txt"
+case "${1:?a, b or c}" in
+a)
+  if [ -z "${DRY:-}" ]; then
+    G="--model models/risk.joblib --scenarios ramp-train,leak,fragment --seconds ${GSECS:-20} --known-fit ramp-train=20,leak=1071,fragment=43"
+    PL="--arm-timeout 60 --nocap-steps 30"
+  else
+    G="--cpu --scenarios ramp-train --seconds 3"; PL="--dry-run --arm-timeout 120"
+  fi
+  echo "== bench_guard $(date +%T)"
+  # shellcheck disable=SC2086  # G is a list of arguments
+  timeout ${GT:-300} $PY benchmarks/bench_guard.py $G --arms none,gpuwatch,gpuwatch-thresholds --record /tmp/s39-guard \
+    --out "$R/guard_results.json" > "$R/guard.txt" 2> "$R/guard.err"
+  echo "rc=$? $(date +%T)"; tail -n 14 "$R/guard.txt"; grep -v "Warning\|setter" "$R/guard.err" | tail -n 3
+  tar czf "$R/guard-sessions.tgz" -C /tmp s39-guard 2>/dev/null; rm -rf /tmp/s39-guard
+  t=$(( $(left) - 10 ))
+  echo "== no-cap pairs, ${t} s $(date +%T)"
+  # shellcheck disable=SC2086
+  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner" --work /tmp/gw-s39 $PL \
+    --arms "${PARMS:-unguarded-nocap,planner-nocap,planner-nocap#2,unguarded-nocap#2,unguarded-nocap#3,planner-nocap#3}" \
+    > "$R/planner.jsonl" 2> "$R/planner.err"
+  echo "rc=$? $(date +%T)"; cut -c1-300 "$R/planner.jsonl"; tail -n 3 "$R/planner.err"
+  rm -rf /tmp/gw-s39 "$R/planner"  # keep $OUT to a few files: a call returns only so many
+  ;;
+b)
+  if [ -z "${DRY:-}" ]; then
+    OUT="$R" HELDOUT_DEADLINE_S=${HD:-420} timeout $(( ${HD:-420} + 25 )) bash benchmarks/gpu_heldout.sh ${SEED:-2903} ${N:-5} ${SECS:-200} 2>&1 | tail -n 12
+  else
+    OUT="$R" HELDOUT_DRY=1 HELDOUT_DEADLINE_S=60 PYTHON=$PY bash benchmarks/gpu_heldout.sh ${SEED:-2903} ${N:-5} 8 2>&1 | tail -n 8
+  fi
+  ;;
+c)
+  if [ -z "${DRY:-}" ]; then TR="--copies 20 --jobs 16 --no-eval"; else TR="--copies 1 --jobs 2 --no-eval"; fi
+  echo "== train, 1,000 sessions $(date +%T)"
+  # shellcheck disable=SC2086
+  timeout ${TT:-400} $PY benchmarks/bench_train.py $TR > "$R/train_1000.json" 2> "$R/train_1000.err"
+  echo "rc=$? $(date +%T)"; cut -c1-600 "$R/train_1000.json"; tail -n 20 "$R/train_1000.err"
+  ;;
+esac
+echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
