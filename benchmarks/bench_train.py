@@ -49,7 +49,11 @@ def run(argv: list[str], poll_s: float = 0.2) -> dict:
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the output to a file, not a pipe: nothing reads a pipe until the run ends, and `train` prints a line per
+    # session - past the pipe's 64 KiB (~700 sessions) the child blocked on its write (session 38's 1,000-session
+    # run on the H200 host "did not finish" in 170 s)
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     main = psutil.Process(p.pid)
     peak = peak_main = 0
     while p.poll() is None:
@@ -66,7 +70,9 @@ def run(argv: list[str], poll_s: float = 0.2) -> dict:
         except psutil.Error:
             pass
         time.sleep(poll_s)
-    out = p.stdout.read()
+    log.seek(0)
+    out = log.read()
+    log.close()
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the tree's: every process waited for rolls up
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
