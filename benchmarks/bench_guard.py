@@ -35,9 +35,11 @@ from gpuwatch.workload.factory import WorkloadSpec  # noqa: E402
 
 GiB = 2**30
 CPU_SOURCE = Path(__file__).resolve().parents[1] / "recordings" / "sample-h200-ramp-train"  # real telemetry for --cpu
-ARMS = {"none": ("off", "model"), "accelerate": ("on", "accelerate"), "composer": ("on", "composer"),
-        "fixed": ("on", "fixed"), "gpuwatch": ("on", "model"),
-        "gpuwatch-thresholds": ("on", "model", False)}  # the planner off: the risk threshold and its timer only
+ARMS = {name: GuardConfig(mode=mode, rule=rule, plan=plan) for name, (mode, rule, plan) in {
+    "none": ("off", "model", True), "accelerate": ("on", "accelerate", True), "composer": ("on", "composer", True),
+    "fixed": ("on", "fixed", True), "gpuwatch": ("on", "model", True),
+    "gpuwatch-thresholds": ("on", "model", False),  # the planner off: the risk threshold and its timer only
+}.items()}
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,10 @@ def largest_fit(scn: Scenario, model_box: dict, cpu_limit: int | None, steps: in
 
 
 def _free(w) -> None:
+    """What the workload holds beyond its model; its memory goes with `_free_cache()` once the caller's frame
+    (the workload, in reference cycles with its Session) is gone."""
     w.release_fault_memory()
     w.optimizer = None
-    _free_cache()
 
 
 def _free_cache() -> None:
@@ -144,9 +147,8 @@ def _free_cache() -> None:
 
 def run_arm(scn: Scenario, arm: str, seconds: float, model_box: dict, cpu_limit: int | None,
             model_path: Path | None, record: Path | None) -> dict:
-    mode, rule, *plan = ARMS[arm]
     cfg = SessionConfig(record_dir=record, name=f"guard-{scn.name}-{arm}", workload=scn.spec,
-                        guard=GuardConfig(mode=mode, rule=rule, plan=bool(plan[0]) if plan else True), model=ModelChoice(model_path, True, False),
+                        guard=ARMS[arm], model=ModelChoice(model_path, True, False),
                         source=str(CPU_SOURCE) if cpu_limit else None)
     t0 = time.monotonic()
     with Session(cfg, workload_factory=_factory(model_box, cpu_limit)) as s:

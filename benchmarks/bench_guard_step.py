@@ -20,24 +20,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # gpuwatch, and the guard's stub workload in tests/support
 
-from gpuwatch.contract import Action, Config, StepPlan, WorkloadView  # noqa: E402
+from gpuwatch.contract import Config, StepPlan, WorkloadView  # noqa: E402
 from gpuwatch.control import guard as G  # noqa: E402
 from gpuwatch.control.policy import GuardConfig  # noqa: E402
 from gpuwatch.predict.plans import estimate as plans_estimate  # noqa: E402
 from gpuwatch.recording.source import ReplaySource  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
+from support.guard_stub import StubWorkload  # noqa: E402
 
 
-class Workload:
+class Workload(StubWorkload):
     """A workload as the guard sees it: the window's last step shape, planned again every step."""
 
-    gpu_index = 0
-
     def __init__(self, batch: int, seq: int, precision: str, step_s: float):
+        super().__init__()
         self.batch, self.seq, self.precision, self.step_s, self.steps = batch, seq, precision, step_s, 0
-        self.applied: list[Action] = []
 
     def next_plan(self) -> StepPlan:
         return StepPlan(batch=self.batch, seq_len=self.seq, precision=self.precision, mode="train", micro_batches=1,
@@ -48,15 +47,6 @@ class Workload:
                             checkpointing=False, restart_cost_s=None, last_step_time_s=self.step_s,
                             last_tokens=self.batch * self.seq, last_seq_len=self.seq, steps=self.steps,
                             last_checkpointing=False, largest=None)
-
-    def accepts(self):
-        return frozenset({"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "plan", "checkpointing"})
-
-    def apply(self, action, who="guard"):
-        self.applied.append(action)
-
-    def request_snapshot(self, d, r):
-        pass
 
 
 def arm(src: ReplaySource, gpu: int, at_us: int, every: int, steps: int) -> tuple[float, int]:

@@ -15,18 +15,7 @@
 #   run (repo root, carry .dev):  bash benchmarks/gpu_session38.sh a|b|c
 #   CPU dry run of a part's code paths (no GPU): DRY=1 bash benchmarks/gpu_session38.sh a|b|c
 set -u
-R=${OUT:-/tmp/out}; mkdir -p "$R"
-T0=$SECONDS
-left() { echo $(( ${TOTAL:-540} - (SECONDS - T0) )); }
-if [ -z "${DRY:-}" ]; then
-  . benchmarks/device_env.sh
-  nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv,noheader > "$R/gpu.txt" 2>&1
-  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > "$R/versions.txt" 2>&1
-else
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-fi
-PY=${PYTHON:-python3}
-echo "tree $(cat REV 2>/dev/null || git rev-parse --short HEAD 2>/dev/null) part $1 $(date +%T)" | tee "$R/tree.txt"
+. benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
 case "${1:?a, b, c or d}" in
 d)
   if [ -z "${DRY:-}" ]; then

@@ -8,17 +8,7 @@
 #   c: issue 31 - the 1,000-session fit alone (400 s), printing its progress
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session39.sh a|b|c
 set -u
-R=${OUT:-/tmp/out}; mkdir -p "$R"
-T0=$SECONDS
-left() { echo $(( ${TOTAL:-540} - (SECONDS - T0) )); }
-if [ -z "${DRY:-}" ]; then
-  . benchmarks/device_env.sh
-  nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv,noheader > "$R/gpu.txt" 2>&1
-else
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-fi
-PY=${PYTHON:-python3}
-echo "tree $(cat REV 2>/dev/null || git rev-parse --short HEAD 2>/dev/null) part $1 $(date +%T)" | tee "$R/tree.txt"
+. benchmarks/session_env.sh "${1:?the part: a, b or c}"
 case "${1:?a, b or c}" in
 a)
   if [ -z "${DRY:-}" ]; then

@@ -13,6 +13,7 @@ from gpuwatch.control.guard import Guard
 from gpuwatch.control.planner import Estimate, Planner
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.telemetry.bus import Bus
+from support.guard_stub import StubWorkload
 
 
 def memory_model(weights=0.3, per_token=1e-5, ckpt_ratio=0.5, sigma=0.01):
@@ -121,11 +122,9 @@ def test_a_plan_is_the_elementary_changes_in_order():
         ("lower_ceiling", 4)
 
 
-class FakeWorkload:
-    gpu_index = 0
-
+class FakeWorkload(StubWorkload):
     def __init__(self):
-        self.applied: list[Action] = []
+        super().__init__()
         self.v = view(6, 16, 1000, restart=30.0)  # a Trainer: a smaller per-device batch restarts it
 
     def next_plan(self):
@@ -133,15 +132,6 @@ class FakeWorkload:
 
     def guard_view(self):
         return self.v
-
-    def accepts(self):
-        return frozenset({"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "plan", "checkpointing"})
-
-    def apply(self, action, who="guard"):
-        self.applied.append(action)
-
-    def request_snapshot(self, d, r):
-        pass
 
 
 def test_the_guard_acts_on_the_plan_and_says_what_it_weighed():

@@ -209,11 +209,17 @@ def _private_reads(tree: ast.AST):
             yield node.lineno, f"{node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
 
 
-def test_no_private_member_is_reached_across_objects():
+def _private_reads_in(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """"module: expression" -> where, for every private member another object's code reaches in `mods`."""
     found: dict[str, list[str]] = {}
-    for m, p in _modules().items():
+    for m, p in mods.items():
         for line, expr in _private_reads(ast.parse(p.read_text(), str(p))):
             found.setdefault(f"{m}: {expr}", []).append(f"{p.relative_to(ROOT)}:{line}")
+    return found
+
+
+def test_no_private_member_is_reached_across_objects():
+    found = _private_reads_in(_modules())
     bad = [f"{where[0]}: {key.split(': ', 1)[1]}" for key, where in found.items() if key not in FOREIGN_PRIVATE_ALLOWED]
     assert not bad, ("private members of other objects (make it a public method or a protocol member):\n"
                      + "\n".join(bad))
@@ -292,10 +298,7 @@ BENCH_PRIVATE_READS_KNOWN = {
 
 
 def test_benchmarks_reach_no_private_member_of_gpuwatch_objects():
-    found: dict[str, list[str]] = {}
-    for m, p in _bench_modules().items():
-        for line, expr in _private_reads(ast.parse(p.read_text(), str(p))):
-            found.setdefault(f"{m}: {expr}", []).append(f"{p.relative_to(ROOT)}:{line}")
+    found = _private_reads_in(_bench_modules())
     bad = [f"{where[0]}: {key.split(': ', 1)[1]}" for key, where in found.items() if key not in BENCH_PRIVATE_READS_KNOWN]
     assert not bad, "benchmarks reading private members (make it a public method):\n" + "\n".join(bad)
     stale = BENCH_PRIVATE_READS_KNOWN - set(found)
