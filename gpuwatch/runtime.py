@@ -32,7 +32,7 @@ from gpuwatch.telemetry.bus import Bus, Event
 from gpuwatch.telemetry.host import HostSampler
 from gpuwatch.telemetry.sampler import Sampler
 from gpuwatch.units import fmt_bytes
-from gpuwatch.waiting import wait_until
+from gpuwatch.waiting import signals_deferred, wait_until
 from gpuwatch.workload.factory import WorkloadSpec
 
 if TYPE_CHECKING:  # built lazily (each import costs time, or pulls in scikit-learn)
@@ -317,7 +317,9 @@ class Session:
             w.start()
 
     def stop(self) -> None:
-        """Idempotent, and safe on a half-built session: stops what exists, in dependency order."""
+        """Idempotent, and safe on a half-built session: stops what exists, in dependency order. A signal
+        that comes while the recording closes waits until it is closed (`waiting.signals_deferred`); one that
+        comes before (a workload slow to stop) acts at once."""
         if self._stopped:
             return
         self._stopped = True
@@ -332,7 +334,8 @@ class Session:
         if self._started:
             self.bus.emit("session_end", "session stopped")
         if self.recorder and self._started:
-            self.recorder.stop()
+            with signals_deferred():
+                self.recorder.stop()
         if self.exporter and self._started:
             self.exporter.stop()
         if self.gpu is not None:

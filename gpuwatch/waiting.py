@@ -7,7 +7,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 SIGNAL_EXIT = {s.name: 128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # 130, 143, 129
 
@@ -58,3 +59,24 @@ def wait_until(deadline: float | None, done=None, poll_s: float = 0.5, on_tick: 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP held back for the block (closing a recording must not be cut short: torchrun
+    sends SIGTERM to rank 0 the moment another rank fails, and in CI that once landed in the compaction),
+    then handed, once the handlers before the block are back, to whichever handled them - so what a signal
+    does is unchanged, only later. Only the main thread can install handlers; elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _f: got.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for signum in dict.fromkeys(got):  # each one once, in the order they came
+            signal.raise_signal(signum)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from gpuwatch import __version__
@@ -16,6 +17,7 @@ from gpuwatch.cli.configs import resumed_args, session_config, workload_spec
 from gpuwatch.cli.output import status
 from gpuwatch.errors import UsageError
 from gpuwatch.extras import require
+from gpuwatch.waiting import signals_deferred
 
 __all__ = ["HANDLERS", "cmd_backfill", "cmd_compact", "cmd_eval", "cmd_info", "cmd_record", "cmd_report", "cmd_score",
            "cmd_stress", "cmd_train", "cmd_tui", "handler"]
@@ -102,23 +104,27 @@ def cmd_stress(args) -> int:
     every = args.progress if args.progress is not None else (10.0 if sys.stdout.isatty() else 60.0)
     run = ci.RunInfo(fail_on=fail_on, summary_json=args.summary_json, junit=args.junit, duration_s=args.duration,
                      previous_unrecovered=point.unrecovered if point else [], resumed=point is not None)
-    with Session(cfg, on_status=status if args.prometheus else None, workload_factory=factory) as s:
-        status(f"{s.gpu_note}; {s.model_note}")
-        run.offset_s = s.resumed_after_s
-        if point is not None:
-            status(f"resuming {point.dir} ({point.previous_close}) after {hms(point.elapsed_s)} of run time, "
-                   f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
-        elif s.recorder:
-            status(f"recording to {s.recorder.dir}")
-        left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
-        s.ends_in(left)
-        progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
-        t0 = time.monotonic()
-        why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))
-        run.ran_s = time.monotonic() - t0
-    if dist is not None:
-        dist.shutdown(ctx)
-    return ci.finish(s, why, run)
+    with ExitStack() as ending:
+        with Session(cfg, on_status=status if args.prometheus else None, workload_factory=factory) as s:
+            status(f"{s.gpu_note}; {s.model_note}")
+            run.offset_s = s.resumed_after_s
+            if point is not None:
+                status(f"resuming {point.dir} ({point.previous_close}) after {hms(point.elapsed_s)} of run time, "
+                       f"at step {', '.join(str(w.export_state()['step']) for w in s.workloads)}")
+            elif s.recorder:
+                status(f"recording to {s.recorder.dir}")
+            left = None if args.duration is None else max(0.0, args.duration - run.offset_s)
+            s.ends_in(left)
+            progress = ci.Progress(s, args.duration, run.offset_s) if every > 0 else None
+            t0 = time.monotonic()
+            why = s.wait(left, until_done=True, on_tick=progress, tick_s=every, on_hup=lambda: ci.detach(s))
+            run.ran_s = time.monotonic() - t0
+            if dist is not None:  # rank 0 of a job: torchrun sends SIGTERM the moment another rank fails; it
+                # waits until the recording is closed and the summary printed (torchrun's later SIGKILL does not)
+                ending.enter_context(signals_deferred())
+        if dist is not None:
+            dist.shutdown(ctx)
+        return ci.finish(s, why, run)
 
 
 def cmd_train(args) -> int:
