@@ -5,7 +5,8 @@
 #      then the no-cap HF pairs, interleaved, after the planner's keep is reused far from the limit (is it >= 0.98x?)
 #   b: issue 29 - a blind set of a new seed with longer runs (SEED 2903, 5 scenarios in one wave, 200 s; the 2901 leaks did not
 #      reach their OOM in 90 s)
-#   c: issue 31 - the 1,000-session fit alone (400 s), printing its progress
+#   c: issue 31 - the 1,000-session fit (400 s at most), printing its progress; then issue 30's compile numerics
+#      against the fp32 truth with what is left of TOTAL
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session39.sh a|b|c
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, b or c}"
@@ -45,6 +46,12 @@ c)
   # shellcheck disable=SC2086
   timeout ${TT:-400} $PY benchmarks/bench_train.py $TR > "$R/train_1000.json" 2> "$R/train_1000.err"
   echo "rc=$? $(date +%T)"; cut -c1-600 "$R/train_1000.json"; tail -n 20 "$R/train_1000.err"
+  # issue 30: the compile switches against the fp32 truth (the routing-blind check failed compile=layer in s38)
+  t=$(( $(left) - 10 )); K="compile"; [ -n "${DRY:-}" ] && K="fp32_check"
+  echo "== compile numerics, ${t} s $(date +%T)"
+  timeout "$t" $PY -m pytest -q -p no:cacheprovider tests/test_workload_tuning.py -k "$K" -rA \
+    > "$R/compile_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|assert" "$R/compile_tests.txt" | tail -n 12
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
