@@ -98,6 +98,10 @@ class Config:
     micro_batch: int
     checkpointing: bool = False
     precision: Precision = "fp32"
+    # train steps the effective batch is accumulated over at this micro-batch (1: no accumulation - also
+    # every inference step, where a smaller micro-batch is a smaller batch); what the estimate adds the
+    # gradients held across micro-batches for
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)

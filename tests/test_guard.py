@@ -107,6 +107,20 @@ def test_every_schedule_honours_the_ceiling(kind):
     assert seen and max(seen) <= 5, (kind, seen[:20])
 
 
+def test_a_ramp_over_a_micro_batch_ceiling_keeps_its_batch_for_accumulation():
+    """H200 (bench_guard ramp-train, the planner): the ramp at 20 under a ceiling of 10 ran 2 x 10 - the effective
+    batch kept - until its next level cut the ramp itself to the ceiling and the effective batch fell to 10. Now
+    the ramp stays at 20 (the steps still run at most the ceiling) and climbs on once the ceiling is lifted."""
+    s = Schedule("ramp", batch=80, seq_len=64, per_level=1)  # starts at 20
+    s.set_ceiling(10)
+    for _ in range(5):
+        assert s.wanted()[0] == 20 and s.plan()[0] == 10
+        s.done()
+    s.set_ceiling(None)
+    s.done()
+    assert s.wanted()[0] == 25
+
+
 def test_refusal_after_the_ramp_stepped_holds_the_last_batch_that_ran():
     """Found on the H200 (call 7): the ramp had already moved to 20 when the guard refused it; the hold
     set the ceiling to 20 (overriding the guard's 16) and the step ran out of memory."""

@@ -84,7 +84,7 @@ def test_when_the_step_will_not_fit_checkpointing_keeps_the_batch_where_a_restar
     p2 = Planner()
     feed(p2, [1000] * 5, micro=16)
     d2 = p2.decide(plan(16, 1000), view(5, 16, 1000, restart=30.0, can_ckpt=False), est, risk=0.9, threshold=0.5)
-    assert d2.chosen.config == Config(8, False, "bf16")
+    assert d2.chosen.config == Config(8, False, "bf16", 2)  # 2 micro-batches of 8: the effective 16
 
 
 def test_measured_step_times_decide_between_remedies():
@@ -94,7 +94,7 @@ def test_measured_step_times_decide_between_remedies():
     feed(p, [1000] * 3, micro=16, ckpt=True, step_s=lambda m, s: 2 * (0.2 + 1e-4 * m * s), start=6)
     est = memory_model(per_token=5e-5)
     d = p.decide(plan(16, 1000), view(9, 16, 1000), est, risk=0.9, threshold=0.5)
-    assert d.chosen.config == Config(8, False, "bf16"), d.why
+    assert d.chosen.config == Config(8, False, "bf16", 2), d.why
 
 
 def test_a_lower_precision_only_when_nothing_fits_at_this_one():
@@ -227,6 +227,64 @@ def test_the_estimator_reads_a_real_session_and_checkpointing_lowers_only_the_ac
     base = float(last["torch_allocated_bytes"]) / usable
     assert on[0] < off[0] and on[1] > off[1]
     assert on[0] - base == pytest.approx(CKPT_ACT_PRIOR * (off[0] - base), rel=0.05, abs=0.01)
+
+
+GUARDED_RAMP = "guard-h200-2026-12-06/ramp-train-gpuwatch"  # v2-lite train ramp under 100 GiB, the planner on
+
+
+def _ramp_window(after_step: int):
+    """The guarded H200 ramp's window just after `after_step` ran (steps 0-5: 16 x 512 whole; 6-11: 20 as 2
+    micro-batches of 10; 12-18: 10 whole; 19-23: 10 with checkpointing), and its steps table."""
+    import polars as pl
+    from conftest import RECORDINGS
+
+    from gpuwatch.recording.frames import epoch_us
+    from gpuwatch.recording.source import ReplaySource
+
+    src = ReplaySource(RECORDINGS / GUARDED_RAMP)
+    steps = pl.read_parquet(RECORDINGS / GUARDED_RAMP / "steps.parquet")
+    return src.window_at(src.gpus[0].index, int(epoch_us(steps["ts"])[after_step]) + 50_000), steps
+
+
+def test_accumulation_holds_the_gradients_and_the_estimate_says_so():
+    """H200 (bench_guard, ramp-train, the planner): 10 x 512 whole peaked at 68.2 GB, as 2 micro-batches of 10 at
+    99.6 GB - the bf16 gradients of the first micro-batch (31.4 GB) held while the second runs. The planner had
+    taken 2 x 10 for 87 % of the usable limit (it ran at 96 %), and once both had run the same shape's
+    activations spread so wide (sigma 22 %) that nothing fit and it switched checkpointing on. Now: the held
+    bytes are learned from the steps that accumulated, and before any did, the prior (all allocated between
+    steps) is no smaller than what they turned out to be."""
+    from gpuwatch.predict.features import limits
+    from gpuwatch.predict.peak import usable_limit
+    from gpuwatch.predict.plans import estimate
+
+    w, steps = _ramp_window(18)
+    usable = usable_limit(limits(w).alloc_limit)
+    whole, split = (float(steps["torch_peak_bytes"][i]) / usable for i in (12, 6))
+    (m1, s1), (m2, s2) = estimate(w, [(Config(10, False, "bf16", 1), 512), (Config(10, False, "bf16", 2), 512)])
+    assert m1 == pytest.approx(whole, abs=0.01) and s1 < 0.02
+    assert m2 == pytest.approx(split, abs=0.02) and s2 < 0.03
+    w5, _ = _ramp_window(5)  # only 16 x 512 whole has run: the held bytes are the prior
+    (p2, _s), (p1, _s1) = estimate(w5, [(Config(10, False, "bf16", 2), 512), (Config(10, False, "bf16", 1), 512)])
+    assert p2 >= split - 0.01 and p1 < p2 - 0.2
+
+
+def test_the_planner_does_not_split_into_the_gradients_it_cannot_hold():
+    """The same moment as the H200 plan (after step 5, batch 20 next): 2 x 10 is not taken for fitting (it ran
+    at 96 % of the usable limit, where the planner had said 87 %); what is chosen keeps the effective batch of
+    20 at a far smaller peak."""
+    from gpuwatch.predict.plans import estimate
+
+    w, steps = _ramp_window(5)
+    p = Planner()
+    plan = StepPlan(batch=20, seq_len=512, precision="bf16", mode="train", effective_batch=20, wanted_batch=20)
+    v = WorkloadView(gpu=0, ceiling=None, last_ok_batch=16, checkpointing=False, steps=6, last_step_time_s=0.51,
+                     last_tokens=16 * 512, last_seq_len=512, device="cuda")
+    dec = p.decide(plan, v, lambda asks: [None if e is None else Estimate(*e) for e in estimate(w, asks)])
+    assert dec is not None
+    two_by_ten = next(x for x in dec.weighed if x.config == Config(10, False, "bf16", 2))
+    assert not two_by_ten.fits
+    c = dec.chosen  # (the checkpointing prior's spread keeps anything from "fitting" before it ran: the smallest)
+    assert c.config.micro_batch * c.config.micro_batches >= 20 and c.peak.mean < two_by_ten.peak.mean - 0.1
 
 
 # -- activation checkpointing in the loop, on the CPU -------------------------------------------------------

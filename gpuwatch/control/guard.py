@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.contract import NONE, Action, Config, GuardedWorkload, GuardMode, StepPlan, WorkloadView
+from gpuwatch.contract import NONE, Action, GuardedWorkload, GuardMode, StepPlan, WorkloadView
 from gpuwatch.control.planner import Decision, Estimate, Planner
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.ahead import RISK_NEXT
@@ -220,7 +220,7 @@ class Guard:
         cur = dec.current
         est = obs.features.get("next_peak_est_frac")
         if (obs.risk is None or obs.risk >= obs.threshold * self.cfg.clear_ratio
-                or cur.config != Config(plan.batch, bool(plan.checkpointing), plan.precision)
+                or cur.config != Planner.current_config(plan)
                 or cur.peak is None or cur.peak.mean + cur.peak.sigma >= PLAN_FAR
                 or est is None or est != est or est >= PLAN_FAR
                 or plan.tokens > PLAN_GROWTH * tokens or view.steps - at >= PLAN_EVERY):

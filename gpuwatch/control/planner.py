@@ -180,14 +180,26 @@ class Planner:
         if cur not in sizes:
             sizes.append(cur)
         ckpts = [False, True] if view.checkpointing is not None and plan.mode == "train" else [bool(plan.checkpointing)]
-        return [Config(m, c, p) for p in precisions for c in ckpts for m in sizes]
+        return [self.config_of(plan, m, c, p) for p in precisions for c in ckpts for m in sizes]
+
+    @staticmethod
+    def config_of(plan: StepPlan, micro_batch: int, checkpointing: bool, precision: Precision) -> Config:
+        """The configuration of `micro_batch` under the plan's effective batch: a train step accumulates
+        over ceil(batch / micro-batch) micro-batches, an inference step does not."""
+        n = int(plan.wanted_batch or plan.effective_batch or plan.batch)
+        k = max(1, math.ceil(n / max(1, micro_batch))) if plan.mode == "train" else 1
+        return Config(micro_batch, checkpointing, precision, k)
+
+    @classmethod
+    def current_config(cls, plan: StepPlan) -> Config:
+        return cls.config_of(plan, plan.batch, bool(plan.checkpointing), plan.precision)
 
     def decide(self, plan: StepPlan, view: WorkloadView, estimate: EstimateFn, risk: float | None = None,
                threshold: float = 1.0, clear_ratio: float = 0.5) -> Decision | None:
         """The configuration for the coming steps, or None where the estimator has nothing to say."""
         self.observe(view, plan.precision)
         cfg = self.cfg
-        current = Config(plan.batch, bool(plan.checkpointing), plan.precision)
+        current = self.current_config(plan)
         n = int(plan.wanted_batch or plan.effective_batch or plan.batch)
         alarm = risk is not None and risk >= threshold
         near = 2.0

@@ -21,6 +21,15 @@ allocated after it. So, from the steps in the window:
   lies between shapes seen (a tenth of their difference) or beyond them (a quarter of the step from
   the largest).
 
+- accumulation (the planner's estimate, `fit_steps(held=True)`): a train step split into micro-batches holds
+  the gradients of the first micro-batches while the later ones run - their peak is the micro-batch's
+  activations plus those held bytes, which a step of one micro-batch never carries whole (H200, v2-lite
+  train under a 100 GiB cap: 10 x 512 alone peaked at 68.2 GB, as 2 x 10 at 99.6 GB; the held 31.4 GB are
+  its bf16 gradients). The held bytes are learned from the steps that accumulated (their activations less
+  what the steps of one micro-batch give at the same shape, interpolated), and before any did, taken as
+  everything allocated between steps (weights + optimizer state + gradients: never less than the
+  gradients, exact where the optimizer keeps no state). Accumulating steps' activations are counted
+  without them, so a shape run both ways is one shape, not a spread of twice its size;
 - a shape that ran out of memory earlier in the session (the OOM event's batch, sequence length,
   precision and what was allocated before it) is a censored observation: its peak exceeded the limit.
   A plan at least that large in every dimension, with at least as much allocated now, is forecast at
@@ -66,6 +75,7 @@ FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a m
 # first step, the shape library's weights / the usable limit (predict/prior.py), what the guard sizes that step with
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
+HELD_SIGMA_MEASURED, HELD_SIGMA_PRIOR = 0.05, 0.15  # of the held bytes: their spread, learned / the prior
 
 
 @dataclass(frozen=True)
@@ -130,17 +140,31 @@ class StepFit:
     peak: np.ndarray
     pace_s: float | None  # median of the last 5 step times
     steps_seen: int
+    held: float = float("nan")  # bytes an accumulating step holds over its micro-batch (its gradients), learned
+    # from the steps that accumulated; NaN: none did (or the fit was not asked to separate them)
+
+    def held_bytes(self) -> tuple[float, float]:
+        """(bytes an accumulating step holds besides its micro-batch's activations, their spread): learned, or
+        the prior - everything allocated between steps, no less than the gradients."""
+        if math.isfinite(self.held):
+            return self.held, HELD_SIGMA_MEASURED * self.held
+        h = max(0.0, self.alloc_now) if math.isfinite(self.alloc_now) else 0.0
+        return h, HELD_SIGMA_PRIOR * h
 
     def at(self, plan_batch: float, plan_seq: float, limit: float, horizon_s: float = 5.0,
-           failed: list[Failed] | None = None, reserved: float | None = None) -> Forecast | None:
+           failed: list[Failed] | None = None, reserved: float | None = None,
+           micro_batches: int = 1) -> Forecast | None:
+        """The forecast for a step of `plan_batch` x `plan_seq` per micro-batch; `micro_batches` > 1: a train
+        step that accumulates, holding its gradients over the micro-batches (`held_bytes`)."""
         if not (limit > 0) or not (plan_batch and plan_seq):
             return None
         Tp, Sp = float(plan_batch) * float(plan_seq), float(plan_seq)
         a_hat, resid_scale, extrap = activation_at(self.uk, self.med, self.ut, self.resid, Tp, Sp)
         a_hat = max(a_hat, 0.0)
         growth = self.growth
-        mean = self.alloc_now + a_hat + max(0.0, growth)
-        sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2)
+        h, h_sigma = self.held_bytes() if micro_batches > 1 else (0.0, 0.0)
+        mean = self.alloc_now + a_hat + h + max(0.0, growth)
+        sigma = math.sqrt(max(resid_scale, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + h_sigma ** 2)
         p_next = ncdf_upper((limit - mean) / sigma)
         k = max(1, int(math.ceil(horizon_s / self.pace_s))) if self.pace_s else 1
         mean_h = mean + max(0.0, growth) * (k - 1)
@@ -154,8 +178,11 @@ class StepFit:
 
 
 def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
-              peak: np.ndarray, step_s: np.ndarray, plan_prec: str | None) -> StepFit | None:
-    """The plan-free part of `forecast` (None where no step has torch figures)."""
+              peak: np.ndarray, step_s: np.ndarray, plan_prec: str | None, held: bool = False) -> StepFit | None:
+    """The plan-free part of `forecast` (None where no step has torch figures). `held`: the steps that
+    accumulated (micro-batches > 1) are told apart - what they hold over the micro-batch is learned
+    (`StepFit.held`) and taken off their activations (the planner's estimate; the risk model's features keep
+    the fit they were trained with)."""
     if batch.size == 0:
         return None
     mb = np.where(np.isfinite(micro) & (micro >= 1), micro, 1.0)
@@ -178,8 +205,30 @@ def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list,
     T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
     al = alloc[np.isfinite(alloc)]
     st = step_s[np.isfinite(step_s) & (step_s > 0)]
+    h = float("nan")
+    if held:
+        acc = mb[ok] > 1
+        h = _held(T, S, act_n, acc, float(al[-1]))
+        if math.isfinite(h):
+            act_n = np.where(acc, np.maximum(act_n - h, 0.0), act_n)
     return StepFit(*shapes(T, S, act_n), float(al[-1]), _growth(al), target_bytes, peak,
-                   median(st[-5:]) if st.size else None, int(ok.sum()))
+                   median(st[-5:]) if st.size else None, int(ok.sum()), h)
+
+
+def _held(T: np.ndarray, S: np.ndarray, act: np.ndarray, acc: np.ndarray, alloc_now: float) -> float:
+    """What the accumulating steps hold besides their micro-batch's activations: the median, over those
+    steps, of their activations less the activations the steps of one micro-batch give at their shape
+    (interpolated between shapes, as `activation_at`; below the smallest, in proportion to tokens - the
+    risk's "a smaller step needs no more" would make the held bytes too small), within [0, alloc_now]. NaN
+    where no step accumulated or none ran whole to compare with."""
+    if not acc.any() or acc.all():
+        return float("nan")
+    uk, med, ut, resid = shapes(T[~acc], S[~acc], act[~acc])
+
+    def whole(t: float, s: float) -> float:
+        return float(med[0] * t / ut[0]) if t < ut[0] else activation_at(uk, med, ut, resid, t, s)[0]
+    d = np.array([a - whole(t, s) for t, s, a in zip(T[acc].tolist(), S[acc].tolist(), act[acc].tolist())])
+    return float(min(max(median(d), 0.0), max(alloc_now, 0.0)))
 
 
 def _outgrows_segments(mean: float, peak: np.ndarray, reserved: float | None, limit: float) -> bool:

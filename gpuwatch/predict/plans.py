@@ -9,13 +9,17 @@ that failed in the session), made once per (checkpointing, precision) and asked 
   measured ratio where both groups ran at a shape (clamped to [0.05, 1]), else x CKPT_ACT_PRIOR (on from
   off; its inverse the other way) with a spread of CKPT_SIGMA_PRIOR of the activations added - the prior
   is wide on purpose, and the first step with checkpointing replaces it;
-- precision: activations scale by bytes per element, as in the risk's estimate (peak.py).
+- precision: activations scale by bytes per element, as in the risk's estimate (peak.py);
+- accumulation (`Config.micro_batches` > 1, train): the gradients held over the micro-batches are added
+  (`StepFit.held_bytes`: learned from the steps that accumulated - in either checkpointing group, since
+  the gradients are the same - else the prior of everything allocated between steps).
 Pure numpy over the window; no model.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -60,22 +64,33 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
         if key not in fits:
             m = ck == on
             fits[key] = (fit_steps(batch[m], seq[m], micro[m], [x for x, k in zip(prec, m) if k], alloc[m], peak[m],
-                                   times[m], p) if m.any() else None)
+                                   times[m], p, held=True) if m.any() else None)
         return fits[key]
+
+    def held(f: StepFit, on: bool, p: str) -> StepFit:
+        """`f` (the group with checkpointing `on`) with the held bytes the other group learned, where its own
+        steps never accumulated: the gradients do not depend on checkpointing."""
+        if math.isfinite(f.held):
+            return f
+        o = fit(not on, p)
+        return replace(f, held=o.held) if o is not None and math.isfinite(o.held) else f
 
     out: list[tuple[float, float] | None] = []
     for c, s in asks:
+        k = max(1, int(c.micro_batches))
         own = fit(c.checkpointing, c.precision)
         if own is not None:
-            fc = own.at(c.micro_batch, s, usable, failed=failed if not c.checkpointing else None)
+            fc = held(own, c.checkpointing, c.precision).at(
+                c.micro_batch, s, usable, failed=failed if not c.checkpointing else None, micro_batches=k)
             out.append(None if fc is None else (fc.mean / usable, fc.sigma / usable))
             continue
         other = fit(not c.checkpointing, c.precision)
-        fc = other.at(c.micro_batch, s, usable) if other is not None else None
+        fc = other.at(c.micro_batch, s, usable, micro_batches=k) if other is not None else None
         if other is None or fc is None:
             out.append(None)
             continue
-        act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth))
+        kept = other.held_bytes()[0] if k > 1 else 0.0  # the gradients: checkpointing leaves them as they are
+        act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth) - kept)
         ratio = CKPT_ACT_PRIOR if c.checkpointing else 1.0 / CKPT_ACT_PRIOR
         mean = fc.mean - act + act * ratio
         sigma = math.hypot(fc.sigma, CKPT_SIGMA_PRIOR * act * max(1.0, ratio))

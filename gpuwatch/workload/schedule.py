@@ -92,6 +92,10 @@ class Schedule:
         if self.kind == "sweep":
             self._level += 1
             self.finished = self._level >= len(self.levels)
+        elif self.ceiling is not None and self.batch >= self.ceiling:
+            pass  # a ramp at or over the ceiling stays where it is: a train step keeps it as its effective batch in
+            # micro-batches of the ceiling (H200: the planner's 20 as 2 x 10 fell to 10 at the next level when the
+            # ramp was cut to the ceiling), and it climbs again from there once the ceiling is lifted
         else:
             nxt = max(self.batch + 1, int(self.batch * 1.25))
             nxt = min(nxt, self.max_batch) if self.max_batch else nxt
