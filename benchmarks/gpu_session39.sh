@@ -7,10 +7,11 @@
 #      reach their OOM in 90 s)
 #   c: issue 31 - the 1,000-session fit (400 s at most), printing its progress; then issue 30's compile numerics
 #      against the fp32 truth with what is left of TOTAL
+#   d: issue 28 after the held-gradients fix (55b50db): ramp-train, the planner against the threshold rule
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session39.sh a|b|c
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, b or c}"
-case "${1:?a, b or c}" in
+. benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
+case "${1:?a, b, c or d}" in
 a)
   if [ -z "${DRY:-}" ]; then
     G="--model models/risk.joblib --scenarios ramp-train,leak,fragment --seconds ${GSECS:-20} --known-fit ramp-train=20,leak=1071,fragment=43"
@@ -52,6 +53,21 @@ c)
   timeout "$t" $PY -m pytest -q -p no:cacheprovider tests/test_workload_tuning.py -k "$K" -rA \
     > "$R/compile_tests.txt" 2>&1
   echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|assert" "$R/compile_tests.txt" | tail -n 12
+  ;;
+d)
+  # issue 28, after call a: the estimator now counts the gradients held over micro-batches and the ramp keeps its
+  # batch over a micro-batch ceiling - ramp-train again, the planner against the threshold rule (20 s each)
+  if [ -z "${DRY:-}" ]; then
+    G="--model models/risk.joblib --scenarios ramp-train --seconds ${GSECS:-20} --known-fit ramp-train=20"
+  else
+    G="--cpu --scenarios ramp-train --seconds 3"
+  fi
+  echo "== bench_guard ramp-train $(date +%T)"
+  # shellcheck disable=SC2086  # G is a list of arguments
+  timeout ${GT:-240} $PY benchmarks/bench_guard.py $G --arms gpuwatch,gpuwatch-thresholds --record /tmp/s39-guard-d \
+    --out "$R/guard_d.json" > "$R/guard_d.txt" 2> "$R/guard_d.err"
+  echo "rc=$? $(date +%T)"; tail -n 6 "$R/guard_d.txt"; grep -v "Warning\|setter" "$R/guard_d.err" | tail -n 3
+  tar czf "$R/guard-d-sessions.tgz" --exclude='*.pickle' -C /tmp s39-guard-d 2>/dev/null; rm -rf /tmp/s39-guard-d
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
