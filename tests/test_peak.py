@@ -46,6 +46,30 @@ def test_a_repeated_shape_predicts_its_own_peak():
     assert 0.0 < near.p_next < 0.5  # right at the limit: uncertain, below even odds
 
 
+def test_accumulating_steps_hold_their_gradients_and_the_plan_adds_them_once():
+    """A train step of 2 micro-batches holds the first one's gradients (here 10 GiB) over the second: learned
+    where steps ran both ways, the prior (all allocated between steps) before any accumulated, and nothing added
+    where every step accumulated (their activations carry it already)."""
+    from gpuwatch.predict.peak import fit_steps
+
+    alloc, lim = 10 * GiB, 100 * GiB
+    n = 8
+    # 4 steps of 8 x 512 whole (activation 20 GiB), 4 of 8 as 2 x 4 (4 x 512: activation 10 GiB + 10 GiB held)
+    batch, micro = np.array([8.0] * n), np.array([1.0] * 4 + [2.0] * 4)
+    peak = alloc + np.array([20 * GiB] * 4 + [20 * GiB] * 4, float)
+    args = (np.full(n, 512.0), micro, ["bf16"] * n, np.full(n, float(alloc)), peak, np.full(n, 0.5), None)
+    f = fit_steps(batch, *args, held=True)
+    assert f.held == pytest.approx(10 * GiB, rel=0.01)
+    assert f.at(4, 512, lim, micro_batches=2).mean == pytest.approx(alloc + 20 * GiB, rel=0.01)
+    assert f.at(4, 512, lim).mean == pytest.approx(alloc + 10 * GiB, rel=0.01)
+    whole = fit_steps(batch[:4], np.full(4, 512.0), micro[:4], ["bf16"] * 4, np.full(4, float(alloc)), peak[:4],
+                      np.full(4, 0.5), None, held=True)
+    assert whole.at(4, 512, lim, micro_batches=2).mean >= alloc + 20 * GiB - 1  # the prior: no less than it was
+    split = fit_steps(batch[4:], np.full(4, 512.0), micro[4:], ["bf16"] * 4, np.full(4, float(alloc)), peak[4:],
+                      np.full(4, 0.5), None, held=True)
+    assert split.at(4, 512, lim, micro_batches=2).mean == pytest.approx(alloc + 20 * GiB, rel=0.01)
+
+
 def test_a_larger_plan_extrapolates_from_the_two_largest_shapes():
     # train memory is flat while the optimizer dominates, then linear: one line over all would miss the bend
     batches = [2, 4, 8, 10, 12]

@@ -220,9 +220,13 @@ def _held(T: np.ndarray, S: np.ndarray, act: np.ndarray, acc: np.ndarray, alloc_
     steps, of their activations less the activations the steps of one micro-batch give at their shape
     (interpolated between shapes, as `activation_at`; below the smallest, in proportion to tokens - the
     risk's "a smaller step needs no more" would make the held bytes too small), within [0, alloc_now]. NaN
-    where no step accumulated or none ran whole to compare with."""
-    if not acc.any() or acc.all():
+    where no step accumulated (the prior decides); 0 where every step did - their activations carry what they
+    hold already (a Trainer restarted with accumulation), so a plan that accumulates adds nothing, and one that
+    does not is overestimated by it, on the safe side."""
+    if not acc.any():
         return float("nan")
+    if acc.all():
+        return 0.0
     uk, med, ut, resid = shapes(T[~acc], S[~acc], act[~acc])
 
     def whole(t: float, s: float) -> float:
