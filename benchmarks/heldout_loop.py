@@ -31,7 +31,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch  # noqa: E402
 
-from support.library_scenarios import amp, build_model, calibrate, lm_loss, set_cap  # noqa: E402
+from support.library_scenarios import amp, build_model, calibrate, free, lm_loss, set_cap  # noqa: E402
+
+FIRST_STAGE_ROOM = 1.3  # a curriculum's cap: at least this x its first stage's calibrated peak
 
 GiB = 2**30
 
@@ -142,8 +144,12 @@ def main() -> int:
     cal = calibrate(model, device, cfg.vocab_size, a.dry_run)
     top = cal["fixed"] + cal["per_token"] * a.batch * a.seq_max
     cap = min(slot, int(top / a.target)) if device.type == "cuda" else None
+    if cap and a.kind == "curriculum":  # the target is the last stage's: the first must fit, or no step ever runs
+        first = cal["fixed"] + cal["per_token"] * a.batch * a.seq_min  # (blind set 2903: a 3.35 GB cap under a first
+        cap = min(slot, max(cap, int(FIRST_STAGE_ROOM * first)))  # step that never ran, 24 OOMs nothing could see)
     fill = r.uniform(1.2, 2.0)
     entry = int(max(0, (cap or 0) - top) * fill / max(1, a.keys)) if cap else 2**20
+    free(device)  # the calibration's cached blocks (reserved under the slot) must not count against the lower cap
     set_cap(device, cap)
     growth = Growth(a.kind, entry, device)
     info = {"kind": a.kind, "cap_bytes": cap, "fixed_bytes": cal["fixed"], "per_token_bytes": cal["per_token"],
