@@ -7,7 +7,8 @@
 #      reach their OOM in 90 s)
 #   c: issue 31 - the 1,000-session fit (400 s at most), printing its progress; then issue 30's compile numerics
 #      against the fp32 truth with what is left of TOTAL
-#   d: issue 28 after the held-gradients fix (55b50db): ramp-train, the planner against the threshold rule
+#   d: issue 28 after the held-gradients fix (55b50db): ramp-train, the planner against the threshold rule; then
+#      issue 30's decode GPU tests (a batch's memory after the schedule moved)
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session39.sh a|b|c
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
@@ -68,6 +69,12 @@ d)
     --out "$R/guard_d.json" > "$R/guard_d.txt" 2> "$R/guard_d.err"
   echo "rc=$? $(date +%T)"; tail -n 6 "$R/guard_d.txt"; grep -v "Warning\|setter" "$R/guard_d.err" | tail -n 3
   tar czf "$R/guard-d-sessions.tgz" --exclude='*.pickle' -C /tmp s39-guard-d 2>/dev/null; rm -rf /tmp/s39-guard-d
+  # issue 30's item 3 on the GPU: a decode batch's memory the same after the schedule visited others (and the rest
+  # of the decode GPU tests)
+  M="gpu"; K=""; [ -n "${DRY:-}" ] && M="not gpu" && K="moved_batch"
+  echo "== decode GPU tests $(date +%T)"
+  timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$M" -k "$K" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed| MiB" "$R/decode_tests.txt" | tail -n 20
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
