@@ -143,6 +143,7 @@ def cmd_train(args) -> int:
 def _train(args, given: list) -> int:
     from gpuwatch.predict.dataset import HORIZON_S, Filters, default_sessions, find_sessions
     from gpuwatch.predict.model import check_output
+    from gpuwatch.predict.budget import MAX_WINDOWS
     from gpuwatch.predict.train import FIT_THREADS, train
     from gpuwatch.predict.usable import open_usable
 
@@ -158,12 +159,15 @@ def _train(args, given: list) -> int:
         status(line)
     command = "gpuwatch train" + (f" --stride {args.stride}" if args.stride != 1 else "") + \
         (" --no-counterfactual" if args.no_counterfactual else "") + (" --no-sample" if args.no_sample else "") + \
-        (f" --threads {args.threads}" if args.threads not in (None, FIT_THREADS) else "") + f" -o {args.output}" + \
+        (f" --threads {args.threads}" if args.threads not in (None, FIT_THREADS) else "") + \
+        (f" --max-windows {args.max_windows}" if args.max_windows not in (None, MAX_WINDOWS) else "") + \
+        f" -o {args.output}" + \
         ("" if not args.sessions and not found.said else f" <{len(sessions)} sessions>")
     rep = train(sessions, args.output, progress=status, stride=args.stride, evaluate=not args.no_eval,
                 horizon_s=args.horizon or HORIZON_S, threshold=args.threshold,
                 counterfactual=not args.no_counterfactual, command=command, threads=args.threads or FIT_THREADS,
-                jobs=args.jobs, dask=args.dask, sample=not args.no_sample, features_dir=args.features)
+                jobs=args.jobs, dask=args.dask, sample=not args.no_sample, features_dir=args.features,
+                max_windows=args.max_windows or MAX_WINDOWS)
     m = rep.by_scenario
     if m is not None:
         print(f"{rep.model_path}: threshold {rep.threshold:.3f}; leave-one-scenario-out recall {m.recall or 0:.2f} "

@@ -261,6 +261,12 @@ def _sampled(d: dict) -> list[str]:
     """The fit's sample of the windows (predict/sampling.py), where the data says (older manifests do not)."""
     if "fit_windows" not in d:
         return []
-    return [f"The fits take {d['fit_windows']} of the {d['labelled_windows']} labelled windows (recorded and derived): every",
-            "informative one (near the limit, before an event, around a plan change, labelled positive) and a weighted",
-            "sample of the long quiet stretches (`gpuwatch/predict/sampling.py`); evaluation scores every window.", ""]
+    out = [f"The fits take {d['fit_windows']} of the {d['labelled_windows']} labelled windows (recorded and derived): every",
+           "informative one (near the limit, before an event, around a plan change, labelled positive) and a weighted",
+           "sample of the long quiet stretches (`gpuwatch/predict/sampling.py`); evaluation scores every window."]
+    f = d.get("fit")
+    if f:  # the final fit's budget (predict/budget.py)
+        tiers = "; ".join(f"{k} {v['kept']} of {v['seen']}" for k, v in f["tiers"].items())
+        out += [f"The final fit saw {f['seen']} of those windows and kept {f['kept']} (at most {f['budget']}: `--max-windows`;",
+                f"{tiers}). " + (f"**{f['note']}.**" if f.get("note") else "Every one fit: none was left out.")]
+    return out + [""]

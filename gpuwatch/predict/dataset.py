@@ -50,6 +50,8 @@ class Timeline:
     derived: bool = False  # a counterfactual-cap copy: training only, never evaluated
     w: np.ndarray | None = None  # per window, how many it stands for in the fit (predict/sampling.py); None: 1 each
     whole: dict[str, Any] | None = None  # `compacted`: what the timeline held before (for `describe`)
+    inf: np.ndarray | None = None  # per window, informative (predict/sampling.py: always kept); None: not known
+    shard: Path | None = None  # `on_disk`: its fit's rows are in this file (predict/budget.py), none held here
 
     def __post_init__(self) -> None:
         self.source = self.source or self.session
@@ -139,23 +141,31 @@ def session_timelines(path: Path | str | ReplaySource, stride: int = 1, horizon_
         f, warn, rend = failure_marks(steps_ts, src.events_df, g)
         d = meta.get("derived") if isinstance(meta.get("derived"), dict) else None
         y = label(ts, f, warn, rend, horizon_s)
+        inf = informative_of(ts, X, y, src.events_df, g, plan_changes(steps))
         out.append(Timeline(src.reader.path.name, d.get("scenario", "") if d else scenario_of(meta), g,
                             ts.astype(np.int64), X, y, f, warn, steps_ts,
                             src.interval_s, meta, source=str(d.get("from", "")) if d else "", derived=bool(d),
-                            w=sampled(ts, X, y, src.events_df, g, plan_changes(steps)) if sample else None))
+                            w=sampled(ts, inf) if sample else None, inf=inf))
     return out
 
 
-def sampled(ts: np.ndarray, X: np.ndarray, y: np.ndarray, events: pl.DataFrame, gpu: int | None,
-            plans_us: np.ndarray) -> np.ndarray:
-    """The fit's weight of each window (predict/sampling.py): the informative ones, and the long quiet
-    stretches sampled. Events: the warnings and errors of this GPU and of the whole session."""
-    from gpuwatch.predict.sampling import fit_weights, informative
+def informative_of(ts: np.ndarray, X: np.ndarray, y: np.ndarray, events: pl.DataFrame, gpu: int | None,
+                   plans_us: np.ndarray) -> np.ndarray:
+    """Which windows carry information (predict/sampling.py `informative`). Events: the warnings and errors
+    of this GPU and of the whole session."""
+    from gpuwatch.predict.sampling import informative
 
     ev = events.filter(pl.col("severity").is_in(["warning", "error"]))
     if gpu is not None:
         ev = ev.filter(pl.col("gpu").is_null() | (pl.col("gpu") == gpu))
-    keep = informative(ts, X, y, ev["ts"].dt.epoch("us").to_numpy().astype(np.int64), plans_us)
+    return informative(ts, X, y, ev["ts"].dt.epoch("us").to_numpy().astype(np.int64), plans_us)
+
+
+def sampled(ts: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """The fit's weight of each window (predict/sampling.py): the informative ones (`keep`), and the long
+    quiet stretches sampled."""
+    from gpuwatch.predict.sampling import fit_weights
+
     spacing = float(np.median(np.diff(ts))) / 1e6 if ts.size > 1 else 0.1
     return fit_weights(ts, keep, spacing)
 
@@ -278,7 +288,8 @@ def find_sessions(paths: Iterable[Path], filters: Filters = Filters()) -> Found:
 def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[str], None] | None = None,
                   horizon_s: float = HORIZON_S, counterfactual: Path | None = None,
                   feature_fn: Callable | None = None, jobs: int = 1, sample: bool = False,
-                  compact: bool = False, features_dir: Path | None = None) -> tuple[list[Timeline], list[str]]:
+                  compact: bool = False, features_dir: Path | None = None, fit_dir: Path | None = None
+                  ) -> tuple[list[Timeline], list[str]]:
     """Timelines of every usable session (predict/usable.py); one that is not is left out, said in one
     line beginning "skipped: " among the warnings. With `counterfactual` (a folder), each session's
     counterfactual-cap copies are derived there and loaded too, marked `derived`
@@ -289,9 +300,12 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
     (predict/sampling.py); `compact` too: each timeline holds only the windows the fit takes (`compacted`),
     what a fit without evaluation needs - memory then grows with the informative windows, not the hours.
     `features_dir`: every window of every timeline written there too (predict/shards.py), a folder per
-    session, by the process that cut it."""
+    session, by the process that cut it. `fit_dir` (with `compact`): each timeline's fit rows written there
+    by the process that cut them (`on_disk`), and only what describes them comes back - the main process then
+    holds no window at all until the final fit reads them under its budget (predict/budget.py)."""
     work = [(Path(p), stride, horizon_s, None if counterfactual is None else Path(counterfactual) / f"{i:05d}",
-             feature_fn, sample or compact, compact, None if features_dir is None else Path(features_dir) / f"{i:05d}")
+             feature_fn, sample or compact, compact, None if features_dir is None else Path(features_dir) / f"{i:05d}",
+             None if fit_dir is None or not compact else Path(fit_dir) / f"{i:05d}")
             for i, p in enumerate(paths)]
     from gpuwatch.predict.parallel import in_order
 
@@ -305,7 +319,7 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
 
 
 def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None, feature_fn: Callable | None,
-             sample: bool = False, compact: bool = False, shards: Path | None = None
+             sample: bool = False, compact: bool = False, shards: Path | None = None, fit_dir: Path | None = None
              ) -> tuple[list[Timeline], list[Timeline], list[str], str | None]:
     """One session's (timelines, counterfactual copies' timelines, warnings, progress line); an unusable
     session gives no timelines and its one "skipped: " line. Its copies go under `counterfactual`, a
@@ -342,6 +356,9 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
             write(t, shards)
     if compact:
         tls, derived = [compacted(t) for t in tls], [compacted(t) for t in derived]
+    if fit_dir is not None:
+        tls = [on_disk(t, fit_dir / f"{j:03d}.parquet") for j, t in enumerate(tls)]
+        derived = [on_disk(t, fit_dir / f"{len(tls) + j:03d}.parquet") for j, t in enumerate(derived)]
     return tls, derived, warnings, line
 
 
@@ -353,7 +370,20 @@ def compacted(t: Timeline) -> Timeline:
     keep = fit_rows(t)
     whole = _whole(t)
     return replace(t, ts_us=t.ts_us[keep], X=t.X[keep], y=t.y[keep], w=None if t.w is None else t.w[keep],
-                   whole=whole)
+                   inf=None if t.inf is None else t.inf[keep], whole=whole)
+
+
+def on_disk(t: Timeline, path: Path) -> Timeline:
+    """`t` with its fit's rows written to `path` (predict/budget.py `write_part`) and none held: what
+    describes it (`t.whole`, the rows of each of the budget's tiers) stays, for `describe` and the budget."""
+    from dataclasses import replace
+
+    from gpuwatch.predict.budget import write_part
+
+    whole = {**_whole(t), "tiers": write_part(t, path)}
+    return replace(t, ts_us=np.empty(0, dtype=np.int64), X=np.empty((0, len(NAMES))), y=np.empty(0, dtype=np.int8),
+                   w=None if t.w is None else np.empty(0), inf=None if t.inf is None else np.empty(0, dtype=bool),
+                   step_ts=np.empty(0, dtype=np.int64), whole=whole, shard=path)
 
 
 def _why_unusable(p: Path, e: Exception) -> str:
@@ -368,12 +398,18 @@ def _step_s(t: Timeline) -> float:
 
 def fit_rows(t: Timeline) -> np.ndarray:
     """The windows of `t` a fit takes: labelled ones, and of those the sample's (predict/sampling.py)."""
-    return (t.y != -1) if t.w is None else (t.y != -1) & (t.w > 0)
+    from gpuwatch.predict.budget import fit_mask
+
+    return fit_mask(t.y, t.w)
 
 
 def _whole(t: Timeline) -> dict[str, Any]:
     return t.whole or {"windows": int(t.y.size), "positives": int((t.y == 1).sum()),
                        "healthy_s": float((t.y == 0).sum()) * _step_s(t), "labelled": int((t.y != -1).sum())}
+
+
+def _fit_count(t: Timeline) -> int:
+    return int(sum(t.whole["tiers"])) if t.shard is not None and t.whole else int(fit_rows(t).sum())
 
 
 def describe(timelines: list[Timeline]) -> dict[str, Any]:
@@ -386,6 +422,6 @@ def describe(timelines: list[Timeline]) -> dict[str, Any]:
             "derived_sessions": len({t.session for t in der}),
             "derived_windows": int(sum(_whole(t)["windows"] for t in der)),
             "derived_failures": int(sum(t.failures.size for t in der)),
-            "fit_windows": int(sum(fit_rows(t).sum() for t in timelines)),
+            "fit_windows": int(sum(_fit_count(t) for t in timelines)),
             "labelled_windows": int(sum(t.whole["labelled"] if t.whole else (t.y != -1).sum() for t in timelines)),
             "scenarios": sorted({t.scenario for t in timelines}), "features": list(NAMES)}

@@ -19,6 +19,8 @@ import numpy as np
 
 from gpuwatch.errors import UsageError
 from gpuwatch.predict import evaluate as E
+from gpuwatch.predict.budget import MAX_WINDOWS, FitSet, build
+from gpuwatch.predict.budget import reference as budget_reference
 from gpuwatch.predict.card import FEATURE_TABLE, write_card  # noqa: F401 (FEATURE_TABLE: kept importable here)
 from gpuwatch.predict.composite import ALARM, RiskComposite
 from gpuwatch.predict.dataset import HORIZON_S, Timeline, describe, fit_rows, load_sessions
@@ -160,6 +162,16 @@ def fit(tls: list[Timeline], seed: int = SEED, kind: str = "hgb-context", balanc
     return est
 
 
+def fit_set(fs: FitSet, seed: int = SEED, kind: str = "hgb-context", balance: bool = False):
+    """`fit` on a budget's rows (predict/budget.py): the same classifier as `fit` of the timelines they
+    come from, where every row was kept."""
+    if len(set(np.unique(fs.y).tolist())) < 2:
+        raise UsageError("training data needs both failures and healthy running (found one class only)")
+    est = make_estimator(seed, kind)
+    _fit(est, fs.X, fs.y, fs.weights(balance))
+    return est
+
+
 def estimator_scores(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarray]:
     """The estimator's own probability per window (no learning): the composite's estimator part
     (`peak_cross_p`, or `ahead_cross_p` where higher); with `lookahead` False, the next step's only."""
@@ -282,23 +294,29 @@ class Report:
 def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = print, stride: int = 1,
           horizon_s: float = HORIZON_S, evaluate: bool = True, threshold: float | None = None,
           counterfactual: bool = True, command: str | None = None, threads: int = FIT_THREADS, jobs: int = 1,
-          dask: str | None = None, sample: bool = True, features_dir: Path | None = None) -> Report:
+          dask: str | None = None, sample: bool = True, features_dir: Path | None = None,
+          max_windows: int = MAX_WINDOWS) -> Report:
     """Fit on `sessions` (each usable one: predict/usable.py; the others skipped, one line each) and write the
     model, its manifest and card at `out`. `jobs`: processes for cutting windows and for the cross-validation
     folds; `dask`: a Dask scheduler's address (or local:N) to run them on instead (predict/parallel.py);
     `threads`: OpenMP threads per fit. The model's bytes are the same for any `jobs` or cluster. `sample`:
     the fits take the informative windows and a weighted sample of long quiet stretches
     (predict/sampling.py; evaluation scores every window). `features_dir`: every window's features kept there
-    as Parquet (predict/shards.py)."""
+    as Parquet (predict/shards.py). `max_windows`: the final fit takes at most that many rows
+    (predict/budget.py); without evaluation the windows wait on disk for it, not in this process (on a
+    remote Dask cluster, whose workers' disks this process cannot read, they come back compacted instead)."""
+    import tempfile
+
     from gpuwatch.predict.parallel import cluster
 
-    with cluster(dask):
+    with cluster(dask), tempfile.TemporaryDirectory(prefix="gpuwatch-fit-") as fit_dir:
+        on_disk = not evaluate and (not dask or dask.startswith("local:"))
         return _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counterfactual, command,
-                    threads, jobs, sample, features_dir)
+                    threads, jobs, sample, features_dir, max_windows, Path(fit_dir) if on_disk else None)
 
 
 def _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counterfactual, command, threads, jobs,
-         sample, features_dir) -> Report:
+         sample, features_dir, max_windows: int = MAX_WINDOWS, fit_dir: Path | None = None) -> Report:
     import tempfile
 
     from gpuwatch.predict.counterfactual import validate
@@ -308,7 +326,8 @@ def _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counte
              + (", with counterfactual-cap copies" if counterfactual else "") + "...")
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cf-") as cf:
         tls, warnings = load_sessions(sessions, stride, progress, horizon_s, Path(cf) if counterfactual else None,
-                                      jobs=jobs, sample=sample, compact=not evaluate, features_dir=features_dir)
+                                      jobs=jobs, sample=sample, compact=not evaluate, features_dir=features_dir,
+                                      fit_dir=fit_dir)
     for w in warnings:  # a session left out: "skipped: <session>: why", one line each
         progress(w if w.startswith("skipped: ") else f"warning: {w}")
     if not [t for t in tls if not t.derived]:
@@ -330,13 +349,13 @@ def _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counte
     first = leave_one_out(read, 1.0, parts) if evaluate else []  # p only: the alarm is counted at the operating point
     with fit_threads(threads):
         rep = _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, threshold, stride, cfv, command,
-                     library, first, par={"jobs": jobs, "threads": threads})
+                     library, first, par={"jobs": jobs, "threads": threads}, max_windows=max_windows)
     return rep
 
 
 def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
            cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None,
-           par: dict | None = None) -> Report:
+           par: dict | None = None, max_windows: int = MAX_WINDOWS) -> Report:
     par = par or {}
     by_session: E.Metrics | None = None
     by_scenario: E.Metrics | None = None
@@ -391,9 +410,8 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
                 real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c), ALARM, horizon_s,
                 with_auc=True)
     progress("fitting the final model on every session and its counterfactual copies...")
-    est = RiskComposite(fit(tls), t_e, t_c)
-    X, y = _xy(tls)
-    reference = np.nanmedian(np.where(np.isfinite(X[y == 0]), X[y == 0], np.nan), axis=0)
+    clf, reference, data["fit"] = _final_fit(tls, max_windows, progress)
+    est = RiskComposite(clf, t_e, t_c)
     manifest = {
         "horizon_s": horizon_s, "threshold": threshold, "threshold_why": why, "window_s": 30.0,
         "operating_point": {"estimator": t_e, "classifier": None if t_c == float("inf") else t_c},
@@ -413,6 +431,16 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
     write_card(rep, MAX_FA_PER_HOUR, command or f"gpuwatch train -o {out}")
     progress(f"wrote {path} and {rep.card_path} in {rep.seconds:.0f} s")
     return rep
+
+
+def _final_fit(tls: list[Timeline], max_windows: int, progress: Callable[[str], None]):
+    """(the classifier, the healthy reference values, what the fit saw and kept) on at most `max_windows`
+    rows of `tls` (predict/budget.py)."""
+    fs = build(tls, max_windows, SEED)
+    s = fs.summary
+    progress(f"the final fit: {s['kept']} of {s['seen']} windows (budget {max_windows}"
+             + (f"; {s['note']})" if s["note"] else ": every one)"))
+    return fit_set(fs), budget_reference(fs.X, fs.y), s
 
 
 def _real(scores: list[np.ndarray], idx: list[int]) -> list[np.ndarray]:
