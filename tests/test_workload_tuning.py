@@ -187,14 +187,20 @@ def test_bf16_switches_agree_with_transformers_but_for_routing_flips(tuning):
 def test_the_bf16_check_catches_a_wrong_switch():
     """The routing-aware check is not too lenient: a switch that is wrong everywhere (experts output doubled)
     fails it."""
+    model, ref = _wrong_switch()
+    with pytest.raises(AssertionError):
+        _bf16_agrees(model, ref, _ids(batch=4, seq=32))
+
+
+def _wrong_switch():
+    """A bf16 pair whose switched model is wrong everywhere: gpuwatch's experts with their output doubled."""
     model, ref = _pair("bf16")
     T.apply(model, {"experts": "gw-grouped"})
     real = T.gw_grouped_experts
     for lay in model.model.layers:
         if hasattr(lay.mlp, "experts"):
             lay.mlp.experts.forward = lambda h, i, w, _m=lay.mlp.experts: 2 * real(_m, h, i, w)
-    with pytest.raises(AssertionError):
-        _bf16_agrees(model, ref, _ids(batch=4, seq=32))
+    return model, ref
 
 
 def test_the_fp32_check_passes_a_compiled_layer_and_catches_a_wrong_switch(monkeypatch):
@@ -206,15 +212,9 @@ def test_the_fp32_check_passes_a_compiled_layer_and_catches_a_wrong_switch(monke
     ref32 = copy.deepcopy(ref).float()
     T.apply(model, {"compile": "layer"})
     _no_further_from_fp32(model, ref, ref32, ids)
-    model, ref = _pair("bf16")
-    ref32 = copy.deepcopy(ref).float()
-    T.apply(model, {"experts": "gw-grouped"})
-    real = T.gw_grouped_experts
-    for lay in model.model.layers:
-        if hasattr(lay.mlp, "experts"):
-            lay.mlp.experts.forward = lambda h, i, w, _m=lay.mlp.experts: 2 * real(_m, h, i, w)
+    model, ref = _wrong_switch()
     with pytest.raises(AssertionError):
-        _no_further_from_fp32(model, ref, ref32, ids)
+        _no_further_from_fp32(model, ref, copy.deepcopy(ref).float(), ids)
 
 
 def test_lean_max_abs_is_the_same_value_without_an_fp32_copy():
