@@ -24,3 +24,18 @@ class MissingExtra(UsageError, ModuleNotFoundError):
 
     def __init__(self, message: str) -> None:
         UsageError.__init__(self, message)
+
+
+class StopSignal(BaseException):
+    """SIGTERM or SIGHUP while a command runs (the CLI's handler raises it): a BaseException like Ctrl-C's
+    KeyboardInterrupt, so no `except Exception` swallows it and every reader's catch-all lets it through
+    (`FATAL`) - a stop that cut into reading a Parquet file was reported as "columns of the wrong type". The
+    CLI prints it as one line and exits 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# what a catch-all around reading or writing must let through: Ctrl-C, a stop signal, interpreter exit
+FATAL = (KeyboardInterrupt, StopSignal, SystemExit, GeneratorExit)

@@ -51,3 +51,28 @@ async def test_a_crash_in_the_dashboard_is_kept_for_the_log_not_printed(tmp_path
     assert not app._exit_renderables  # no traceback dumped on the restored terminal
     path = crash_log(app.crashed, tmp_path)
     assert path.parent == tmp_path and "hour must be in 0..23" in path.read_text() and "Traceback" in path.read_text()
+
+
+def test_a_stop_signal_while_a_table_is_read_is_a_stop_not_a_broken_recording(monkeypatch):
+    """Found in session 38: a SIGTERM that cut into reading a Parquet table (torchrun signalling rank 0) was
+    reported as "columns of the wrong type" - the CLI's stop was an Exception, and the readers' catch-alls (polars
+    raises BaseExceptions for corrupt pages) took it for a broken file. The stop is let through as itself now, and
+    the same catch-all still names a real decoding failure."""
+    import polars as pl
+
+    from gpuwatch.errors import RecordingError, StopSignal
+    from gpuwatch.recording import layout, schema
+
+    df = pl.read_parquet(RAMP / "steps.parquet")
+
+    def stopped(*_a, **_k):
+        raise StopSignal(signal.SIGTERM)
+    monkeypatch.setattr(schema, "conform", stopped)
+    with pytest.raises(StopSignal):
+        layout.check_frame(RAMP / "steps.parquet", df, "steps")
+
+    def broken(*_a, **_k):
+        raise ValueError("cannot cast")
+    monkeypatch.setattr(schema, "conform", broken)
+    with pytest.raises(RecordingError, match="columns of the wrong type"):
+        layout.check_frame(RAMP / "steps.parquet", df, "steps")

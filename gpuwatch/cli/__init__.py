@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import sys
 
-from gpuwatch.errors import GpuwatchError, MissingExtra
+from gpuwatch.errors import GpuwatchError, MissingExtra, StopSignal
 
 __all__ = ["main"]
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _raise_stopped(signum, _frame):
-    raise _Stopped(signum)
+    raise StopSignal(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpuwatch: interrupted", file=sys.stderr)
         return 130
-    except _Stopped as e:
+    except StopSignal as e:
         print(f"gpuwatch: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
     except OSError as e:  # a fault outside any session (a file we were told to write, say)

@@ -22,6 +22,7 @@ from pathlib import Path
 import polars as pl
 
 from gpuwatch.atomic import unlink_quietly
+from gpuwatch.errors import FATAL
 from gpuwatch.recording.layout import read_regular
 
 IPC_COMPAT = pl.CompatLevel.newest()
@@ -114,7 +115,7 @@ def read_ipc_prefix(data: bytes, start: int = 0, head: bytes | None = None
     try:
         df = pl.read_ipc_stream(head + bytes(data[start:end]) + IPC_EOS)
     except BaseException as e:  # a batch that frames well but does not decode: keep the batches before it
-        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        if isinstance(e, FATAL):
             raise
         lo, hi, df = 0, len(msgs) - 1, None  # binary search for the longest prefix polars reads
         while lo < hi:
@@ -123,7 +124,7 @@ def read_ipc_prefix(data: bytes, start: int = 0, head: bytes | None = None
                 df = pl.read_ipc_stream(head + bytes(data[start:msgs[mid - 1][1]]) + IPC_EOS)
                 lo = mid
             except BaseException as e2:
-                if isinstance(e2, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                if isinstance(e2, FATAL):
                     raise
                 hi = mid - 1
         text = " ".join(str(e).split())[:100] or type(e).__name__

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import polars as pl
 
-from gpuwatch.errors import RecordingError
+from gpuwatch.errors import FATAL, RecordingError
 from gpuwatch.recording import schema
 
 SEGMENT_RE = re.compile(rf"^({schema.TABLE_RE})-(\d{{6}})\.parquet$")  # sessions before the streams
@@ -151,8 +151,9 @@ def os_why(e: OSError) -> str:
 
 
 def fatal_exc(e: BaseException) -> bool:
-    """What a reader must let through: Ctrl-C and interpreter exit (polars' panics are BaseException)."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+    """What a reader must let through: Ctrl-C, a stop signal and interpreter exit (polars' panics are
+    BaseException too, and are not)."""
+    return isinstance(e, FATAL)
 
 
 def stat_regular(path: Path) -> os.stat_result:
