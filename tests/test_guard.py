@@ -111,14 +111,24 @@ def test_a_ramp_over_a_micro_batch_ceiling_keeps_its_batch_for_accumulation():
     """H200 (bench_guard ramp-train, the planner): the ramp at 20 under a ceiling of 10 ran 2 x 10 - the effective
     batch kept - until its next level cut the ramp itself to the ceiling and the effective batch fell to 10. Now
     the ramp stays at 20 (the steps still run at most the ceiling) and climbs on once the ceiling is lifted."""
-    s = Schedule("ramp", batch=80, seq_len=64, per_level=1)  # starts at 20
+    s = Schedule("ramp", batch=80, seq_len=64, per_level=1, accumulates=True)  # starts at 20
     s.set_ceiling(10)
     for _ in range(5):
         assert s.wanted()[0] == 20 and s.plan()[0] == 10
         s.done()
+    s.hold()  # refusing the next step up holds the micro-batch that ran, not the batch it accumulated to
+    assert s.ceiling == 10 and s.plan()[0] == 10
     s.set_ceiling(None)
     s.done()
     assert s.wanted()[0] == 25
+    # a ramp that does not accumulate (inference; train with accumulation off) is still cut to the ceiling: its
+    # steps run the ceiling itself, and lifting it climbs from there, not from a batch that never ran
+    p = Schedule("ramp", batch=80, seq_len=64, per_level=1)
+    p.set_ceiling(10)
+    p.done()
+    assert p.wanted()[0] == 10 and p.plan()[0] == 10
+    p.hold()
+    assert p.ceiling == 10
 
 
 def test_refusal_after_the_ramp_stepped_holds_the_last_batch_that_ran():

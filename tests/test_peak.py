@@ -64,7 +64,13 @@ def test_accumulating_steps_hold_their_gradients_and_the_plan_adds_them_once():
     assert f.at(4, 512, lim).mean == pytest.approx(alloc + 10 * GiB, rel=0.01)
     whole = fit_steps(batch[:4], np.full(4, 512.0), micro[:4], ["bf16"] * 4, np.full(4, float(alloc)), peak[:4],
                       np.full(4, 0.5), None, held=True)
-    assert whole.at(4, 512, lim, micro_batches=2).mean >= alloc + 20 * GiB - 1  # the prior: no less than it was
+    # the prior: everything allocated between steps, on top of the shape's own activations
+    assert whole.at(8, 512, lim, micro_batches=2).mean - whole.at(8, 512, lim).mean == pytest.approx(alloc)
+    # learned only against whole steps of the same length: at 1,024 tokens a step (attention's T x S) is not
+    # half the memory of 512 x 2 - compared across lengths the held bytes would come out too small
+    other_len = fit_steps(batch, np.array([1024.0] * 4 + [512.0] * 4), micro, ["bf16"] * n, np.full(n, float(alloc)),
+                          alloc + np.array([50 * GiB] * 4 + [20 * GiB] * 4, float), np.full(n, 0.5), None, held=True)
+    assert not np.isfinite(other_len.held) and other_len.at(4, 512, lim, micro_batches=2).mean >= alloc + 20 * GiB
     split = fit_steps(batch[4:], np.full(4, 512.0), micro[4:], ["bf16"] * 4, np.full(4, float(alloc)), peak[4:],
                       np.full(4, 0.5), None, held=True)
     assert split.at(4, 512, lim, micro_batches=2).mean == pytest.approx(alloc + 20 * GiB, rel=0.01)

@@ -185,9 +185,11 @@ class Planner:
     @staticmethod
     def config_of(plan: StepPlan, micro_batch: int, checkpointing: bool, precision: Precision) -> Config:
         """The configuration of `micro_batch` under the plan's effective batch: a train step accumulates
-        over ceil(batch / micro-batch) micro-batches, an inference step does not."""
+        over ceil(batch / micro-batch) micro-batches; an inference step does not, nor a train workload that
+        runs a smaller batch instead (its effective batch is below what the schedule wants)."""
         n = int(plan.wanted_batch or plan.effective_batch or plan.batch)
-        k = max(1, math.ceil(n / max(1, micro_batch))) if plan.mode == "train" else 1
+        accumulates = plan.mode == "train" and int(plan.effective_batch or plan.batch) >= n
+        k = max(1, math.ceil(n / max(1, micro_batch))) if accumulates else 1
         return Config(micro_batch, checkpointing, precision, k)
 
     @classmethod

@@ -141,14 +141,22 @@ class StepFit:
     pace_s: float | None  # median of the last 5 step times
     steps_seen: int
     held: float = float("nan")  # bytes an accumulating step holds over its micro-batch (its gradients), learned
-    # from the steps that accumulated; NaN: none did (or the fit was not asked to separate them)
+    # from the steps that accumulated beside whole ones of their length; NaN: not learned (the prior decides)
+    held_folded: bool = False  # every step accumulated: their activations carry the held bytes already
+
+    def prior_held(self) -> float:
+        """Before anything was learned: everything allocated between steps (weights, optimizer state), which
+        is never less than the gradients - exact where the optimizer keeps no state."""
+        return max(0.0, self.alloc_now) if math.isfinite(self.alloc_now) else 0.0
 
     def held_bytes(self) -> tuple[float, float]:
-        """(bytes an accumulating step holds besides its micro-batch's activations, their spread): learned, or
-        the prior - everything allocated between steps, no less than the gradients."""
+        """(bytes a plan that accumulates adds to its micro-batch's activations, their spread): nothing where
+        the steps' activations carry them already, else learned, else the prior."""
+        if self.held_folded:
+            return 0.0, 0.0
         if math.isfinite(self.held):
             return self.held, HELD_SIGMA_MEASURED * self.held
-        h = max(0.0, self.alloc_now) if math.isfinite(self.alloc_now) else 0.0
+        h = self.prior_held()
         return h, HELD_SIGMA_PRIOR * h
 
     def at(self, plan_batch: float, plan_seq: float, limit: float, horizon_s: float = 5.0,
@@ -205,34 +213,41 @@ def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list,
     T, S, act_n = T[ok], S[ok], np.maximum(act_n[ok], 0.0)
     al = alloc[np.isfinite(alloc)]
     st = step_s[np.isfinite(step_s) & (step_s > 0)]
-    h = float("nan")
+    h, folded = float("nan"), False
     if held:
         acc = mb[ok] > 1
-        h = _held(T, S, act_n, acc, float(al[-1]))
+        folded = bool(acc.all())
+        h = float("nan") if folded else _held(T, S, act_n, acc, float(al[-1]))
         if math.isfinite(h):
             act_n = np.where(acc, np.maximum(act_n - h, 0.0), act_n)
+            # never scaled down: under autocast a lower precision keeps the weights' and gradients' dtype
+            h /= min(1.0, target_bytes / PRECISION_BYTES.get(str(last_prec), 2.0))
     return StepFit(*shapes(T, S, act_n), float(al[-1]), _growth(al), target_bytes, peak,
-                   median(st[-5:]) if st.size else None, int(ok.sum()), h)
+                   median(st[-5:]) if st.size else None, int(ok.sum()), h, folded)
 
 
 def _held(T: np.ndarray, S: np.ndarray, act: np.ndarray, acc: np.ndarray, alloc_now: float) -> float:
     """What the accumulating steps hold besides their micro-batch's activations: the median, over those
-    steps, of their activations less the activations the steps of one micro-batch give at their shape
-    (interpolated between shapes, as `activation_at`; below the smallest, in proportion to tokens - the
-    risk's "a smaller step needs no more" would make the held bytes too small), within [0, alloc_now]. NaN
-    where no step accumulated (the prior decides); 0 where every step did - their activations carry what they
-    hold already (a Trainer restarted with accumulation), so a plan that accumulates adds nothing, and one that
-    does not is overestimated by it, on the safe side."""
-    if not acc.any():
+    steps, of their activations less what the steps of one micro-batch at the same sequence length give at
+    their tokens (interpolated between shapes, as `activation_at`; below the smallest, in proportion to
+    tokens - "a smaller step needs no more" would make the held bytes too small; another length's steps are
+    not compared: attention's T x S part would be read as held bytes), within [0, alloc_now]. NaN where no
+    accumulating step has whole steps of its length beside it (the prior decides). Where every step
+    accumulated, `fit_steps` marks the fit folded instead: their activations carry the held bytes."""
+    whole_by_len: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray, float] | None] = {}
+    d: list[float] = []
+    for t, s, a in zip(T[acc].tolist(), S[acc].tolist(), act[acc].tolist()):
+        if s not in whole_by_len:
+            m = ~acc & (S == s)
+            whole_by_len[s] = shapes(T[m], S[m], act[m]) if m.any() else None
+        fit = whole_by_len[s]
+        if fit is None:
+            continue
+        uk, med, ut, resid = fit
+        d.append(a - (float(med[0] * t / ut[0]) if t < ut[0] else activation_at(uk, med, ut, resid, t, s)[0]))
+    if not d:
         return float("nan")
-    if acc.all():
-        return 0.0
-    uk, med, ut, resid = shapes(T[~acc], S[~acc], act[~acc])
-
-    def whole(t: float, s: float) -> float:
-        return float(med[0] * t / ut[0]) if t < ut[0] else activation_at(uk, med, ut, resid, t, s)[0]
-    d = np.array([a - whole(t, s) for t, s, a in zip(T[acc].tolist(), S[acc].tolist(), act[acc].tolist())])
-    return float(min(max(median(d), 0.0), max(alloc_now, 0.0)))
+    return float(min(max(median(np.array(d)), 0.0), max(alloc_now, 0.0)))
 
 
 def _outgrows_segments(mean: float, peak: np.ndarray, reserved: float | None, limit: float) -> bool:

@@ -70,9 +70,9 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
     def held(f: StepFit, on: bool, p: str) -> StepFit:
         """`f` (the group with checkpointing `on`) with the held bytes the other group learned, where its own
         steps never accumulated: the gradients do not depend on checkpointing."""
-        if math.isfinite(f.held):
+        if f.held_folded or math.isfinite(f.held):
             return f
-        o = fit(not on, p)
+        o = fit(not on, p)  # only a measured value: the other group's "folded" says nothing of this group's steps
         return replace(f, held=o.held) if o is not None and math.isfinite(o.held) else f
 
     out: list[tuple[float, float] | None] = []
@@ -89,8 +89,11 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
         if other is None or fc is None:
             out.append(None)
             continue
-        kept = other.held_bytes()[0] if k > 1 else 0.0  # the gradients: checkpointing leaves them as they are
-        act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth) - kept)
+        act = max(0.0, fc.mean - other.alloc_now - max(0.0, other.growth))
+        # the gradients held over the micro-batches: checkpointing leaves them as they are (where the other
+        # group's activations carry them, the prior's share of them is taken out before the ratio)
+        kept = min(other.prior_held() if other.held_folded else other.held_bytes()[0], act) if k > 1 else 0.0
+        act -= kept
         ratio = CKPT_ACT_PRIOR if c.checkpointing else 1.0 / CKPT_ACT_PRIOR
         mean = fc.mean - act + act * ratio
         sigma = math.hypot(fc.sigma, CKPT_SIGMA_PRIOR * act * max(1.0, ratio))

@@ -72,7 +72,7 @@ class Workload(GuardedSide):
             self.fields = _fields_of(model, self.fields, torch.device(cfg.device))
         b, s = defaults(cfg.preset)
         self.schedule = Schedule(cfg.schedule, cfg.batch or b, cfg.seq_len or s, cfg.max_batch,
-                                 long_seq=cfg.long_seq)
+                                 long_seq=cfg.long_seq, accumulates=cfg.mode == "train" and cfg.accumulate)
         self.precision = cfg.precision
         self.device = torch.device(cfg.device)
         self.state = "idle"  # idle | building | running | paused | stopped | failed | finished

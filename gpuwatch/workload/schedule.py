@@ -23,10 +23,12 @@ class Schedule:
     edges: list[int] = field(default_factory=list)  # ramp: last batch that ran before each OOM
     oom_levels: list[int] = field(default_factory=list)  # sweep: batches that ran out of memory
     ceiling: int | None = None  # a batch ceiling (user or guard) that every kind of schedule respects
+    accumulates: bool = False  # a train step over the ceiling runs micro-batches of it (the batch is kept)
     _level: int = 0
     _in_level: int = 0
     _base: int = 0
     _last_ok: int = 0
+    _last_eff: int = 0
 
     def __post_init__(self) -> None:
         self._base = self.batch
@@ -81,7 +83,8 @@ class Schedule:
     def done(self) -> None:
         """A step finished without failure."""
         self.step += 1
-        self._last_ok = self.batch
+        self._last_ok = min(self.batch, self.ceiling) if self.ceiling else self.batch  # what one step held
+        self._last_eff = self.batch  # the batch it ran (accumulated to, over the ceiling)
         if self.kind in ("sweep", "ramp"):
             self._in_level += 1
             if self._in_level >= self.per_level:
@@ -92,10 +95,10 @@ class Schedule:
         if self.kind == "sweep":
             self._level += 1
             self.finished = self._level >= len(self.levels)
-        elif self.ceiling is not None and self.batch >= self.ceiling:
-            pass  # a ramp at or over the ceiling stays where it is: a train step keeps it as its effective batch in
-            # micro-batches of the ceiling (H200: the planner's 20 as 2 x 10 fell to 10 at the next level when the
-            # ramp was cut to the ceiling), and it climbs again from there once the ceiling is lifted
+        elif self.accumulates and self.ceiling is not None and self.batch >= self.ceiling:
+            pass  # a ramp that accumulates stays where it is at or over the ceiling: its steps keep it as their
+            # effective batch in micro-batches of the ceiling (H200: the planner's 20 as 2 x 10 fell to 10 at the
+            # next level when the ramp was cut to the ceiling); it climbs again once the ceiling is lifted
         else:
             nxt = max(self.batch + 1, int(self.batch * 1.25))
             nxt = min(nxt, self.max_batch) if self.max_batch else nxt
@@ -137,8 +140,8 @@ class Schedule:
         """Refuse the next step up: the schedule stays at `batch` (default: the last batch that ran),
         a ramp goes back to it if it had already stepped past, and the ceiling is set to it."""
         b = batch or self._last_ok or self.batch
-        if self.kind == "ramp":
-            self.batch = min(self.batch, b)
+        if self.kind == "ramp":  # (one that accumulates goes back to the batch that ran, in micro-batches of b)
+            self.batch = min(self.batch, self._last_eff if self.accumulates and self._last_eff else b)
         self.set_ceiling(b)
 
     def set_seq_len(self, s: int) -> None:
