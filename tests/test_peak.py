@@ -76,6 +76,41 @@ def test_accumulating_steps_hold_their_gradients_and_the_plan_adds_them_once():
     assert split.at(4, 512, lim, micro_batches=2).mean == pytest.approx(alloc + 20 * GiB, rel=0.01)
 
 
+def _fit_on(session: str, batch: int, held: bool):
+    """The estimator fitted on one recorded session's whole steps of one batch size alone."""
+    from gpuwatch.predict.peak import fit_steps
+
+    st = pl.read_parquet(ROOT / "recordings" / session / "steps.parquet").filter(pl.col("mode") == "train")
+    sub = st.filter(pl.col("batch") == batch)
+    col = lambda c: sub[c].cast(pl.Float64).to_numpy()  # noqa: E731
+    return fit_steps(col("batch"), col("seq_len"), np.ones(sub.height), sub["precision"].to_list(),
+                     col("torch_allocated_bytes"), col("torch_peak_bytes"), col("step_time_s"), "bf16", held=held), st
+
+
+def test_below_the_smallest_shape_the_planner_scales_with_tokens_down_to_the_optimizer_floor():
+    """The planner's estimate of a step smaller than any it has seen (H200, v2-lite train, 512 tokens): in
+    proportion to tokens (fitted on 16 x 512 alone, 10 x 512 comes out at its measured 68.2 GB, where "a smaller
+    step needs no more" said 90.2 GB - so 3 x 7 was never weighed fairly), but never under the phase that forms
+    the gradients: at 2-8 x 512 the peak stays at ~63 GB whatever the batch (everything allocated between steps,
+    31.6 GB, is the floor). The risk's features keep the old rule: the shipped model was trained on it."""
+    lim = 200e9
+    planner, st = _fit_on("guard-h200-2026-12-06/ramp-train-gpuwatch", 16, held=True)
+    features, _ = _fit_on("guard-h200-2026-12-06/ramp-train-gpuwatch", 16, held=False)
+    measured = float(st.filter(pl.col("batch") == 10)["torch_peak_bytes"].median())
+    fc = planner.at(10, 512, lim)
+    assert fc.mean == pytest.approx(measured, rel=0.01) and fc.mean + 1.645 * fc.sigma >= measured
+    assert features.at(10, 512, lim).mean == pytest.approx(planner.at(16, 512, lim).mean)  # unchanged
+    floor_fit, st2 = _fit_on("sample-h200-capped-ramp-train", 10, held=True)
+    for b in (2, 5, 8):
+        m = float(st2.filter(pl.col("batch") == b)["torch_peak_bytes"].median())
+        fb = floor_fit.at(b, 512, lim)
+        assert m - 1.645 * fb.sigma <= fb.mean <= m + 0.02 * m, b  # the floor, not b/10 of the activations
+    # a micro-batch of an accumulating step has no floor of its own: the held gradients added to it are that phase
+    two = planner.at(7, 512, lim, micro_batches=3)
+    assert two.mean == pytest.approx(planner.alloc_now + planner.prior_held() + (planner.at(16, 512, lim).mean
+                                     - planner.alloc_now) * 7 / 16, rel=0.01)
+
+
 def test_a_larger_plan_extrapolates_from_the_two_largest_shapes():
     # train memory is flat while the optimizer dominates, then linear: one line over all would miss the bend
     batches = [2, 4, 8, 10, 12]
