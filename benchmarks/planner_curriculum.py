@@ -193,6 +193,8 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
                              disable_tqdm=True, bf16=dev_ok, use_cpu=not dev_ok, dataloader_num_workers=0,
                              auto_find_batch_size=(arm == "autofind"), save_only_model=False)
     eff: list[int] = []
+    ends: list[float] = []  # each step's end (perf_counter)
+    first_begin: list[float] = []
     begins = [0]
     deadline = time.perf_counter() + a.arm_timeout - 25.0  # the arm's own figures before the parent's limit
     cut = [False]
@@ -201,7 +203,12 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
         def on_train_begin(self, args, state, control, **kw):
             begins[0] += 1
 
+        def on_step_begin(self, args, state, control, **kw):
+            if not first_begin:
+                first_begin.append(time.perf_counter())
+
         def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
             eff.append(args.per_device_train_batch_size * args.gradient_accumulation_steps)
             if time.perf_counter() > deadline:
                 cut[0] = True
@@ -231,6 +238,13 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
            "died": died, "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
            "effective_batch_min": min(eff) if eff else None, "effective_batch_max": max(eff) if eff else None,
            "train_begins": begins[0], "cut_at_deadline": cut[0], "cap_gib": None if cap is None else a.cap_gib,
+           # the steady rate: from the first step's end to the last's (the arms' one-time costs - CUDA's warm-up in the
+           # first step, and for a guarded arm the callback's start: its recorder, sampler process and risk model,
+           # before the first step - left out; `first_step_begin_s` says what the start took)
+           "tokens_per_s_after_first": (round(sum(B * lens[i] for i in range(1, min(len(ends), steps)))
+                                             / (ends[min(len(ends), steps) - 1] - ends[0]), 1)
+                                        if min(len(ends), steps) >= 2 and ends[-1] > ends[0] else None),
+           "first_step_begin_s": round(first_begin[0] - t0, 2) if first_begin else None,
            "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None}
     if gw is not None:
         res.update(ooms=gw.ooms, restarts=gw.restarts, restart_costs_s=[round(x, 2) for x in gw.restart_costs])
