@@ -7,10 +7,12 @@
 #      stage, the cache freed before a cap is lowered); then issue 31 - `score` of ten hours, 1 and 16 processes
 #   c: issue 30 - v3-slice prefill at its best batch: the baseline and compile=layer at 16, 32, 64 and 128 x 512
 #      (45.9 % MFU at 16 with compile=layer, against the 50 % target; the sweep never ran)
-#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session40.sh a|b|c
+#   h: what fits an H100 when no H200 comes: issue 30's decode GPU tests; issue 28's no-cap pairs at 256 -> 2,048
+#      tokens (4,096 needs ~99 GiB), 60 steps; issue 31's score of ten hours on 16 cores; then part c's sweep
+#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session40.sh a|b|c|h
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, b or c}"
-case "${1:?a, b or c}" in
+. benchmarks/session_env.sh "${1:?the part: a, b, c or h}"
+case "${1:?a, b, c or h}" in
 a)
   if [ -z "${DRY:-}" ]; then
     G="--model models/risk.joblib --scenarios ramp-train --seconds ${GSECS:-20} --known-fit ramp-train=20"
@@ -51,10 +53,30 @@ b)
   timeout "$t" $PY benchmarks/bench_score.py $SC > "$R/score.json" 2> "$R/score.err"
   echo "rc=$? $(date +%T)"; cat "$R/score.json"; tail -n 3 "$R/score.err"
   ;;
+h)
+  M="gpu"; K=""; [ -n "${DRY:-}" ] && M="not gpu" && K="moved_batch"
+  echo "== decode GPU tests $(date +%T)"
+  timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$M" -k "$K" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed| MiB" "$R/decode_tests.txt" | tail -n 20
+  if [ -z "${DRY:-}" ]; then PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; SC="--minutes 600 --strides 5 --jobs 1,16,16"
+  else PL="--dry-run --arm-timeout 120"; SC="--minutes 5 --strides 5 --jobs 1,2"; fi
+  echo "== no-cap pairs, ${PT:-240} s $(date +%T)"
+  # shellcheck disable=SC2086
+  timeout ${PT:-240} $PY benchmarks/planner_curriculum.py --out "$R/planner" --work /tmp/gw-s40 $PL \
+    --arms "${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3}" \
+    > "$R/planner_h.jsonl" 2> "$R/planner_h.err"
+  echo "rc=$? $(date +%T)"; cut -c1-420 "$R/planner_h.jsonl"; tail -n 3 "$R/planner_h.err"
+  rm -rf /tmp/gw-s40 "$R/planner"
+  echo "== score $(date +%T)"
+  # shellcheck disable=SC2086
+  timeout ${ST:-100} $PY benchmarks/bench_score.py $SC > "$R/score.json" 2> "$R/score.err"
+  echo "rc=$? $(date +%T)"; cat "$R/score.json"; tail -n 3 "$R/score.err"
+  ;&
 c)
   if [ -z "${DRY:-}" ]; then P=v3-slice; V=baseline,compile=layer; B="--batch prefill=16 --batch prefill=32 --batch prefill=64 --batch prefill=128"
   else P=tiny; V=baseline; B="--batch prefill=2 --batch prefill=4 --device cpu"; fi
   t=$(( $(left) - 15 ))
+  [ "$t" -lt 60 ] && { echo "no time left for the sweep ($t s)"; exit 0; }
   PRESETS=$P MODES=prefill VARIANTS=$V BUDGET_S=$(( t - 40 )) LIMIT_S=$t \
     EXTRA="--profile-steps 0 --sweep-variants --variant-steps 3 $B" bash benchmarks/gpu_stress_speed.sh
   ;;
