@@ -9,11 +9,12 @@
 #      (45.9 % MFU at 16 with compile=layer, against the 50 % target; the sweep never ran)
 #   h: what fits an H100 when no H200 comes: issue 30's decode GPU tests; issue 28's no-cap pairs at 256 -> 2,048
 #      tokens (4,096 needs ~99 GiB), 60 steps; issue 31's score of ten hours on 16 cores; then part c's sweep
-#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session40.sh a|b|c|h
+#   g: the H200's part after h ran on an H100: a's ramp-train, then b's blind set with the rest of TOTAL
+#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session40.sh a|b|c|h|g
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, b, c or h}"
-case "${1:?a, b, c or h}" in
-a)
+. benchmarks/session_env.sh "${1:?the part: a, b, c, h or g}"
+case "${1:?a, b, c, h or g}" in
+a|g)
   if [ -z "${DRY:-}" ]; then
     G="--model models/risk.joblib --scenarios ramp-train --seconds ${GSECS:-20} --known-fit ramp-train=20"
     PL="--arm-timeout 60 --nocap-steps 30"
@@ -26,6 +27,16 @@ a)
     --out "$R/guard.json" > "$R/guard.txt" 2> "$R/guard.err"
   echo "rc=$? $(date +%T)"; tail -n 6 "$R/guard.txt"; grep -v "Warning\|setter" "$R/guard.err" | tail -n 3
   tar czf "$R/guard-sessions.tgz" --exclude='*.pickle' -C /tmp s40-guard 2>/dev/null; rm -rf /tmp/s40-guard
+  if [ "$1" = g ]; then
+    t=$(( $(left) - 30 ))
+    echo "== blind set ${SEED:-2904}, ${t} s $(date +%T)"
+    if [ -z "${DRY:-}" ]; then
+      OUT="$R" HELDOUT_DEADLINE_S=$t timeout $(( t + 20 )) bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} ${SECS:-200} 2>&1 | tail -n 12
+    else
+      OUT="$R" HELDOUT_DRY=1 HELDOUT_DEADLINE_S=60 PYTHON=$PY bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} 8 2>&1 | tail -n 8
+    fi
+    echo "part g done in $((SECONDS - T0)) s $(date +%T)"; exit 0
+  fi
   M="gpu"; K=""; [ -n "${DRY:-}" ] && M="not gpu" && K="moved_batch"
   echo "== decode GPU tests $(date +%T)"
   timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$M" -k "$K" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
