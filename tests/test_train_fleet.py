@@ -119,6 +119,11 @@ def test_with_evaluation_the_folds_score_from_disk_the_same_and_no_feature_matri
     for jobs in (1, 2):
         got = out_of_fold(disk, lambda t: t.source, balance=False, jobs=jobs)
         assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    # over the budget each fold's training side is sampled (predict/budget.py): the same scores in any process
+    small = [out_of_fold(disk, lambda t: t.source, balance=False, jobs=jobs, max_windows=150) for jobs in (1, 2)]
+    assert all(np.array_equal(a, b) for a, b in zip(*small))
+    assert not all(np.array_equal(a, b) for a, b in zip(want, small[0]))
+    assert [a.size for a in small[0]] == [a.size for a in want]  # every window still scored
     h, d = [a for a, _ in real], [b for _, b in real]
     assert all(np.array_equal(a, b) for a, b in zip(estimator_scores(h), estimator_scores(d)))
     assert all(np.array_equal(a, b) for a, b in zip(estimator_scores(h, False), estimator_scores(d, False)))
