@@ -407,12 +407,12 @@ def on_disk(t: Timeline, path: Path, windows: Path | None = None) -> Timeline:
 
 
 def stub(t: Timeline) -> Timeline:
-    """What a fold's training side needs of an on-disk timeline (`on_disk`; predict/budget.py `build`): its
-    file and counts, nothing per window. A held timeline as it is."""
+    """What a fold's training side needs of a timeline (predict/budget.py `build`): of one on disk (`on_disk`)
+    its file and counts, nothing per window; of a held one its fit's rows (`compacted`)."""
     from dataclasses import replace
 
     if t.shard is None:
-        return t
+        return compacted(t)
     e = np.empty(0, dtype=np.int64)
     return replace(t, ts_us=e, y=np.empty(0, dtype=np.int8), failures=e, warn_end=e, step_ts=e, meta={}, cols=None)
 
