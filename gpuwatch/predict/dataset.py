@@ -397,8 +397,8 @@ def on_disk(t: Timeline, path: Path, windows: Path | None = None) -> Timeline:
     from gpuwatch.predict.evaluate import COLUMNS
 
     whole = {**_whole(t), "tiers": write_part(t, path)}
-    none = {"X": np.empty((0, len(NAMES))), "w": None if t.w is None else np.empty(0),
-            "inf": None if t.inf is None else np.empty(0, dtype=bool), "whole": whole, "shard": path}
+    none: dict[str, Any] = {"X": np.empty((0, len(NAMES))), "w": None if t.w is None else np.empty(0),
+                            "inf": None if t.inf is None else np.empty(0, dtype=bool), "whole": whole, "shard": path}
     if windows is not None:
         cols = {n: t.X[:, NAMES.index(n)].copy() for n in COLUMNS}  # copies: the matrix itself is let go
         return replace(t, **none, windows=windows, cols=cols)
