@@ -29,6 +29,10 @@ from gpuwatch.recording.source import ReplaySource
 
 HORIZON_S = 5.0
 KIND = "oom"
+# The features evaluation reads of every window (predict/evaluate.py: the baselines, the estimator's part, "near
+# the limit"): all a recorded timeline keeps of them where its windows wait on disk (`on_disk`, `Timeline.cols`).
+EVAL_COLUMNS = ("mem_used_frac", "mem_headroom_gib", "time_to_full_s", "next_peak_est_frac", "peak_cross_p",
+                "ahead_cross_p", "trend_cross_p")
 
 
 @dataclass
@@ -53,7 +57,7 @@ class Timeline:
     inf: np.ndarray | None = None  # per window, informative (predict/sampling.py: always kept); None: not known
     shard: Path | None = None  # `on_disk`: its fit's rows are in this file (predict/budget.py), none held here
     windows: Path | None = None  # `on_disk` for evaluation: every window's features in this file (predict/shards.py)
-    cols: dict[str, np.ndarray] | None = None  # ... and of them only what evaluation reads (evaluate.COLUMNS)
+    cols: dict[str, np.ndarray] | None = None  # ... and of them only what evaluation reads (EVAL_COLUMNS)
 
     def __post_init__(self) -> None:
         self.source = self.source or self.session
@@ -390,17 +394,16 @@ def on_disk(t: Timeline, path: Path, windows: Path | None = None) -> Timeline:
     describes it (`t.whole`, the rows of each of the budget's tiers) stays, for `describe` and the budget.
     `windows`: the file that holds every window of `t` (predict/shards.py; a recorded timeline that evaluation
     scores) - then what evaluation needs of each window stays too (times, labels, steps and `cols`, the
-    features it reads: evaluate.COLUMNS), never the feature matrix."""
+    features it reads: EVAL_COLUMNS), never the feature matrix."""
     from dataclasses import replace
 
     from gpuwatch.predict.budget import write_part
-    from gpuwatch.predict.evaluate import COLUMNS
 
     whole = {**_whole(t), "tiers": write_part(t, path)}
     none: dict[str, Any] = {"X": np.empty((0, len(NAMES))), "w": None if t.w is None else np.empty(0),
                             "inf": None if t.inf is None else np.empty(0, dtype=bool), "whole": whole, "shard": path}
     if windows is not None:
-        cols = {n: t.X[:, NAMES.index(n)].copy() for n in COLUMNS}  # copies: the matrix itself is let go
+        cols = {n: t.X[:, NAMES.index(n)].copy() for n in EVAL_COLUMNS}  # copies: the matrix itself is let go
         return replace(t, **none, windows=windows, cols=cols)
     return replace(t, ts_us=np.empty(0, dtype=np.int64), y=np.empty(0, dtype=np.int8),
                    step_ts=np.empty(0, dtype=np.int64), **none)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpuwatch.predict.dataset import HORIZON_S, Timeline
+from gpuwatch.predict.dataset import EVAL_COLUMNS, HORIZON_S, Timeline
 from gpuwatch.predict.features import NAMES
 
 
@@ -196,10 +196,7 @@ def pick_threshold(timelines: list[Timeline], scores: list[np.ndarray], max_fa_p
 
 
 # -- baselines: simple rules anyone could write, scored as 0/1 over the same windows --------------------
-# The features evaluation reads of every window (the baselines, the estimator's part, "near the limit"): all a
-# timeline keeps of them where its windows wait on disk (dataset.on_disk, `Timeline.cols`).
-COLUMNS = ("mem_used_frac", "mem_headroom_gib", "time_to_full_s", "next_peak_est_frac", "peak_cross_p",
-           "ahead_cross_p", "trend_cross_p")
+COLUMNS = EVAL_COLUMNS  # the features read here of every window (dataset.EVAL_COLUMNS)
 
 
 def column(tl: Timeline, name: str) -> np.ndarray:
