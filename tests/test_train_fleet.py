@@ -94,6 +94,75 @@ def test_compacted_timelines_give_the_same_fit_and_figures(tmp_path):
     assert not any((tmp_path / "cf2").rglob("meta.json"))  # the copies' files removed once cut
 
 
+def test_with_evaluation_the_folds_score_from_disk_the_same_and_no_feature_matrix_comes_back(tmp_path):
+    """With evaluation and a fit folder, no timeline holds its feature matrix: every window of a recorded one
+    waits on disk for the folds to score, and it keeps only its times, labels and the few features evaluation
+    reads; the counterfactual copies keep nothing per window. The out-of-fold scores (one and two processes),
+    the estimator's and the baselines' figures are those of the timelines held whole."""
+    from gpuwatch.predict import evaluate as E
+    from gpuwatch.predict.dataset import describe, load_sessions
+    from gpuwatch.predict.train import estimator_scores, out_of_fold
+
+    held, _ = load_sessions([CAPPED, LONG], stride=10, counterfactual=tmp_path / "cf1", sample=True)
+    disk, _ = load_sessions([CAPPED, LONG], stride=10, counterfactual=tmp_path / "cf2", sample=True,
+                            fit_dir=tmp_path / "fit")
+    assert len(disk) == len(held) and sum(t.X.size for t in disk) == 0
+    assert describe(disk) == describe(held)
+    real = [(a, b) for a, b in zip(held, disk) if not a.derived]
+    assert len(real) == 2 and all(b.derived for a, b in zip(held, disk) if a.derived)
+    for a, b in real:
+        assert b.windows is not None and b.windows.exists() and set(b.cols) == set(E.COLUMNS)
+        assert np.array_equal(a.ts_us, b.ts_us) and np.array_equal(a.y, b.y) and np.array_equal(a.step_ts, b.step_ts)
+    assert all(t.y.size == 0 and t.cols is None for t in disk if t.derived)
+    want = out_of_fold(held, lambda t: t.source, balance=False)
+    assert sum(w.size for w in want) == sum(a.y.size for a, _ in real) > 300
+    for jobs in (1, 2):
+        got = out_of_fold(disk, lambda t: t.source, balance=False, jobs=jobs)
+        assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    # over the budget each fold's training side is sampled (predict/budget.py): the same scores in any process
+    small = [out_of_fold(disk, lambda t: t.source, balance=False, jobs=jobs, max_windows=150) for jobs in (1, 2)]
+    assert all(np.array_equal(a, b) for a, b in zip(*small))
+    assert not all(np.array_equal(a, b) for a, b in zip(want, small[0]))
+    assert [a.size for a in small[0]] == [a.size for a in want]  # every window still scored
+    h, d = [a for a, _ in real], [b for _, b in real]
+    assert all(np.array_equal(a, b) for a, b in zip(estimator_scores(h), estimator_scores(d)))
+    assert all(np.array_equal(a, b) for a, b in zip(estimator_scores(h, False), estimator_scores(d, False)))
+    assert E.baseline_metrics(h) == E.baseline_metrics(d)
+
+
+def test_train_with_evaluation_keeps_no_feature_matrix_and_gives_the_same_model_and_figures(tmp_path, monkeypatch):
+    """`train` with evaluation: the timelines evaluation gets hold no feature matrix (the windows wait on disk);
+    the model's bytes and the card's figures are those of the timelines held whole (what a remote Dask
+    cluster still gives)."""
+    import hashlib
+
+    from gpuwatch.predict import train as T
+
+    seen = []
+    real_train = T._train
+
+    def spy(tls, *a, **k):
+        seen.append(tls)
+        return real_train(tls, *a, **k)
+
+    monkeypatch.setattr(T, "_train", spy)
+    reps = {}
+    for name, fit_dir in (("held", None), ("disk", tmp_path / "fit")):
+        if fit_dir is not None:
+            fit_dir.mkdir()
+        reps[name] = T._run([CAPPED, LONG], tmp_path / name / "m.joblib", lambda _s: None, 10, T.HORIZON_S, True,
+                            None, True, "c", 2, 1, True, None, T.MAX_WINDOWS, fit_dir)
+    held, disk = seen
+    assert sum(t.X.shape[0] for t in held) > 0 and sum(t.X.shape[0] for t in disk) == 0
+    a, b = reps["held"], reps["disk"]
+    assert hashlib.sha256(a.model_path.read_bytes()).digest() == hashlib.sha256(b.model_path.read_bytes()).digest()
+    assert a.by_session == b.by_session and a.by_scenario == b.by_scenario and a.ablation == b.ablation
+    assert a.baselines == b.baselines and a.at_baseline_fa == b.at_baseline_fa and a.per_scenario == b.per_scenario
+    seen.clear()
+    T.train([CAPPED, LONG], tmp_path / "t" / "m.joblib", progress=lambda _s: None, stride=10, jobs=1)
+    assert seen and all(t.X.shape[0] == 0 for t in seen[0])  # what `gpuwatch train` does
+
+
 def test_score_in_processes_gives_the_same_timeline(monkeypatch):
     from gpuwatch.predict import scorer
     from gpuwatch.predict.model import load_model

@@ -285,9 +285,10 @@ def _add_train(sub) -> None:
                    help="fit on every window (default: the informative ones and a weighted sample of long quiet "
                         "stretches; evaluation always scores every window)")
     t.add_argument("--max-windows", type=_pos_int, default=None, metavar="N",
-                   help="the final fit takes at most N windows (default 4,000,000): every informative one where they "
-                        "fit, the quiet ones sampled with weights (the card says how many were seen and kept); "
-                        "evaluation, unless --no-eval, still holds every window")
+                   help="the final fit, and each cross-validation fold's, takes at most N windows (default "
+                        "4,000,000): every informative one where they fit, the quiet ones sampled with weights (the "
+                        "card says how many were seen and kept); the windows wait on disk, and evaluation still scores "
+                        "every one")
     t.add_argument("--features", type=Path, metavar="DIR",
                    help="keep every window's features there, one Parquet file per GPU of a session")
     t.add_argument("--since", type=parse_when, metavar="WHEN", help="only sessions that started at or after WHEN")

@@ -1,8 +1,9 @@
 """The final fit's rows under a budget (`gpuwatch train --max-windows N`): however many windows a fleet's
 recordings hold, the fit takes at most N rows, and the main process never holds more than those N (and one
-timeline's rows while it reads them).
+timeline's rows while it reads them). Each cross-validation fold's training side is the same budget over the
+timelines not in that fold (train.fold_scores, built where the fold runs).
 
-Without evaluation each timeline's fit rows (predict/sampling.py: the informative windows and the sample of
+Each timeline's fit rows (predict/sampling.py: the informative windows and the sample of
 the quiet stretches) are written to a Parquet file by the process that cut them (`write_part`, called by
 dataset.on_disk) and only their counts come back. `build` then plans, from those counts alone, how many rows of
 each timeline to keep, and reads the files one at a time into the fit's matrix. Rows come in three tiers:

@@ -76,7 +76,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         f"{d['derived_failures']} virtual OOMs; `gpuwatch/predict/counterfactual.py`): each session relabeled under",
         "smaller virtual caps. They never enter an evaluation, and a held-out session's copies are held out with it.",
         "",
-        *_sampled(d),
+        *_sampled(d, rep.by_session is not None),
         f"Sessions: {', '.join(rep_sessions(rep))}.",
         "",
         "## Alarm threshold",
@@ -257,7 +257,7 @@ def _model_sections(rep) -> list[str]:
     ]
 
 
-def _sampled(d: dict) -> list[str]:
+def _sampled(d: dict, evaluated: bool = False) -> list[str]:
     """The fit's sample of the windows (predict/sampling.py), where the data says (older manifests do not)."""
     if "fit_windows" not in d:
         return []
@@ -268,5 +268,7 @@ def _sampled(d: dict) -> list[str]:
     if f:  # the final fit's budget (predict/budget.py)
         tiers = "; ".join(f"{k} {v['kept']} of {v['seen']}" for k, v in f["tiers"].items())
         out += [f"The final fit saw {f['seen']} of those windows and kept {f['kept']} (at most {f['budget']}: `--max-windows`;",
-                f"{tiers}). " + (f"**{f['note']}.**" if f.get("note") else "Every one fit: none was left out.")]
+                f"{tiers}). " + (f"**{f['note']}.**" if f.get("note") else "Every one fit: none was left out.")
+                + (" Each cross-validation fold's training side took the same budget over the sessions not in it."
+                   if f.get("note") and evaluated else "")]
     return out + [""]

@@ -59,7 +59,15 @@ class RiskComposite:
         """The estimator's part per row: the highest of the next step's probability (with the per-step
         growth carried on), the lookahead's (predict/ahead.py) and the trend's (growth the plan does not
         explain, predict/trend.py); missing ones count as 0, all missing stays missing."""
-        return np.fmax(np.fmax(X[:, self.est_index], X[:, self.ahead_index]), X[:, self._trend()])
+        return self.estimator_part(X[:, self.est_index], X[:, self.ahead_index], X[:, self._trend()])
+
+    # the features `estimator_part` takes, in its order
+    ESTIMATOR = ("peak_cross_p", "ahead_cross_p", "trend_cross_p")
+
+    @staticmethod
+    def estimator_part(next_step: np.ndarray, ahead: np.ndarray, trend: np.ndarray) -> np.ndarray:
+        """`p_estimator` of those three features' columns (evaluation's, where a timeline keeps only them)."""
+        return np.fmax(np.fmax(next_step, ahead), trend)
 
     def signals(self, X: np.ndarray) -> dict[str, np.ndarray]:
         """Each signal of the estimator's part per row (missing = NaN): which one carries the risk."""

@@ -29,6 +29,10 @@ from gpuwatch.recording.source import ReplaySource
 
 HORIZON_S = 5.0
 KIND = "oom"
+# The features evaluation reads of every window (predict/evaluate.py: the baselines, the estimator's part, "near
+# the limit"): all a recorded timeline keeps of them where its windows wait on disk (`on_disk`, `Timeline.cols`).
+EVAL_COLUMNS = ("mem_used_frac", "mem_headroom_gib", "time_to_full_s", "next_peak_est_frac", "peak_cross_p",
+                "ahead_cross_p", "trend_cross_p")
 
 
 @dataclass
@@ -52,6 +56,8 @@ class Timeline:
     whole: dict[str, Any] | None = None  # `compacted`: what the timeline held before (for `describe`)
     inf: np.ndarray | None = None  # per window, informative (predict/sampling.py: always kept); None: not known
     shard: Path | None = None  # `on_disk`: its fit's rows are in this file (predict/budget.py), none held here
+    windows: Path | None = None  # `on_disk` for evaluation: every window's features in this file (predict/shards.py)
+    cols: dict[str, np.ndarray] | None = None  # ... and of them only what evaluation reads (EVAL_COLUMNS)
 
     def __post_init__(self) -> None:
         self.source = self.source or self.session
@@ -302,10 +308,14 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
     `features_dir`: every window of every timeline written there too (predict/shards.py), a folder per
     session, by the process that cut it. `fit_dir` (with `compact`): each timeline's fit rows written there
     by the process that cut them (`on_disk`), and only what describes them comes back - the main process then
-    holds no window at all until the final fit reads them under its budget (predict/budget.py)."""
+    holds no window at all until the final fit reads them under its budget (predict/budget.py). `fit_dir`
+    without `compact` (evaluation, which scores every window of the recorded timelines): the same, and each
+    recorded timeline's windows written there too (or taken from `features_dir`) for the cross-validation's
+    folds to score; of those only the times, labels and the few features evaluation reads come back, no
+    feature matrix."""
     work = [(Path(p), stride, horizon_s, None if counterfactual is None else Path(counterfactual) / f"{i:05d}",
              feature_fn, sample or compact, compact, None if features_dir is None else Path(features_dir) / f"{i:05d}",
-             None if fit_dir is None or not compact else Path(fit_dir) / f"{i:05d}")
+             None if fit_dir is None else Path(fit_dir) / f"{i:05d}")
             for i, p in enumerate(paths)]
     from gpuwatch.predict.parallel import in_order
 
@@ -349,15 +359,21 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
         shutil.rmtree(counterfactual, ignore_errors=True)  # cut into windows: the copies' files are done with
     n = len({t.session for t in derived})
     line = f"{p.name}: {sum(t.ts_us.size for t in tls)} windows" + (f", {n} counterfactual-cap copies" if n else "")
+    written: list[Path | None] = [None] * len(tls)  # the recorded timelines' windows on disk, where written
     if shards is not None:
         from gpuwatch.predict.shards import write
 
-        for t in tls + derived:
+        written = [write(t, shards) for t in tls]
+        for t in derived:
             write(t, shards)
     if compact:
         tls, derived = [compacted(t) for t in tls], [compacted(t) for t in derived]
     if fit_dir is not None:
-        tls = [on_disk(t, fit_dir / f"{j:03d}.parquet") for j, t in enumerate(tls)]
+        if not compact:  # evaluation: the folds score every window of the recorded timelines, from disk
+            from gpuwatch.predict.shards import write
+
+            written = [w or write(t, fit_dir / "windows") for t, w in zip(tls, written)]
+        tls = [on_disk(t, fit_dir / f"{j:03d}.parquet", None if compact else written[j]) for j, t in enumerate(tls)]
         derived = [on_disk(t, fit_dir / f"{len(tls) + j:03d}.parquet") for j, t in enumerate(derived)]
     return tls, derived, warnings, line
 
@@ -373,17 +389,35 @@ def compacted(t: Timeline) -> Timeline:
                    inf=None if t.inf is None else t.inf[keep], whole=whole)
 
 
-def on_disk(t: Timeline, path: Path) -> Timeline:
+def on_disk(t: Timeline, path: Path, windows: Path | None = None) -> Timeline:
     """`t` with its fit's rows written to `path` (predict/budget.py `write_part`) and none held: what
-    describes it (`t.whole`, the rows of each of the budget's tiers) stays, for `describe` and the budget."""
+    describes it (`t.whole`, the rows of each of the budget's tiers) stays, for `describe` and the budget.
+    `windows`: the file that holds every window of `t` (predict/shards.py; a recorded timeline that evaluation
+    scores) - then what evaluation needs of each window stays too (times, labels, steps and `cols`, the
+    features it reads: EVAL_COLUMNS), never the feature matrix."""
     from dataclasses import replace
 
     from gpuwatch.predict.budget import write_part
 
     whole = {**_whole(t), "tiers": write_part(t, path)}
-    return replace(t, ts_us=np.empty(0, dtype=np.int64), X=np.empty((0, len(NAMES))), y=np.empty(0, dtype=np.int8),
-                   w=None if t.w is None else np.empty(0), inf=None if t.inf is None else np.empty(0, dtype=bool),
-                   step_ts=np.empty(0, dtype=np.int64), whole=whole, shard=path)
+    none: dict[str, Any] = {"X": np.empty((0, len(NAMES))), "w": None if t.w is None else np.empty(0),
+                            "inf": None if t.inf is None else np.empty(0, dtype=bool), "whole": whole, "shard": path}
+    if windows is not None:
+        cols = {n: t.X[:, NAMES.index(n)].copy() for n in EVAL_COLUMNS}  # copies: the matrix itself is let go
+        return replace(t, **none, windows=windows, cols=cols)
+    return replace(t, ts_us=np.empty(0, dtype=np.int64), y=np.empty(0, dtype=np.int8),
+                   step_ts=np.empty(0, dtype=np.int64), **none)
+
+
+def stub(t: Timeline) -> Timeline:
+    """What a fold's training side needs of a timeline (predict/budget.py `build`): of one on disk (`on_disk`)
+    its file and counts, nothing per window; of a held one its fit's rows (`compacted`)."""
+    from dataclasses import replace
+
+    if t.shard is None:
+        return compacted(t)
+    e = np.empty(0, dtype=np.int64)
+    return replace(t, ts_us=e, y=np.empty(0, dtype=np.int8), failures=e, warn_end=e, step_ts=e, meta={}, cols=None)
 
 
 def _why_unusable(p: Path, e: Exception) -> str:

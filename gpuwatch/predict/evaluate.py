@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpuwatch.predict.dataset import HORIZON_S, Timeline
+from gpuwatch.predict.dataset import EVAL_COLUMNS, HORIZON_S, Timeline
 from gpuwatch.predict.features import NAMES
 
 
@@ -60,7 +60,7 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
         alarm = alarm_state(sc, threshold)
         valid = tl.y != -1
         healthy_s += float(((tl.y == 0)).sum()) * _stride_s(tl)
-        near = np.nan_to_num(_col(tl, "mem_used_frac"), nan=0.0) >= NEAR_FRAC
+        near = np.nan_to_num(column(tl, "mem_used_frac"), nan=0.0) >= NEAR_FRAC
         near_s += float(((tl.y == 0) & near).sum()) * _stride_s(tl)
         prev_f = None
         for tf, we in zip(tl.failures, tl.warn_end):
@@ -196,17 +196,22 @@ def pick_threshold(timelines: list[Timeline], scores: list[np.ndarray], max_fa_p
 
 
 # -- baselines: simple rules anyone could write, scored as 0/1 over the same windows --------------------
-def _col(tl: Timeline, name: str) -> np.ndarray:
-    return tl.X[:, NAMES.index(name)]
+COLUMNS = EVAL_COLUMNS  # the features read here of every window (dataset.EVAL_COLUMNS)
+
+
+def column(tl: Timeline, name: str) -> np.ndarray:
+    """Feature `name` (one of COLUMNS) of every window of `tl`: from its features, or what it kept of them."""
+    return tl.X[:, NAMES.index(name)] if tl.cols is None else tl.cols[name]
+
 
 
 BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
-    "mem>90%": ("memory in use > 90 % of the effective limit", lambda tl: _col(tl, "mem_used_frac") > 0.90),
-    "mem>95%": ("memory in use > 95 % of the effective limit", lambda tl: _col(tl, "mem_used_frac") > 0.95),
+    "mem>90%": ("memory in use > 90 % of the effective limit", lambda tl: column(tl, "mem_used_frac") > 0.90),
+    "mem>95%": ("memory in use > 95 % of the effective limit", lambda tl: column(tl, "mem_used_frac") > 0.95),
     "time-to-full": (f"time to full at the 5 s memory slope < {HORIZON_S:g} s",
-                     lambda tl: _col(tl, "time_to_full_s") < HORIZON_S),
+                     lambda tl: column(tl, "time_to_full_s") < HORIZON_S),
     "next-step peak": ("estimated next-step peak > 100 % of the usable limit",
-                       lambda tl: np.nan_to_num(_col(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
+                       lambda tl: np.nan_to_num(column(tl, "next_peak_est_frac"), nan=0.0) > 1.0),
     "vramtop": ("vramtop's \"OOM in ~\" time-to-OOM alarm at its 1 s refresh (predict/vramtop.py, from its source)",
                 lambda tl: _vramtop(tl, False)),
     "vramtop+85%": ("vramtop's time-to-OOM alarm or its \"Low VRAM\" warning at >= 85 % (predict/vramtop.py)",
@@ -217,7 +222,7 @@ BASELINES: dict[str, tuple[str, Callable[[Timeline], np.ndarray]]] = {
 def _vramtop(tl: Timeline, any_warning: bool) -> np.ndarray:
     from gpuwatch.predict.vramtop import alarms
 
-    return alarms(tl.ts_us, _col(tl, "mem_used_frac"), _col(tl, "mem_headroom_gib"), any_warning)
+    return alarms(tl.ts_us, column(tl, "mem_used_frac"), column(tl, "mem_headroom_gib"), any_warning)
 ESTIMATOR_RULE = ("estimator alone", "P(a step within the horizon, or the largest step planned within the lookahead, peaks over the usable limit) >= 0.5 (predict/peak.py, predict/ahead.py; no learning)",
                   lambda tl: _estimator_part(tl))
 
@@ -226,7 +231,9 @@ def _estimator_part(tl: Timeline) -> np.ndarray:
     """The composite's own estimator part (one rule: RiskComposite.p_estimator), missing as 0."""
     from gpuwatch.predict.composite import RiskComposite
 
-    return np.nan_to_num(RiskComposite(None, 1.0, 1.0).p_estimator(tl.X), nan=0.0)
+    if tl.cols is None:
+        return np.nan_to_num(RiskComposite(None, 1.0, 1.0).p_estimator(tl.X), nan=0.0)
+    return np.nan_to_num(RiskComposite.estimator_part(*(tl.cols[n] for n in RiskComposite.ESTIMATOR)), nan=0.0)
 
 
 def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) -> dict[str, Metrics]:

@@ -175,8 +175,8 @@ def fit_set(fs: FitSet, seed: int = SEED, kind: str = "hgb-context", balance: bo
 def estimator_scores(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarray]:
     """The estimator's own probability per window (no learning): the composite's estimator part
     (`peak_cross_p`, or `ahead_cross_p` where higher); with `lookahead` False, the next step's only."""
-    i = NAMES.index("peak_cross_p")
-    return [E.ESTIMATOR_RULE[2](t) if lookahead else np.nan_to_num(t.X[:, i], nan=0.0) for t in tls]
+    return [E.ESTIMATOR_RULE[2](t) if lookahead else np.nan_to_num(E.column(t, "peak_cross_p"), nan=0.0)
+            for t in tls]
 
 
 def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float) -> list[np.ndarray]:
@@ -222,13 +222,18 @@ def scores_of(est, tls: list[Timeline]) -> list[np.ndarray]:
 
 
 def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=None, folds: int | None = None,
-                kind: str | None = None, balance: bool = True, jobs: int = 1, threads: int = FIT_THREADS
-                ) -> list[np.ndarray]:
+                kind: str | None = None, balance: bool = True, jobs: int = 1, threads: int = FIT_THREADS,
+                max_windows: int = MAX_WINDOWS) -> list[np.ndarray]:
     """Scores of each *recorded* timeline by a model that never saw its group (session or scenario):
     counterfactual copies train alongside their source, so a held-out session's copies are held out
     with it. With `folds`, groups are dealt round-robin into that many folds (grouped k-fold), else
     one fold each. Returns one array per timeline (empty for derived ones: never scored). `jobs` > 1:
-    the folds fit in that many processes, `threads` OpenMP threads each - the same scores as one."""
+    the folds fit in that many processes, `threads` OpenMP threads each - the same scores as one.
+    Each fold's training rows are the final fit's budget (predict/budget.py: at most `max_windows`) over the
+    timelines not in it, built where the fold runs; timelines on disk (dataset.on_disk) travel as their
+    files, and a held-out one is scored there from its windows' file - only the scores come back."""
+    from gpuwatch.predict.dataset import stub
+
     groups = sorted({key(t) for t in tls if not t.derived})
     if folds and folds < len(groups):
         fold_of = {g: i % folds for i, g in enumerate(groups)}
@@ -236,14 +241,15 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
         key = lambda t: f"fold {fold_of.get(k0(t), -1) + 1}"  # noqa: E731
         groups = sorted({key(t) for t in tls if not t.derived})
     out: list[np.ndarray] = [np.zeros(0)] * len(tls)
-    held = [[j for j, t in enumerate(tls) if key(t) == g and not t.derived] for g in groups]
+    keys = [key(t) for t in tls]
+    held = [[j for j, t in enumerate(tls) if keys[j] == g and not t.derived] for g in groups]
+    light = [stub(t) for t in tls]  # what a fold's training side needs: on-disk timelines as their files
 
-    def work():  # one fold's training data at a time (a generator: joblib takes them as workers free up)
+    def work():  # one fold at a time (a generator: joblib takes them as workers free up)
         for g, h in zip(groups, held):
-            train = [t for t in tls if key(t) != g]
-            X, y = _xy(train) if train else (np.empty((0, len(NAMES))), np.array([]))
-            yield (X, y, weights(train, balance) if len(set(y.tolist())) >= 2 else None,
-                   [tls[j].X for j in h], kind, threads)
+            train = [t for t, k in zip(light, keys) if k != g]
+            yield (train, [tls[j].X if tls[j].windows is None else tls[j].windows for j in h], kind, threads,
+                   balance, max_windows)
 
     from gpuwatch.predict.parallel import in_order
 
@@ -255,16 +261,29 @@ def out_of_fold(tls: list[Timeline], key: Callable[[Timeline], str], progress=No
     return out
 
 
-def fold_scores(X: np.ndarray, y: np.ndarray, w: np.ndarray | None, held: list[np.ndarray], kind: str | None,
-                threads: int = FIT_THREADS) -> list[np.ndarray] | None:
-    """One fold: the classifier fit on (X, y, w), its scores of each held-out timeline's windows; None
-    where the training side has one class only (w None). Run here or in a worker process alike."""
-    if w is None:
+def fold_scores(train: list[Timeline], held: list[np.ndarray | Path], kind: str | None, threads: int = FIT_THREADS,
+                balance: bool = True, max_windows: int = MAX_WINDOWS) -> list[np.ndarray] | None:
+    """One fold: the classifier fit on the budget's rows of `train` (predict/budget.py; `balance`: positives
+    weigh as much as negatives), its scores of each held-out timeline's windows (their features, or the file
+    that holds them: predict/shards.py, read one at a time); None where the training side has one class only.
+    Run here or in a worker process alike."""
+    fs = build(train, max_windows, SEED)
+    if len(set(np.unique(fs.y).tolist())) < 2:
         return None
     with fit_threads(threads):
         est = make_estimator(kind=kind)
-        _fit(est, X, y, w)
-        return [est.predict_proba(x)[:, 1] for x in held]
+        _fit(est, fs.X, fs.y, fs.weights(balance))
+        del fs
+        return [est.predict_proba(_windows(x))[:, 1] for x in held]
+
+
+def _windows(x: np.ndarray | Path) -> np.ndarray:
+    """A held-out timeline's features: given, or read from its file (predict/shards.py)."""
+    if isinstance(x, np.ndarray):
+        return x
+    from gpuwatch.predict.shards import read
+
+    return read(x)[4]
 
 
 @dataclass
@@ -302,15 +321,18 @@ def train(sessions: list[Path], out: Path, progress: Callable[[str], None] = pri
     `threads`: OpenMP threads per fit. The model's bytes are the same for any `jobs` or cluster. `sample`:
     the fits take the informative windows and a weighted sample of long quiet stretches
     (predict/sampling.py; evaluation scores every window). `features_dir`: every window's features kept there
-    as Parquet (predict/shards.py). `max_windows`: the final fit takes at most that many rows
-    (predict/budget.py); without evaluation the windows wait on disk for it, not in this process (on a
-    remote Dask cluster, whose workers' disks this process cannot read, they come back compacted instead)."""
+    as Parquet (predict/shards.py). `max_windows`: the final fit, and each cross-validation fold's, takes at
+    most that many rows (predict/budget.py); the windows wait on disk for them, not in this process - with
+    evaluation the folds score the recorded timelines' windows from disk too, and this process keeps of each
+    window only its time, label, score and the few features evaluation reads (on a remote Dask cluster, whose
+    workers' disks this process cannot read, the timelines come back whole instead, compacted without
+    evaluation)."""
     import tempfile
 
     from gpuwatch.predict.parallel import cluster
 
     with cluster(dask), tempfile.TemporaryDirectory(prefix="gpuwatch-fit-") as fit_dir:
-        on_disk = not evaluate and (not dask or dask.startswith("local:"))
+        on_disk = not dask or dask.startswith("local:")
         return _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counterfactual, command,
                     threads, jobs, sample, features_dir, max_windows, Path(fit_dir) if on_disk else None)
 
@@ -356,7 +378,7 @@ def _run(sessions, out, progress, stride, horizon_s, evaluate, threshold, counte
 def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=None, stride: int = 1,
            cfv: dict | None = None, command: str | None = None, library=None, first: list | None = None,
            par: dict | None = None, max_windows: int = MAX_WINDOWS) -> Report:
-    par = par or {}
+    par = {**(par or {}), "max_windows": max_windows}  # each fold's training rows: the final fit's budget
     by_session: E.Metrics | None = None
     by_scenario: E.Metrics | None = None
     threshold, why = (given, "given on the command line (no evaluation run)") if given else (0.5, "no evaluation run")
@@ -405,7 +427,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
                 E.event_metrics(real, oof_core, t_core, horizon_s, with_auc=True),
             "estimator + classifier, each at its operating point (shipped)": by_session,
         }
-        if any(np.isfinite(t.X[:, NAMES.index("ahead_cross_p")]).any() for t in real):
+        if any(np.isfinite(E.column(t, "ahead_cross_p")).any() for t in real):
             ablation["the same without the lookahead (next step only; predict/ahead.py)"] = E.event_metrics(
                 real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c), ALARM, horizon_s,
                 with_auc=True)
