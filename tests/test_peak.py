@@ -471,3 +471,25 @@ def test_the_plain_python_shapes_equal_numpys_to_the_bit():
             for x, y in zip(a[:3], b[:3]):
                 assert x.dtype == y.dtype and np.array_equal(x, y)
             assert a[3] == b[3]
+
+
+def test_an_accumulating_micro_batch_below_the_smallest_shape_keeps_the_optimizer_floor():
+    """Review of the below-range estimate: a micro-batch of an accumulating step was floored at 0 (the held bytes
+    standing for the gradients' phase) - but where the learned held bytes are small (a CUDA-graph pool loop of blind
+    set 2904: 7 micro-batches of 1), its peak came out 7 sigma above the estimate. The micro-batch and the held
+    bytes now reach everything allocated between steps together."""
+    from gpuwatch.predict.peak import fit_steps
+
+    st = pl.read_parquet(ROOT / "recordings" / "heldout-h200-2026-12-06-blind-2904"
+                         / "ho-04-loop-graphpool-b7-s384-768-e5" / "steps.parquet").sort("ts")
+    col = lambda c: st[c].cast(pl.Float64).to_numpy()  # noqa: E731
+    al, pk, mb, b, s = col("torch_allocated_bytes"), col("torch_peak_bytes"), col("micro_batches"), col("batch"), col("seq_len")
+    i = 78
+    assert mb[i] == 7 and b[i] == 7
+    j = np.arange(max(0, i - 64), i)
+    fit = fit_steps(b[j], s[j], mb[j], st["precision"].to_list()[j[0]:i], al[j], pk[j], col("step_time_s")[j],
+                    st["precision"][i], held=True)
+    assert fit.ut[0] > s[i]  # one row at this length: below every shape the window saw
+    fc = fit.at(1, s[i], 1e15, micro_batches=7)
+    measured = pk[i] - al[i - 1] + fit.alloc_now
+    assert measured <= fc.mean + 1.645 * fc.sigma

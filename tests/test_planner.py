@@ -226,7 +226,11 @@ def test_the_estimator_reads_a_real_session_and_checkpointing_lowers_only_the_ac
         assert abs(off[0] - seen[-1]["torch_peak_bytes"] / usable) < 0.05
     base = float(last["torch_allocated_bytes"]) / usable
     assert on[0] < off[0] and on[1] > off[1]
-    assert on[0] - base == pytest.approx(CKPT_ACT_PRIOR * (off[0] - base), rel=0.05, abs=0.01)
+    # x CKPT_ACT_PRIOR on the activations, but never below the gradients' and optimizer's phase (everything
+    # allocated between steps: the H200's checkpointed 10 x 512 peaked 31.9 GB over 31.6 allocated, not x 0.6)
+    act = off[0] - base
+    assert on[0] - base == pytest.approx(max(min(act, base), CKPT_ACT_PRIOR * act), rel=0.05, abs=0.01)
+    assert on[0] - base > CKPT_ACT_PRIOR * act + 0.02  # here the floor decides
 
 
 GUARDED_RAMP = "guard-h200-2026-12-06/ramp-train-gpuwatch"  # v2-lite train ramp under 100 GiB, the planner on

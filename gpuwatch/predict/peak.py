@@ -77,6 +77,9 @@ FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a m
 # first step, the shape library's weights / the usable limit (predict/prior.py), what the guard sizes that step with
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
+SCALED_BELOW_MIN_STEPS = 3  # the planner scales below the smallest shape only from this many steps (review of
+# ed76215: from a window of 1-2 steps - a loop's first steps, a graph pool's warm-up - whole steps came out up to
+# 3.8 sigma short; the old rule there)
 HELD_SIGMA_MEASURED, HELD_SIGMA_PRIOR = 0.05, 0.15  # of the held bytes: their spread, learned / the prior
 
 
@@ -168,12 +171,14 @@ class StepFit:
         "a smaller step needs no more" - the risk's features). A whole step's peak never falls below the phase
         that forms the gradients and runs the optimizer, whatever its tokens: everything allocated between
         steps bounds it (v2-lite train on the H200 at 2-4 x 512: 31.49 GB with 31.56 allocated; the small
-        preset at 2-3 x ~258: 0.96 GB with 1.02). A micro-batch of an accumulating step has no such floor
-        of its own: the held bytes added to it are those gradients."""
-        if not self.scaled_below:
+        preset at 2-3 x ~258: 0.96 GB with 1.02). A micro-batch of an accumulating step is floored so that
+        it and the held bytes added to it reach that floor together (review of ed76215: with a small learned
+        held - a graph pool's or a cache loop's 0.07-0.44 GB - a floor of 0 came out 15 times over 3 sigma
+        short in the recorded windows; this, 6 times over 1.645 sigma of 120, the worst 0.23 GB)."""
+        if not self.scaled_below or self.steps_seen < SCALED_BELOW_MIN_STEPS:
             return None
         if micro_batches > 1 and not self.held_folded:
-            return 0.0
+            return max(0.0, self.prior_held() - self.held_bytes()[0])
         return self.prior_held()
 
     def at(self, plan_batch: float, plan_seq: float, limit: float, horizon_s: float = 5.0,
