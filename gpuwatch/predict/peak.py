@@ -266,8 +266,7 @@ def _held(T: np.ndarray, S: np.ndarray, act: np.ndarray, acc: np.ndarray, alloc_
         fit = whole_by_len[s]
         if fit is None:
             continue
-        uk, med, ut, resid = fit
-        d.append(a - (float(med[0] * t / ut[0]) if t < ut[0] else activation_at(uk, med, ut, resid, t, s)[0]))
+        d.append(a - activation_at(*fit, t, s, floor=0.0)[0])  # below the smallest: in proportion, no floor
     if not d:
         return float("nan")
     return float(min(max(median(np.array(d)), 0.0), max(alloc_now, 0.0)))
@@ -386,7 +385,7 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
     proportional to tokens where there is one shape or the slope is not positive. Below them -> the
     smallest shape's (a smaller step does not need more); with a `floor` (the planner's estimate): in
     proportion to tokens but no less than min(floor, the smallest shape's), widened by a tenth of what
-    that saves - on 3,451 pairs of shapes in the recorded sessions (benchmarks/peak_below_range.py), the
+    that saves - on 3,452 pairs of shapes in the recorded sessions (benchmarks/peak_below_range.py), the
     smaller shape never came out above this estimate by more than 1.645 of its spread."""
     hit = np.where(uk == Tp * 1e6 + Sp)[0]
     if hit.size:
