@@ -13,6 +13,37 @@
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session40.sh a|b|c|h|g
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, b, c, h or g}"
+# the steps the parts share (each writes under $R and prints its exit code and the tail of its output)
+decode_tests() {  # issue 30's decode GPU tests (the CPU dry run: the moved-batch test alone)
+  local m="gpu" k=""; [ -n "${DRY:-}" ] && m="not gpu" && k="moved_batch"
+  echo "== decode GPU tests $(date +%T)"
+  timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$m" -k "$k" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed| MiB" "$R/decode_tests.txt" | tail -n 20
+}
+nocap_pairs() {  # SECONDS NAME ARGS...: issue 28's no-cap Trainer pairs, interleaved, into $R/NAME.jsonl
+  local t=$1 name=$2; shift 2
+  echo "== no-cap pairs, ${t} s $(date +%T)"
+  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner" --work /tmp/gw-s40 "$@" \
+    --arms "${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3}" \
+    > "$R/$name.jsonl" 2> "$R/$name.err"
+  echo "rc=$? $(date +%T)"; cut -c1-420 "$R/$name.jsonl"; tail -n 3 "$R/$name.err"
+  rm -rf /tmp/gw-s40 "$R/planner"
+}
+blind_set() {  # DEADLINE SLACK: issue 29's blind set of SEED (2904), the whole set within DEADLINE s
+  if [ -z "${DRY:-}" ]; then
+    OUT="$R" HELDOUT_DEADLINE_S=$1 timeout $(( $1 + $2 )) bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} ${SECS:-200} 2>&1 | tail -n 12
+  else
+    OUT="$R" HELDOUT_DRY=1 HELDOUT_DEADLINE_S=60 PYTHON=$PY bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} 8 2>&1 | tail -n 8
+  fi
+}
+score_run() {  # SECONDS: issue 31's `score` of ten hours, 1 and 16 processes (the dry run: five minutes, 1 and 2)
+  local sc="--minutes 600 --strides 5 --jobs 1,16,16"; [ -n "${DRY:-}" ] && sc="--minutes 5 --strides 5 --jobs 1,2"
+  echo "== score, $1 s $(date +%T)"
+  # shellcheck disable=SC2086  # sc is a list of arguments
+  timeout "$1" $PY benchmarks/bench_score.py $sc > "$R/score.json" 2> "$R/score.err"
+  echo "rc=$? $(date +%T)"; cat "$R/score.json"; tail -n 3 "$R/score.err"
+}
+
 case "${1:?a, b, c, h or g}" in
 a|g)
   if [ -z "${DRY:-}" ]; then
@@ -30,58 +61,23 @@ a|g)
   if [ "$1" = g ]; then
     t=$(( $(left) - 30 ))
     echo "== blind set ${SEED:-2904}, ${t} s $(date +%T)"
-    if [ -z "${DRY:-}" ]; then
-      OUT="$R" HELDOUT_DEADLINE_S=$t timeout $(( t + 20 )) bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} ${SECS:-200} 2>&1 | tail -n 12
-    else
-      OUT="$R" HELDOUT_DRY=1 HELDOUT_DEADLINE_S=60 PYTHON=$PY bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} 8 2>&1 | tail -n 8
-    fi
+    blind_set "$t" 20
     echo "part g done in $((SECONDS - T0)) s $(date +%T)"; exit 0
   fi
-  M="gpu"; K=""; [ -n "${DRY:-}" ] && M="not gpu" && K="moved_batch"
-  echo "== decode GPU tests $(date +%T)"
-  timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$M" -k "$K" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
-  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed| MiB" "$R/decode_tests.txt" | tail -n 20
-  t=$(( $(left) - 10 ))
-  echo "== no-cap pairs, ${t} s $(date +%T)"
-  # shellcheck disable=SC2086
-  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner" --work /tmp/gw-s40 $PL \
-    --arms "${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3}" \
-    > "$R/planner.jsonl" 2> "$R/planner.err"
-  echo "rc=$? $(date +%T)"; cut -c1-330 "$R/planner.jsonl"; tail -n 3 "$R/planner.err"
-  rm -rf /tmp/gw-s40 "$R/planner"
+  decode_tests
+  # shellcheck disable=SC2086  # PL is a list of arguments
+  nocap_pairs $(( $(left) - 10 )) planner $PL
   ;;
 b)
-  if [ -z "${DRY:-}" ]; then
-    OUT="$R" HELDOUT_DEADLINE_S=${HD:-400} timeout $(( ${HD:-400} + 25 )) bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} ${SECS:-200} 2>&1 | tail -n 12
-    SC="--minutes 600 --strides 5 --jobs 1,16,16"
-  else
-    OUT="$R" HELDOUT_DRY=1 HELDOUT_DEADLINE_S=60 PYTHON=$PY bash benchmarks/gpu_heldout.sh ${SEED:-2904} ${N:-5} 8 2>&1 | tail -n 8
-    SC="--minutes 5 --strides 5 --jobs 1,2"
-  fi
-  t=$(( $(left) - 5 ))
-  echo "== score, ${t} s $(date +%T)"
-  # shellcheck disable=SC2086
-  timeout "$t" $PY benchmarks/bench_score.py $SC > "$R/score.json" 2> "$R/score.err"
-  echo "rc=$? $(date +%T)"; cat "$R/score.json"; tail -n 3 "$R/score.err"
+  blind_set ${HD:-400} 25
+  score_run $(( $(left) - 5 ))
   ;;
 h)
-  M="gpu"; K=""; [ -n "${DRY:-}" ] && M="not gpu" && K="moved_batch"
-  echo "== decode GPU tests $(date +%T)"
-  timeout ${DT:-120} $PY -m pytest -q -p no:cacheprovider -m "$M" -k "$K" tests/test_decode.py -rA > "$R/decode_tests.txt" 2>&1
-  echo "rc=$? $(date +%T)"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed| MiB" "$R/decode_tests.txt" | tail -n 20
-  if [ -z "${DRY:-}" ]; then PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; SC="--minutes 600 --strides 5 --jobs 1,16,16"
-  else PL="--dry-run --arm-timeout 120"; SC="--minutes 5 --strides 5 --jobs 1,2"; fi
-  echo "== no-cap pairs, ${PT:-240} s $(date +%T)"
-  # shellcheck disable=SC2086
-  timeout ${PT:-240} $PY benchmarks/planner_curriculum.py --out "$R/planner" --work /tmp/gw-s40 $PL \
-    --arms "${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3}" \
-    > "$R/planner_h.jsonl" 2> "$R/planner_h.err"
-  echo "rc=$? $(date +%T)"; cut -c1-420 "$R/planner_h.jsonl"; tail -n 3 "$R/planner_h.err"
-  rm -rf /tmp/gw-s40 "$R/planner"
-  echo "== score $(date +%T)"
-  # shellcheck disable=SC2086
-  timeout ${ST:-100} $PY benchmarks/bench_score.py $SC > "$R/score.json" 2> "$R/score.err"
-  echo "rc=$? $(date +%T)"; cat "$R/score.json"; tail -n 3 "$R/score.err"
+  decode_tests
+  PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
+  # shellcheck disable=SC2086  # PL is a list of arguments
+  nocap_pairs ${PT:-240} planner_h $PL
+  score_run ${ST:-100}
   ;&
 c)
   if [ -z "${DRY:-}" ]; then P=v3-slice; V=baseline,compile=layer; B="--batch prefill=16 --batch prefill=32 --batch prefill=64 --batch prefill=128"
