@@ -231,9 +231,7 @@ def _estimator_part(tl: Timeline) -> np.ndarray:
     """The composite's own estimator part (one rule: RiskComposite.p_estimator), missing as 0."""
     from gpuwatch.predict.composite import RiskComposite
 
-    if tl.cols is None:
-        return np.nan_to_num(RiskComposite(None, 1.0, 1.0).p_estimator(tl.X), nan=0.0)
-    return np.nan_to_num(RiskComposite.estimator_part(*(tl.cols[n] for n in RiskComposite.ESTIMATOR)), nan=0.0)
+    return np.nan_to_num(RiskComposite.estimator_part(*(column(tl, n) for n in RiskComposite.ESTIMATOR)), nan=0.0)
 
 
 def baseline_metrics(timelines: list[Timeline], horizon_s: float = HORIZON_S) -> dict[str, Metrics]:
