@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 ARMS = ("planner", "unguarded", "threshold", "static", "autofind", "planner-nocap", "unguarded-nocap")
+# not in the default set: `planner-nocap-1hz`, the planner with the risk scored at 1 Hz instead of 5 (what the
+# scorer thread costs the steps where the guard need not act)
 LIGHTNING_ARMS = ("lightning-planner", "lightning-unguarded", "lightning-static")
 
 
@@ -220,6 +222,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
         gc = GuardConfig(mode="on") if arm != "threshold" else GuardConfig(mode="on", plan=False)
         gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"), guard_config=gc,
                               memory_limit=cap, sampler="thread" if dry else "process",
+                              **({"score_hz": 1.0} if arm.endswith("-1hz") else {}),
                               **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=cbs)
@@ -248,6 +251,10 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
            "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None}
     if gw is not None:
         res.update(ooms=gw.ooms, restarts=gw.restarts, restart_costs_s=[round(x, 2) for x in gw.restart_costs])
+        over = sorted(gw.step_overhead_s)
+        if over:  # gpuwatch's own time inside the steps (the guard, the bookkeeping), against the run's wall time
+            res.update(overhead_ms_p50=round(1e3 * over[len(over) // 2], 3), overhead_ms_max=round(1e3 * over[-1], 3),
+                       overhead_share=round(sum(over) / wall, 5) if wall > 0 else None)
         res.update(_guard_events(Path(a.out) / "sessions" / label.replace("#", "-")))
     else:
         res.update(ooms=(1 if died and "memory" in died.lower() else 0) + max(0, begins[0] - 1) * (arm == "autofind"),

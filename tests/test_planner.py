@@ -584,3 +584,24 @@ def test_the_h200_split_ran_where_the_estimate_put_it():
     (m, sd), = estimate(w, [(Config(7, False, "bf16", 3), 512)])
     ran = float(split["torch_peak_bytes"].median()) / usable_limit(limits(w).alloc_limit)
     assert abs(m - ran) < 0.1 * sd + 0.01 and sd < 0.08
+
+
+def test_with_the_planner_the_cache_is_released_only_where_the_coming_peak_nears_the_limit():
+    """A no-cap run fills the card's cache (95 % reserved) while its steps peak at ~64 %: the allocator frees
+    cached segments itself before it would fail, so a release there only makes the next steps allocate afresh
+    (H100 call s40h: one in every guarded no-cap Trainer run). With the planner's estimate of the coming steps
+    near the limit, or at the alarm, or with no estimate, the release stays."""
+    from gpuwatch.control.planner import Decision, Weighed
+    from gpuwatch.control.policy import Observation, Policy
+
+    def obs(mean, risk=0.05):
+        cur = Weighed(Config(16, False, "bf16"), 1, 2048, None if mean is None else Estimate(mean, 0.01), 0.0, True,
+                      70_000.0, False, 1.0)
+        return Observation(now_s=100.0, risk=risk, threshold=0.5, planned_batch=16, last_batch=16, ceiling=None,
+                           frag_frac=0.31, features={"mem_used_frac": 0.95},
+                           decision=Decision(cur, cur, (cur,), False, False, "kept"))
+
+    assert Policy(GuardConfig()).decide(obs(0.64)).kind == "none"
+    assert Policy(GuardConfig()).decide(obs(0.86)).kind == "release_cache"  # 0.86 + 1.645 x 0.01 >= 0.85
+    assert Policy(GuardConfig()).decide(obs(0.64, risk=0.6)).kind == "release_cache"  # at the alarm
+    assert Policy(GuardConfig()).decide(obs(None)).kind == "release_cache"  # no estimate: as before

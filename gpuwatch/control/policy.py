@@ -100,6 +100,16 @@ def _lower(obs: Observation) -> tuple[Precision, ...]:
     return lower_precisions(obs.precision, obs.bf16_ok)
 
 
+def _coming_near(decision: Any, near: float) -> bool:
+    """The planner's estimate of the coming steps' peak (its upper 95 %) reaches `near` of the usable limit,
+    or there is none. Only then is the cache released ahead of need: where the coming peak stays below, the
+    caching allocator itself frees the cached segments no step uses before it would fail (a release then
+    only makes the next steps allocate afresh - H100 call s40h: one release in every no-cap Trainer run,
+    with a coming peak of ~64 % of the card)."""
+    est = getattr(getattr(decision, "current", None), "peak", None)
+    return est is None or est.mean + 1.645 * est.sigma >= near
+
+
 def _can(obs: Observation, kind: ActionKind) -> bool:
     return obs.accepts is None or kind in obs.accepts
 
@@ -195,7 +205,7 @@ class Policy:
             self._low_since = None
             if obs.decision.change:
                 return Action("plan", obs.decision.chosen.config, obs.decision.why)
-            return self._fragmented(obs, alarm) or NONE
+            return (self._fragmented(obs, alarm) if alarm or _coming_near(obs.decision, self.cfg.frag_used) else None) or NONE
         if alarm:  # a smaller micro-batch lowers the peak for sure; the cache's release comes after it
             self._low_since = None
             act = self._reduce(obs)

@@ -66,6 +66,7 @@ class GpuwatchCallback(TrainerCallback):
         self._lens: list[int] = []  # the sequence lengths of the last steps (the next one's estimate)
         self._restart_t0: float | None = None  # when the last restart was asked for (its cost runs to the next step)
         self.restart_costs: list[float] = []  # seconds per restart: checkpoint save, stop, load, resume
+        self.step_overhead_s: list[float] = []  # gpuwatch's own time after each step (record, decide): the last 1,000
 
     # -- Trainer events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kw):
@@ -101,6 +102,7 @@ class GpuwatchCallback(TrainerCallback):
         self.loop.record_step(e, self._seq(args, state, e), args.gradient_accumulation_steps, dt,
                               loss=_last_loss(state))
         self._decide(args, state, control)
+        self.step_overhead_s = (self.step_overhead_s + [time.perf_counter() - now])[-1000:]
         return control
 
     def on_train_end(self, args, state, control, **kw):

@@ -65,7 +65,7 @@ class GuardedLoop:
                  risk_model: str | Path | None = None, use_model: bool = True, threshold: float | None = None,
                  source: str | None = None, gpu_index: int | None = None, sampler: str = "process",
                  interval_s: float = 0.1, record_loss: bool = True, label: str = "user loop",
-                 checkpointing: Callable[[bool], Any] | None = None) -> None:
+                 checkpointing: Callable[[bool], Any] | None = None, score_hz: float | None = None) -> None:
         """`memory_limit` (bytes) caps this process's CUDA memory (set_per_process_memory_fraction) and
         is what the risk is measured against; `checkpoint(step)` is called before a clean stop;
         `precision` is what your loop runs (the guard may switch fp32 to bf16 autocast when
@@ -73,7 +73,8 @@ class GuardedLoop:
         `gpu_index` ties the loop to one of its GPUs. `checkpointing(on)`: your switch for activation
         checkpointing, where the model is not a transformers model (whose own switch is used); with either,
         the planner may turn it on to keep the batch (control/planner.py). `precision` is read from an
-        autocast around `step()` where there is one."""
+        autocast around `step()` where there is one. `score_hz`: how often the risk is scored (default 5 Hz;
+        the planner's estimates between steps do not wait for it)."""
         self.model, self.optimizer, self.checkpoint = model, optimizer, checkpoint
         self.device = torch.device(device) if device is not None else _device_of(model)
         self.precision = precision
@@ -122,7 +123,7 @@ class GuardedLoop:
             cfg = replace(cfg, mode=guard, rule=rule)
         self.session_config = SessionConfig(
             record_dir=Path(record_dir) if record_dir is not None else None, name=name, source=source,
-            sampler=sampler, interval_s=interval_s, guard=cfg,
+            sampler=sampler, interval_s=interval_s, guard=cfg, score_hz=score_hz,
             model=ModelChoice(path=Path(risk_model) if risk_model else None, enabled=use_model, threshold=threshold))
         self.session: Session | None = None
 
