@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import polars as pl
 import pytest
 
 from gpuwatch.contract import Action, Config, StepPlan, WorkloadView, expand_plan
@@ -13,6 +14,7 @@ from gpuwatch.control.guard import Guard
 from gpuwatch.control.planner import Estimate, Planner
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.telemetry.bus import Bus
+from conftest import ROOT
 from support.guard_stub import StubWorkload
 
 
@@ -605,3 +607,26 @@ def test_with_the_planner_the_cache_is_released_only_where_the_coming_peak_nears
     assert Policy(GuardConfig()).decide(obs(0.86)).kind == "release_cache"  # 0.86 + 1.645 x 0.01 >= 0.85
     assert Policy(GuardConfig()).decide(obs(0.64, risk=0.6)).kind == "release_cache"  # at the alarm
     assert Policy(GuardConfig()).decide(obs(None)).kind == "release_cache"  # no estimate: as before
+
+
+def test_the_pace_learns_a_moes_per_micro_batch_cost_where_k_and_the_tokens_changed_together():
+    """H200 call s40g, the planner's own recorded steps: 16 whole (0.51 s) then 3 x 7 of 20 (0.84 s). Each
+    extra micro-batch of v2-lite cost 0.153 s there (the threshold arm's 2 x 10 and 20 whole beside it); the fit
+    over a constant, k and the tokens cannot tell three terms from two shapes and gave 0.006 s, so 20 whole
+    came out slower than it ran (0.81 s against 0.67). The run's first step (3.47 s of warm-up) is not learned."""
+    from gpuwatch.recording.reader import open_recording
+
+    steps = open_recording(ROOT / "recordings/guard-h200-2026-12-06/ramp-train-gpuwatch-s40g").steps
+    p = Planner()
+    for i, r in enumerate(steps.iter_rows(named=True), 1):
+        k = int(r["micro_batches"])
+        p.observe(WorkloadView(gpu=0, ceiling=None, last_ok_batch=math.ceil(r["batch"] / k), floor=1,
+                               last_step_time_s=r["step_time_s"], last_tokens=r["batch"] * r["seq_len"],
+                               last_seq_len=r["seq_len"], steps=i, last_checkpointing=False), r["precision"])
+    t = p.times
+    assert sum(len(d) for d in t.obs.values()) == steps.height - 1  # the warm-up step left out
+    assert 0.08 < t.per_micro_s() < 0.2
+    ran = {k: float(steps.filter(pl.col("micro_batches") == k)["step_time_s"].tail(10).median()) for k in (3,)}
+    assert t.step_time(False, "bf16", 3, 20 * 512, 512) == pytest.approx(ran[3], rel=0.05)
+    assert t.step_time(False, "bf16", 1, 20 * 512, 512) == pytest.approx(0.673, rel=0.1)  # 20 whole, thresholds arm
+    assert t.step_time(False, "bf16", 2, 20 * 512, 512) == pytest.approx(0.688, rel=0.1)  # 2 x 10, thresholds arm

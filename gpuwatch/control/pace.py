@@ -10,7 +10,7 @@ checkpointing's recompute adds:
   seq (attention grows with the length), non-negative coefficients, the constant and the length term kept
   only where the observations spread enough to say them;
 - the per-micro-batch cost is measured where one group ran at two micro-batch counts (a least-squares
-  coefficient on k); until then a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
+  coefficient on k, over the terms the steps' shapes can tell apart: `_micro_design`); until then a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
   4 and 7): a 0.32 B Llama's static 4 x 4 ran at 96 % of the tokens/s of 16 x 1 on the same curriculum,
   which is 1.3 % of a 16-row micro-batch per extra micro-batch. The earlier prior (10 % of the time, as
   a + b x tokens with a one tenth) made 8 x 2 look 9 % slower than 16 x 1, and the planner took
@@ -60,17 +60,10 @@ class StepTimes:
 
     def _per_micro_s(self) -> float | None:
         for d in sorted(self.obs.values(), key=len, reverse=True):
-            ks = {o.k for o in d}
-            if len(ks) >= 2:
-                toks, seqs = [o.tokens for o in d], [o.seq for o in d]
-                cols = [lambda o: 1.0, lambda o: float(o.k)]  # the terms the steps' spread can tell apart
-                if max(toks) > 1.2 * min(toks):
-                    cols.append(lambda o: o.tokens)
-                    if max(seqs) > 1.2 * min(seqs):
-                        cols.append(lambda o: o.tokens * o.seq)
-                coef = _nnls([[f(o) for f in cols] for o in d], [o.dt for o in d])
+            if len({o.k for o in d}) >= 2:
+                coef = _nnls(*_micro_design(list(d)))
                 if coef is not None:
-                    return coef[1]
+                    return coef[0]
         every = [o.dt / o.k for d in self.obs.values() for o in d]
         return PER_MICRO_PRIOR * _median(every) if every else None
 
@@ -107,6 +100,26 @@ class StepTimes:
             return None
         w = _eval(line, tokens, seq)
         return w * CKPT_TIME_PRIOR if ckpt else w / CKPT_TIME_PRIOR
+
+
+def _micro_design(d: list[Obs]) -> tuple[list[list[float]], list[float]]:
+    """The per-micro-batch fit's rows (k first) and step times. A term is kept only where the steps can tell
+    it from the others: the tokens where they spread, then the constant (a per-step cost) and the length term
+    only while there are more distinct step shapes than terms. With two shapes - H200 call s40g: 16 whole, then
+    3 x 7 of 20, the micro-batch count and the tokens changed together - k, the tokens and a constant cannot all
+    be told apart, and the solver gave the tokens nearly all of it (0.006 s a micro-batch against 0.153 measured
+    across three configurations); without the constant (a per-step cost read as a per-micro-batch one) the same
+    steps give 0.11 s."""
+    toks, seqs = [o.tokens for o in d], [o.seq for o in d]
+    shapes = len({(o.k, round(o.tokens), round(o.seq)) for o in d})
+    cols = [lambda o: float(o.k)]
+    if max(toks) > 1.2 * min(toks):
+        cols.append(lambda o: o.tokens)
+    if shapes > len(cols):
+        cols.append(lambda o: 1.0)
+    if len(cols) == 3 and max(seqs) > 1.2 * min(seqs) and shapes > len(cols):
+        cols.append(lambda o: o.tokens * o.seq)
+    return [[f(o) for f in cols] for o in d], [o.dt for o in d]
 
 
 def _fit(g: list[Obs], pm: float) -> tuple[float, float, float] | None:

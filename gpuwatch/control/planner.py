@@ -123,11 +123,12 @@ class Planner:
         """Learn the last step (once per step): its time per micro-batch in its configuration."""
         if view.steps <= self._steps_seen:
             return
-        self._steps_seen = view.steps
+        first = self._steps_seen == 0 and view.steps <= 1  # the run's first step: CUDA's and the framework's
+        self._steps_seen = view.steps                     # warm-up (H200 s40g: 3.47 s, then 0.51 s a step)
         if view.last_seq_len:
             self.lens.append(int(view.last_seq_len))
         dt, tok, micro, s = view.last_step_time_s, view.last_tokens, view.last_ok_batch, view.last_seq_len
-        if not (dt and dt > 0 and tok and micro and s):
+        if first or not (dt and dt > 0 and tok and micro and s):
             return
         n = max(1, round(tok / s))
         k = math.ceil(n / micro)
