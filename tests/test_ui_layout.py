@@ -13,7 +13,7 @@ from gpuwatch.ui.app import make_app
 from gpuwatch.ui.screens import HelpScreen, TooSmallScreen
 
 from conftest import RAMP
-from uihelpers import live_source, screen_lines
+from uihelpers import live_source, screen_lines, settled_lines
 
 GUARDED = RAMP.parent / "sample-h200-guard-ramp-train"
 REPLAY_FOOTER = "q quit  ? help  space play/pause  [ ] ±10s  - + speed  n next event  g go to"
@@ -27,13 +27,11 @@ async def test_replay_footer_is_whole_at_80_columns():
     """It read `+ faste▏^p palette`: the palette's key covered the last keys."""
     app = make_app(ReplaySource(RAMP))
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.1)
-        footer = screen_lines(app)[-1]
+        footer = (await settled_lines(pilot, app, lambda ls: bool(ls and ls[-1].strip())))[-1]
         assert footer.strip() == REPLAY_FOOTER, footer
     app = make_app(ReplaySource(RAMP))
     async with app.run_test(size=(160, 50)) as pilot:  # room for it: the palette's key too
-        await pilot.pause(0.1)
-        footer = screen_lines(app)[-1]
+        footer = (await settled_lines(pilot, app, lambda ls: bool(ls and ls[-1].strip())))[-1]
         assert footer.strip().startswith(REPLAY_FOOTER) and footer.rstrip().endswith("^p palette"), footer
 
 
@@ -52,8 +50,7 @@ async def test_live_footer_with_a_workload_and_a_guard_is_whole_at_80_columns():
     src, bus = live_source()
     app = make_app(src, session=_fake_session(bus))
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.1)
-        footer = screen_lines(app)[-1]
+        footer = (await settled_lines(pilot, app, lambda ls: bool(ls and ls[-1].strip())))[-1]
         assert not _cut(footer), footer
         for key in ("q quit", "? help", "space pause view", "+ batch+", "- batch-", "p precision", "m mark"):
             assert key in footer, (key, footer)
@@ -105,15 +102,15 @@ async def test_risk_line_says_once_why_there_is_no_risk():
     scored; headroom 100.0% (100 …`: two reasons, and cut."""
     app = make_app(ReplaySource(GUARDED))
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.1)
-        line = next(ln for ln in screen_lines(app) if ln.startswith("risk"))
+        lines = await settled_lines(pilot, app, lambda ls: any(ln.startswith("risk") for ln in ls))
+        line = next(ln for ln in lines if ln.startswith("risk"))
         assert line.startswith("risk: not scored yet at this moment; headroom "), line
         assert "no risk scored" not in line and line.count("risk") == 1 and not _cut(line), line
     src, _ = live_source()  # no model anywhere: said once too
     app = make_app(src)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.1)
-        line = next(ln for ln in screen_lines(app) if ln.startswith("risk"))
+        lines = await settled_lines(pilot, app, lambda ls: any(ln.startswith("risk") for ln in ls))
+        line = next(ln for ln in lines if ln.startswith("risk"))
         assert line.startswith("risk: no risk scored; headroom "), line
 
 
@@ -171,6 +168,6 @@ async def test_replay_of_a_session_without_its_steps_file_says_so(tmp_path):
     for path, want in ((d, "workload: steps table missing"), (RAMP, "workload: recorded")):
         app = make_app(ReplaySource(path))
         async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.pause(0.1)
-            work = next(ln for ln in screen_lines(app) if ln.startswith("work"))
+            lines = await settled_lines(pilot, app, lambda ls: any(ln.startswith("work") for ln in ls))
+            work = next(ln for ln in lines if ln.startswith("work"))
             assert work.strip() == want, work

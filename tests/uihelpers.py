@@ -70,3 +70,17 @@ def screen_lines(app) -> list[str]:
             if 0 <= int(line) < h and 0 <= col + i < w:
                 rows[int(line)][col + i] = ch
     return ["".join(r).rstrip() for r in rows]
+
+
+async def settled_lines(pilot, app, ready, timeout: float = 10.0) -> list[str]:
+    """The screen's rows once `ready(rows)` holds (polled every 50 ms, up to `timeout` s), else the last
+    rows read: on a loaded 2-core CI runner the first frame can come later than a fixed 0.1 s pause
+    (the replay footer read empty there once)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        lines = screen_lines(app)
+        if ready(lines) or time.monotonic() > end:
+            return lines
+        await pilot.pause(0.05)
