@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 41's GPU calls (each part dry-run on the CPU with DRY=1 before it is spent):
+#   a: issue 28 - the no-cap Trainer pairs after the cache-release gate (f0ea353: no release unless the coming
+#      peak nears the limit), interleaved p, u, p1, u, p, p1, u, p, u, p with the scorer at 1 Hz as a third arm
+#      (p1: what the scorer costs), 256 -> 2,048 tokens, 60 steps (as s40h); then, on an H200 only, ramp-train
+#      with the planner then the threshold rule after the pace fix (396b383: the per-micro-batch cost learned)
+#   b: issue 29 - the fifth blind set (seed 2905), recorded after the trend change, with the rest of TOTAL
+#   c: issue 30 - v3-slice prefill at 64, 96 and 128 x 512 on the H200 (s40h's sweep ran on an H100: 49.9 %),
+#      the baseline and compile=layer, 5 timed steps each
+#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session41.sh a|b|c
+set -u
+. benchmarks/session_env.sh "${1:?the part: a, b or c}"
+. benchmarks/session_fns.sh
+on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
+
+case "$1" in
+a)
+  PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
+  # shellcheck disable=SC2086  # PL is a list of arguments
+  PARMS=planner-nocap,unguarded-nocap,planner-nocap-1hz,unguarded-nocap#2,planner-nocap#2,planner-nocap-1hz#2,unguarded-nocap#3,planner-nocap#3,unguarded-nocap#4,planner-nocap#4 \
+    nocap_pairs ${PT:-330} planner $PL
+  if on_h200 && [ "$(left)" -gt 130 ]; then GT=$(( $(left) - 15 )) guard_ramp gpuwatch,gpuwatch-thresholds s41-guard
+  else echo "ramp-train skipped (not an H200, or $(left) s left)"; fi
+  ;;
+b)
+  SEED=${SEED:-2905} blind_set $(( $(left) - 35 )) 20
+  ;;
+c)
+  VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  ;;
+esac
+echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
