@@ -282,7 +282,11 @@ def _guard_events(session: Path) -> dict:
             c = det.get("chosen") or {}
             plans.append({k2: c.get(k2) for k2 in ("micro_batch", "checkpointing", "seq_len", "peak_frac", "restart")})
     ck = rec.steps["checkpointing"].to_list() if "checkpointing" in rec.steps.columns else []
-    return {"guard_actions": acts, "plans": plans[:20], "oom_events": kinds.count("oom"),
+    # the guard resets torch's peak counter every step, so the process's own figure at the end is the last step's:
+    # the run's peak is the highest of the recorded steps'
+    pk = rec.steps["torch_peak_bytes"].max() if "torch_peak_bytes" in rec.steps.columns else None
+    out = {} if pk is None else {"peak_allocated_gib": round(float(pk) / 2**30, 2)}
+    return out | {"guard_actions": acts, "plans": plans[:20], "oom_events": kinds.count("oom"),
             "steps_with_checkpointing": sum(1 for x in ck if x), "session": str(session)}
 
 
