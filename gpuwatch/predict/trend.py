@@ -10,8 +10,8 @@ a CUDA-graph pool per captured batch size, memory kept across a ramp's restarts 
   same shape (batch x sequence length); the sum of those differences over the sum of the times between
   them. A steady run: 0; a ramp alone: 0 (each shape's steps hold the same); memory that stays and grows:
   its rate in time, whatever the steps in between did;
-- `frag_held_frac`: torch reserved minus the highest peak of the last steps - cached memory that even the
-  step at its peak did not use - over torch's limit. The usable limit is taken net of it where the steps
+- `frag_held_frac`: torch reserved minus the highest peak of the steps since the reserve last changed -
+  cached memory that even the step at its peak did not use - over torch's limit. The usable limit is taken net of it where the steps
   show the cache is not reused: the allocator can give that memory back only where whole segments are
   free, and a fragmented cache's are not - beyond the usable limit's own margin, which is there for the same
   rounding and splits (so with no reuse the room is what the reserve can still grow). Where the peak grew and the reserve did not grow with it (the
@@ -23,6 +23,9 @@ a CUDA-graph pool per captured batch size, memory kept across a ramp's restarts 
   at the same-shape rate: (usable - held - planned peak) / rate;
 - `trend_cross_p`: P(that happens within the horizon), 1 / (1 + (ttf / horizon)^4): 0.5 at the horizon,
   ~0.94 at half of it - a probability the risk composite reads beside the estimator's (predict/composite.py).
+
+The steps read are those after the window's last OOM (features.py `_since_last_oom`): a recovery changes
+what runs, and growth measured across it is not the growth of now.
 
 Pure numpy on the window's step arrays; the same in training, replay and live scoring.
 """
@@ -85,12 +88,22 @@ def reserved_slope(t: np.ndarray, res: np.ndarray) -> float | None:
 
 
 def held(res: np.ndarray, peak: np.ndarray) -> float | None:
-    """Reserved after the last step minus the highest peak of the last HELD_STEPS steps (bytes, >= 0)."""
-    pk = peak[-HELD_STEPS:]
-    pk = pk[np.isfinite(pk)]
-    if not pk.size or not math.isfinite(res[-1]):
+    """Reserved after the last step minus the highest peak among the steps since the reserve last changed
+    (bytes, >= 0): cache that no step at this reserve used. Not the last few steps' peaks: with random
+    lengths the long step that grew the reserve is often not among them, and its cache - reused whenever
+    that length comes again - read as held (blind set 2904's `ho-03`, a bounded cache per new length: the
+    trend put the planned step over the limit at once, trend_cross_p 1, four false alarms)."""
+    r = res[-1]
+    if not math.isfinite(r):
         return None
-    return max(0.0, float(res[-1]) - float(pk.max()))
+    i = res.size - 1
+    while i > 0 and res[i - 1] == r:
+        i -= 1
+    pk = peak[i:]
+    pk = pk[np.isfinite(pk)]
+    if not pk.size:
+        return None
+    return max(0.0, float(r) - float(pk.max()))
 
 
 def reuse(peak: np.ndarray, res: np.ndarray) -> float:
