@@ -16,7 +16,7 @@ agreement is said per session, and a session below 99 % is left unchanged. Sessi
 
     gpuwatch backfill recordings/*/ recordings/h200-*/*/            # rewrites steps.parquet
     gpuwatch backfill --check recordings/...                        # only prints the agreement
-    gpuwatch backfill --compare recordings/heldout-h200-*/*/        # live columns vs the replay
+    gpuwatch backfill --compare recordings/heldout-*/*/        # live columns vs the replay
     gpuwatch backfill --refill recordings/...                       # again, where the rule changed
 
 The lookahead ends where the run did (`--steps`, `--duration` from the session's start: `run_end`), as the

@@ -201,7 +201,7 @@ def cmd_eval(args) -> int:
 
         out = first_step.report(default_sessions(REPO), paths, model_path, say=print)
     elif not paths:
-        raise UsageError("no sessions given and none held out under recordings/heldout-h200-*/")
+        raise UsageError("no sessions given and none held out under recordings/heldout-*/")
     else:
         out = heldout.evaluate(paths, model_path, stride=args.stride, use_prior=not args.no_prior, say=print,
                                warn=lambda w: status(f"warning: {w}"))

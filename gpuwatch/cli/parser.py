@@ -303,13 +303,13 @@ def _add_eval(sub) -> None:
     ev = sub.add_parser(
         "eval", help="score a risk model on held-out sessions (the model card's held-out figures)",
         description="Score a risk model on sessions it never trained on (default: the shipped held-out H200 "
-                    "sessions, recordings/heldout-h200-*/): recall, false alarms per healthy hour, near the "
+                    "sessions, recordings/heldout-*/): recall, false alarms per healthy hour, near the "
                     "limit, lead time: the model per session, then per set (the folder a session lies in) and in "
                     "all the model, the model without the lookahead and without the trend, every baseline, and "
                     "the model at each baseline's own near-limit false-alarm rate. "
                     "--first-step: what the shape library says of each session's first step, against what happened.")
     ev.add_argument("sessions", nargs="*", type=Path, metavar="SESSION",
-                    help="session folders (default: every session under recordings/heldout-h200-*/)")
+                    help="session folders (default: every session under recordings/heldout-*/)")
     ev.add_argument("--set", action="append", type=Path, default=[], metavar="DIR", dest="sets",
                     help="every session under DIR, one set (repeatable; e.g. a blind held-out set)")
     ev.add_argument("--per-session", action="store_true",

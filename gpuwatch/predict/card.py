@@ -117,7 +117,7 @@ def write_card(rep, max_fa_per_hour: float, command: str) -> None:
         "",
         "Labels are strict: an alarm the guard acted on in a guarded session (it refused the step the model said",
         "would fail, so no OOM followed) counts as a false alarm. Sessions that neither training nor any design",
-        "choice saw: `gpuwatch eval` scores this model on recordings/heldout-h200-*/",
+        "choice saw: `gpuwatch eval` scores this model on recordings/heldout-*/",
         "(docs/BENCHMARKS.md, issue 20, has its figures).",
         "",
     ]

@@ -1,5 +1,5 @@
 """`gpuwatch eval`: a risk model scored on sessions it never trained on and no design choice looked at - by
-default the held-out H200 sessions of recordings/heldout-h200-*/ (`gpuwatch train` reads only
+default the held-out sessions (H200; one blind set, 2905, recorded on an H100) of recordings/heldout-*/ (`gpuwatch train` reads only
 recordings/sample-h200-* and recordings/h200-*; see recordings/README.md); or the sessions named, or every
 session under each `--set DIR` (a blind set of benchmarks/gpu_heldout.sh). The model's line for every
 session, then for every set (the folder a session lies in; a blind set's DIR/sessions is named by DIR) and,
@@ -26,10 +26,10 @@ BASELINE = "baseline: "
 
 
 def heldout_sessions(root: Path) -> list[Path]:
-    """Every session folder under root/recordings/heldout-h200-*/, sorted (none outside a checkout)."""
+    """Every session folder under root/recordings/heldout-*/, sorted (none outside a checkout)."""
     from gpuwatch.predict.dataset import is_session
 
-    return sorted(p for d in (root / "recordings").glob("heldout-h200-*") for p in d.iterdir() if is_session(p))
+    return sorted(p for d in (root / "recordings").glob("heldout-*") for p in d.iterdir() if is_session(p))
 
 
 def set_name(session: Path) -> str:
