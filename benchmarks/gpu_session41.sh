@@ -8,9 +8,11 @@
 #   c: issue 30 - v3-slice prefill at 64, 96 and 128 x 512 on the H200 (s40h's sweep ran on an H100: 49.9 %),
 #      the baseline and compile=layer, 5 timed steps each; first (RAMP=1) part a's ramp-train, which part a
 #      skipped on an H100 (both arms in the call: they compare on either card)
+#   d: what fits when the sweep cannot have an H200: c's ramp-train, then issue 31's fit of 40x the shipped set
+#      on the host's 16 cores (`bench_train.py --copies 40 --jobs 16 --no-eval`; s40i ran 30x)
 #   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session41.sh a|b|c
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, b or c}"
+. benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
 . benchmarks/session_fns.sh
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 
@@ -25,6 +27,15 @@ a)
   ;;
 b)
   SEED=${SEED:-2905} blind_set $(( $(left) - 35 )) 20
+  ;;
+d)
+  GT=${GT:-170} guard_ramp gpuwatch,gpuwatch-thresholds s41-guard
+  t=$(( $(left) - 10 ))
+  echo "== train ${COPIES:-40}x, ${t} s $(date +%T)"
+  cp="--copies ${COPIES:-40} --jobs 16 --no-eval"; [ -n "${DRY:-}" ] && cp="--copies 1 --jobs 2 --no-eval"
+  # shellcheck disable=SC2086  # cp is a list of arguments
+  timeout "$t" $PY benchmarks/bench_train.py $cp > "$R/train.json" 2> "$R/train.err"
+  echo "rc=$? $(date +%T)"; cat "$R/train.json"; tail -n 3 "$R/train.err"
   ;;
 c)
   # the ramp-train's two arms in one call compare on any card whose memory holds its 72 GiB cap
