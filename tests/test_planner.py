@@ -630,3 +630,33 @@ def test_the_pace_learns_a_moes_per_micro_batch_cost_where_k_and_the_tokens_chan
     assert t.step_time(False, "bf16", 3, 20 * 512, 512) == pytest.approx(ran[3], rel=0.05)
     assert t.step_time(False, "bf16", 1, 20 * 512, 512) == pytest.approx(0.673, rel=0.1)  # 20 whole, thresholds arm
     assert t.step_time(False, "bf16", 2, 20 * 512, 512) == pytest.approx(0.688, rel=0.1)  # 2 x 10, thresholds arm
+
+
+def test_a_resumed_runs_first_step_is_its_warm_up_too():
+    """The warm-up skip was tied to step 1: a run resumed from a checkpoint at step 500 learned its 3.47 s
+    warm-up step as the pace of its configuration (review of 396b383)."""
+    p = Planner()
+    for i, dt in enumerate((3.47, 0.51, 0.52), 501):
+        p.observe(WorkloadView(gpu=0, ceiling=None, last_ok_batch=16, floor=1, last_step_time_s=dt,
+                               last_tokens=16 * 512, last_seq_len=512, steps=i, last_checkpointing=False), "bf16")
+    assert [o.dt for d in p.times.obs.values() for o in d] == [0.51, 0.52]
+
+
+def test_a_ramp_under_a_ceiling_does_not_measure_a_per_micro_batch_cost():
+    """A ramp at a fixed micro-batch of 4: k grows with the tokens, so a micro-batch's own cost and its work
+    cannot be told apart - noisy lengths gave anything from 0 to 0.3 s a micro-batch (true: 0.05 s). The
+    prior stands until the micro-batch's size changes too; and a fit that clips k's cost to 0 gives the prior."""
+    import random
+
+    from gpuwatch.control.pace import PER_MICRO_PRIOR, StepTimes
+
+    rnd = random.Random(7)
+    t = StepTimes()
+    for b in (8, 12, 16, 20, 24, 28, 32) * 3:
+        k, seq = b // 4, 512 * rnd.uniform(0.99, 1.01)
+        t.add(False, "bf16", k, b * seq, seq, (0.1 + k * 0.05 + b * seq * 2e-5) * rnd.uniform(0.98, 1.02))
+    every = [o.dt / o.k for d in t.obs.values() for o in d]
+    assert t.per_micro_s() == pytest.approx(PER_MICRO_PRIOR * sorted(every)[len(every) // 2], rel=0.05)
+    t.add(False, "bf16", 1, 8 * 512, 512, 0.1 + 0.05 + 8 * 512 * 2e-5)  # 8 whole: another micro-batch size
+    t.add(False, "bf16", 1, 16 * 512, 512, 0.1 + 0.05 + 16 * 512 * 2e-5)
+    assert 0.02 < t.per_micro_s() < 0.1

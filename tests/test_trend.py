@@ -246,3 +246,14 @@ def test_growth_before_an_oom_is_not_carried_past_it():
     ts = np.array([1, 2, 4, 6, 8, 10], dtype=np.float64) * 1e6
     assert _since_last_oom(ev, ts) == 5 and _since_last_oom(ev.head(0), ts) == 0
     assert _since_last_oom(ev, ts[:4]) == 4  # an OOM after the last step: no step is of now
+
+
+def test_a_small_segment_after_the_long_step_keeps_its_peak_in_view():
+    """Reserved read with ==: one 2 MiB small-pool segment after the step that grew the reserve restarted the
+    steps compared, and its peak dropped out of them (held 6 GiB for 0.2). Within RESERVE_SAME it is the same reserve."""
+    res = np.array([10.0, 14.0, 14.0, 14.0, 14.0, 14.0, 14.0, 14.0]) * GiB
+    res[4:] += 2 * 2**20
+    peak = np.array([9.0, 13.8, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]) * GiB
+    assert T.held(res, peak) == pytest.approx(0.2 * GiB + 2 * 2**20)
+    res[-1] += 1 * GiB  # a real rise: the steps since it
+    assert T.held(res, peak) == pytest.approx(res[-1] - 8 * GiB)

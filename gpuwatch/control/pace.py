@@ -9,8 +9,10 @@ checkpointing's recompute adds:
 - `work` is fitted to the steps that ran, per (checkpointing, precision) group: a + b x tokens + c x tokens x
   seq (attention grows with the length), non-negative coefficients, the constant and the length term kept
   only where the observations spread enough to say them;
-- the per-micro-batch cost is measured where one group ran at two micro-batch counts (a least-squares
-  coefficient on k, over the terms the steps' shapes can tell apart: `_micro_design`); until then a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
+- the per-micro-batch cost is measured where one group ran at two micro-batch counts with micro-batches of
+  two sizes (a least-squares coefficient on k, over the terms the steps' shapes can tell apart:
+  `_micro_design`; where k only moved with the tokens - a ramp under a ceiling - nothing tells the two
+  apart); until then, or where the fit gives none, a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
   4 and 7): a 0.32 B Llama's static 4 x 4 ran at 96 % of the tokens/s of 16 x 1 on the same curriculum,
   which is 1.3 % of a 16-row micro-batch per extra micro-batch. The earlier prior (10 % of the time, as
   a + b x tokens with a one tenth) made 8 x 2 look 9 % slower than 16 x 1, and the planner took
@@ -60,9 +62,12 @@ class StepTimes:
 
     def _per_micro_s(self) -> float | None:
         for d in sorted(self.obs.values(), key=len, reverse=True):
-            if len({o.k for o in d}) >= 2:
+            per = [o.tokens / o.k for o in d]
+            # k is told from the work only where the micro-batch's own size changed too: in a ramp under a
+            # ceiling the micro-batch stays and k grows with the tokens, and any split between the two fits
+            if len({o.k for o in d}) >= 2 and max(per) > 1.2 * min(per):
                 coef = _nnls(*_micro_design(list(d)))
-                if coef is not None:
+                if coef is not None and coef[0] > 0:  # none measured (clipped at 0): the prior, not "free"
                     return coef[0]
         every = [o.dt / o.k for d in self.obs.values() for o in d]
         return PER_MICRO_PRIOR * _median(every) if every else None

@@ -123,8 +123,10 @@ class Planner:
         """Learn the last step (once per step): its time per micro-batch in its configuration."""
         if view.steps <= self._steps_seen:
             return
-        first = self._steps_seen == 0 and view.steps <= 1  # the run's first step: CUDA's and the framework's
-        self._steps_seen = view.steps                     # warm-up (H200 s40g: 3.47 s, then 0.51 s a step)
+        # the first step this process saw - CUDA's and the framework's warm-up (H200 s40g: 3.47 s, then 0.51 s a
+        # step) - whatever its number: a resumed run counts on from its checkpoint's step
+        first = self._steps_seen == 0
+        self._steps_seen = view.steps
         if view.last_seq_len:
             self.lens.append(int(view.last_seq_len))
         dt, tok, micro, s = view.last_step_time_s, view.last_tokens, view.last_ok_batch, view.last_seq_len

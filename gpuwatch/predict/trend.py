@@ -46,6 +46,8 @@ RATE_STEPS = 32  # the last steps the same-shape rate reads
 MIN_SPAN_S = 1.0  # ... spanning at least this long
 RESERVED_STEPS = 10
 HELD_STEPS = 5
+RESERVE_SAME = 64 * 2**20  # reserved within this of the last step's counts as unchanged (a small-pool segment:
+# 2 MiB; the large pool's start at 20 MiB) - else one small segment after the long step would hide its peak
 REUSE_MIN_BYTES = 16 * 2**20  # the least rise of the peak that counts as evidence (above the allocator's rounding)
 SHARPNESS = 4.0
 
@@ -97,7 +99,7 @@ def held(res: np.ndarray, peak: np.ndarray) -> float | None:
     if not math.isfinite(r):
         return None
     i = res.size - 1
-    while i > 0 and res[i - 1] == r:
+    while i > 0 and abs(res[i - 1] - r) <= RESERVE_SAME:  # a small segment more is the same reserve
         i -= 1
     pk = peak[i:]
     pk = pk[np.isfinite(pk)]
