@@ -351,7 +351,8 @@ def main() -> int:
         ap.error("run needs --out")
     res = record(sc, a.out, a.seconds, a.budget_gib, a.dry_run, a.deadline_s)
     for name, r in res.items():
-        print(f"{name}: rc={r.get('rc')} cap={(r.get('cap_bytes') or 0) / GiB:.2f} GiB "
+        cap = r.get("cap_bytes") or (r.get("loop") or {}).get("cap_bytes") or 0  # a loop sets its own cap
+        print(f"{name}: rc={r.get('rc')} cap={cap / GiB:.2f} GiB "
               f"sessions={len(r.get('sessions', []))} {r.get('error', '')}", flush=True)
     return 0
 
