@@ -171,3 +171,23 @@ async def test_replay_of_a_session_without_its_steps_file_says_so(tmp_path):
             lines = await settled_lines(pilot, app, lambda ls: any(ln.startswith("work") for ln in ls))
             work = next(ln for ln in lines if ln.startswith("work"))
             assert work.strip() == want, work
+
+
+def test_a_capped_workload_beside_others_shows_its_own_memory_against_its_cap():
+    """Blind set 2905 ran five capped workloads side by side on one GPU: the GPU panel read `mem 6.8/4 GiB 180%`
+    - both listed processes' memory against this one's 3.79 GiB cap. With a cap and the workload's process
+    listed, the bar is that process's own memory (`own`), and `procs` still counts the whole GPU's."""
+    from gpuwatch.ui import render as R
+
+    src = ReplaySource(RAMP.parent / "heldout-h100-2026-12-06-blind-2905" / "ho-03-small-decode-decode-ramp-b152-s512")
+    src.seek_to(src.end_us)
+    meta = src.gpus[0]
+    row = src.latest()[meta.index]
+    line = R.gpu_lines(row, meta, 80, False)[0].plain
+    own = next(p["used_bytes"] for p in row["gpu_procs"] if p["pid"] == meta.pid)
+    assert len(row["gpu_procs"]) == 2 and " own " in line and " mem " not in line, line
+    pct = int(line.rsplit(" ", 1)[1].rstrip("%"))
+    # NVML's per-process figure holds the CUDA context beside what torch's cap limits: 104 % here, not 180 %
+    assert pct == round(100 * own / meta.effective_limit_bytes) and pct < 110, line
+    meta_uncapped = type(meta)(meta.index, meta.name, meta.mem_total_bytes, pid=meta.pid)
+    assert " mem " in R.gpu_lines(row, meta_uncapped, 80, False)[0].plain  # no cap: the GPU's memory, as before

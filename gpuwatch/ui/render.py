@@ -107,12 +107,18 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     bw = max(6, (width - 62) // 2)
     util = row.get("gpu_util_pct")
     used, card = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes") or meta.mem_total_bytes
-    # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set
+    procs = row.get("gpu_procs") or []
+    # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set - and then
+    # the workload process's own memory, not the whole GPU's (side by side, a capped run read 6.8/4 GiB, 180 %:
+    # two processes' memory against one's cap)
     total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
+    own = next((p.get("used_bytes") for p in procs if meta.pid is not None and p.get("pid") == meta.pid), None) \
+        if meta.mem_limit_bytes else None
+    used = own if own is not None else used
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
-        f" {_f(util):>3}%  mem ", bar(mfrac, bw, "magenta"),
+        f" {_f(util):>3}%  {'own' if own is not None else 'mem'} ", bar(mfrac, bw, "magenta"),
         f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
         f" {_f(mfrac * 100 if mfrac is not None else None)}%")
     temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
@@ -126,7 +132,6 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     mask = row.get("gpu_clocks_event_reasons")
     reasons = decode(mask)
     rstyle = "bold yellow" if mask and mask & LIMITING else "dim"
-    procs = row.get("gpu_procs") or []
     pmem = sum(p.get("used_bytes") or 0 for p in procs)
     line3 = Text.assemble(
         "throttle: ", (", ".join(reasons) or "none", rstyle),
