@@ -10,7 +10,7 @@
 #      skipped on an H100 (both arms in the call: they compare on either card)
 #   d: what fits when the sweep cannot have an H200: c's ramp-train, then issue 31's fit of 40x the shipped set
 #      on the host's 16 cores (`bench_train.py --copies 40 --jobs 16 --no-eval`; s40i ran 30x)
-#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session41.sh a|b|c
+#   run (repo root, carry .dev and REV):  bash benchmarks/gpu_session41.sh a|b|c|d
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
 . benchmarks/session_fns.sh

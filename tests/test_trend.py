@@ -232,7 +232,7 @@ def test_growth_before_an_oom_is_not_carried_past_it():
     and a smaller micro-batch. After it, the trend kept the growth of before (0.33-0.39 GiB/s from same-shape
     pairs across the OOM) and warned for 2 s and more, 18 s before the next OOM; the pool then grew
     ~0.05 GiB/s. Growth is measured in what runs since the last OOM."""
-    from gpuwatch.predict.features import _since_last_oom  # noqa: PLC2701 - the rule under test
+    from gpuwatch.predict.features import _oom_us, _since_last_oom  # noqa: PLC2701 - the rule under test
 
     for at in (10.0, 11.7):  # before and after the first step since the OOM at 9.5 s
         f = _features_at("ho-04-loop-graphpool-b7-s384-768-e1", at)
@@ -244,8 +244,8 @@ def test_growth_before_an_oom_is_not_carried_past_it():
     ev = pl.DataFrame({"ts": [5_000_000, 9_000_000], "kind": ["oom", "oom"]}).with_columns(
         pl.col("ts").cast(pl.Datetime("us", "UTC")))
     ts = np.array([1, 2, 4, 6, 8, 10], dtype=np.float64) * 1e6
-    assert _since_last_oom(ev, ts) == 5 and _since_last_oom(ev.head(0), ts) == 0
-    assert _since_last_oom(ev, ts[:4]) == 4  # an OOM after the last step: no step is of now
+    assert _since_last_oom(_oom_us(ev), ts) == 5 and _since_last_oom(_oom_us(ev.head(0)), ts) == 0
+    assert _since_last_oom(_oom_us(ev), ts[:4]) == 4  # an OOM after the last step: no step is of now
 
 
 def test_a_small_segment_after_the_long_step_keeps_its_peak_in_view():

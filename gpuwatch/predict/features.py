@@ -222,7 +222,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
-    cut = _since_last_oom(w.events, ts)  # the growth measured in the configuration that runs now
+    cut = _since_last_oom(_oom_us(w.events), ts)  # the growth measured in the configuration that runs now
     T.trend(out, ts[cut:] / 1e6, (tokens * 1e6 + seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
             out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None)
     return last
@@ -302,16 +302,27 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
     return out
 
 
-def _since_last_oom(events: pl.DataFrame, ts: np.ndarray) -> int:
-    """The index of the window's first step after its last OOM (0 where none came since its first step;
-    past the last step where the OOM came after it): an OOM's recovery changes what runs (a smaller micro-batch, the cache emptied), so growth
-    measured across it is not the growth of now - after set 2904's graph-pool OOMs the trend kept the
-    fast growth of the shapes before it for ~30 steps and warned 10-18 s before the next OOM."""
-    if not events.height or not ts.size:
+def _oom_us(events: pl.DataFrame) -> np.ndarray:
+    """The times (us) of the events window's OOMs, in order. Nearly always none: found by a list's
+    membership first, not a string column's array (~3 vs ~11 us a window)."""
+    kinds = events["kind"].to_list() if events.height else []
+    if "oom" not in kinds:
+        return _NO_TIMES
+    return _us(events["ts"])[np.array([k == "oom" for k in kinds])]
+
+
+_NO_TIMES = np.empty(0)
+
+
+def _since_last_oom(oom_us: np.ndarray, ts: np.ndarray) -> int:
+    """The index of the window's first step after its last OOM (`oom_us`: `_oom_us`; 0 where none came since
+    its first step; past the last step where the OOM came after it): an OOM's recovery changes what runs (a
+    smaller micro-batch, the cache emptied), so growth measured across it is not the growth of now - after
+    set 2904's graph-pool OOMs the trend kept the fast growth of the shapes before it for ~30 steps and
+    warned 10-18 s before the next OOM."""
+    if not ts.size:
         return 0
-    kind = events["kind"].to_numpy()
-    ets = _us(events["ts"])
-    oom = ets[(kind == "oom") & (ets >= ts[0])]  # one after the last step too: none of the steps is of now
+    oom = oom_us[oom_us >= ts[0]]  # one after the last step too: none of the steps is of now
     return int(np.searchsorted(ts, oom.max(), side="right")) if oom.size else 0
 
 
@@ -347,12 +358,10 @@ def _ahead_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, A
 
 
 def _events(out: dict[str, float], w: Window) -> None:
-    ev = w.events
-    kinds = ev["kind"].to_list() if ev.height else []
-    if "oom" not in kinds:  # nearly always: a list's membership, not a string column's array (~3 vs ~11 us)
+    ts = _oom_us(w.events)
+    if not ts.size:
         out["secs_since_oom"], out["ooms_60s"] = HORIZON_CAP_S, 0.0
         return
-    ts = _us(ev["ts"])[np.array([k == "oom" for k in kinds])]
     out["secs_since_oom"] = min(HORIZON_CAP_S, (w.end_us - float(ts[-1])) / 1e6)
     out["ooms_60s"] = float((ts > w.end_us - 60e6).sum())
 

@@ -3,6 +3,7 @@ No widget state here, so every panel renders the same in live, replay and follow
 
 from __future__ import annotations
 
+import math
 import statistics
 from datetime import datetime, timezone
 from typing import Any
@@ -11,6 +12,7 @@ from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
 from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
+from gpuwatch.recording.frames import own_of_rows
 from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.window import GpuMeta
@@ -112,13 +114,13 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     # the workload process's own memory, not the whole GPU's (side by side, a capped run read 6.8/4 GiB, 180 %:
     # two processes' memory against one's cap)
     total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
-    own = next((p.get("used_bytes") for p in procs if meta.pid is not None and p.get("pid") == meta.pid), None) \
-        if meta.mem_limit_bytes else None
-    used = own if own is not None else used
+    own = float(own_of_rows([row], meta.pid)[0][0]) if meta.mem_limit_bytes and meta.pid is not None else math.nan
+    own_known = own == own
+    used = own if own_known else used
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
-        f" {_f(util):>3}%  {'own' if own is not None else 'mem'} ", bar(mfrac, bw, "magenta"),
+        f" {_f(util):>3}%  {'own' if own_known else 'mem'} ", bar(mfrac, bw, "magenta"),
         f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
         f" {_f(mfrac * 100 if mfrac is not None else None)}%")
     temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
