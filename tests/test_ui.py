@@ -341,6 +341,29 @@ async def test_memory_is_measured_against_the_workload_cap():
         assert f"{round(100 * used / 40)}%" in gpus
 
 
+async def test_the_memory_history_of_a_capped_workload_beside_others_is_its_own():
+    """Blind set 2905 (five capped workloads side by side on one GPU): the GPU panel reads the workload's own
+    memory against its cap (`own`), and so do the history plot and the headroom line beside it - the whole
+    GPU's memory there read 6.8 GiB against a 3.8 GiB cap. The plot's label is the panel's figure."""
+    import re
+
+    src = ReplaySource(RAMP.parent / "heldout-h100-2026-12-06-blind-2905" / "ho-03-small-decode-decode-ramp-b152-s512")
+    src.seek_to(src.end_us)
+    meta = src.gpus[0]
+    row = src.latest()[meta.index]
+    own = next(p["used_bytes"] for p in row["gpu_procs"] if p["pid"] == meta.pid) / 2**30
+    whole = row["gpu_mem_used_bytes"] / 2**30
+    assert whole > 1.5 * own  # the other processes' memory is on this GPU too
+    app = make_app(src)
+    async with app.run_test(size=(160, 50)):
+        plots = text(app, "plots")
+        label = re.search(r"^.*own GiB.*$", plots, re.M)
+        assert label is not None and "mem GiB" not in plots, plots
+        assert f"{own:.3g}" in plots, plots  # the last column's max is the panel's own figure
+        gpus = text(app, "gpus")
+        assert " own " in gpus and f" {own:.1f}/" in gpus, gpus
+
+
 async def test_risk_plot_label_agrees_with_the_risk_panel():
     """Issue 20 (8): at 10:20:14.6 of the ramp the plot's label said 0.993 (the max of its last ten
     risk rows) while the panel and `gpuwatch score -o` said 0.05."""

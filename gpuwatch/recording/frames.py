@@ -56,6 +56,16 @@ def of_gpu(df: pl.DataFrame, gpu: int, keep_null: bool) -> pl.DataFrame:
     return df[np.flatnonzero(mask)]
 
 
+def used_against_cap(used: list, procs: list, pid: int | None, capped: bool) -> tuple[list, bool]:
+    """What a GPU's memory figures show per sample (the dashboard's panel, history and headroom line): under a
+    workload's cap, the workload process's own memory where NVML lists it, else the whole GPU's; uncapped, the
+    whole GPU's. Returns the figures and whether any is the process's own."""
+    if not capped or pid is None:
+        return list(used), False
+    own, _listed = own_of_rows([{"gpu_procs": p} for p in procs], pid)
+    return [float(o) if o == o else u for o, u in zip(own, used)], bool(np.isfinite(own).any())
+
+
 def own_of_rows(rows: list[dict], pid: int) -> tuple[np.ndarray, np.ndarray]:
     """own_used over sample rows still as dicts (the live source's new rows): the same figures."""
     own = np.full(len(rows), np.nan)

@@ -20,7 +20,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from gpuwatch.contract import GuardMode, Precision
-from gpuwatch.recording.source import ReplaySource, TelemetrySource
+from gpuwatch.recording.frames import used_against_cap
+from gpuwatch.recording.source import TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
 from gpuwatch.ui.screens import MIN_SIZE, ConfirmQuit, EventScreen, GotoScreen, HelpScreen, TooSmallScreen
@@ -148,7 +149,7 @@ class Dashboard(Screen):
         self._set("header", self._header())
         self._set("gpus", gpu_text)
         meta = self._plot_meta()
-        mem = self.source.series("gpu_mem_used_bytes", meta.index, 300) if meta else None  # the headroom fit's
+        mem = self._mem(meta, 300)[0] if meta else None  # the headroom fit's
         key = self._plots_moment()
         if force or key != self._plots_key:  # one column a second: rebuilt once a second of data
             self._plots_key = key
@@ -233,7 +234,7 @@ class Dashboard(Screen):
         labels: dict[str, float | None] = {}  # a plot whose label is not its last column's max
         if meta is not None:
             total = meta.effective_limit_bytes  # the workload's cap where one is set, as the risk reads it
-            mem = src.series("gpu_mem_used_bytes", g, n)
+            mem, own = self._mem(meta, n)
             free = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem]
             rows = src.risk(g, n)
             end = src.cursor_us()
@@ -245,7 +246,8 @@ class Dashboard(Screen):
             else:
                 last = ("headroom", R.bucket_min(free, k), 1.0, "cyan")
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
-                      ("mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None, "magenta"),
+                      ("own GiB" if own else "mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None,
+                       "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
                       ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"), last]
         else:
@@ -293,6 +295,15 @@ class Dashboard(Screen):
     def _guard_status(self) -> str:
         """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
         return self.session.status().guard_panel() if self.session is not None else ""
+
+    def _mem(self, meta, n: int) -> tuple[list, bool]:
+        """The last `n` memory figures of `meta`'s GPU as the GPU panel reads them (frames.used_against_cap):
+        under a workload's cap its own process's memory, so the history and the headroom line meet the cap
+        with the same figure as the panel. Returns them and whether they are the process's own."""
+        used = self.source.series("gpu_mem_used_bytes", meta.index, n)
+        if not meta.mem_limit_bytes or meta.pid is None:
+            return used, False
+        return used_against_cap(used, self.source.series("gpu_procs", meta.index, n), meta.pid, True)
 
     def _plot_meta(self):
         """The GpuMeta of the GPU the plots and the risk line show (None when CPU-only)."""

@@ -3,7 +3,6 @@ No widget state here, so every panel renders the same in live, replay and follow
 
 from __future__ import annotations
 
-import math
 import statistics
 from datetime import datetime, timezone
 from typing import Any
@@ -12,7 +11,7 @@ from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
 from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
-from gpuwatch.recording.frames import own_of_rows
+from gpuwatch.recording.frames import used_against_cap
 from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.window import GpuMeta
@@ -114,9 +113,7 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     # the workload process's own memory, not the whole GPU's (side by side, a capped run read 6.8/4 GiB, 180 %:
     # two processes' memory against one's cap)
     total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
-    own = float(own_of_rows([row], meta.pid)[0][0]) if meta.mem_limit_bytes and meta.pid is not None else math.nan
-    own_known = own == own
-    used = own if own_known else used
+    (used,), own_known = used_against_cap([used], [row.get("gpu_procs")], meta.pid, bool(meta.mem_limit_bytes))
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
