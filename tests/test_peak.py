@@ -151,7 +151,8 @@ def test_the_estimator_warns_one_step_before_each_real_capped_oom():
 
 
 def test_the_kept_forecasts_change_no_feature(tmp_path):
-    """Forecasts kept between windows (features._FORECASTS, for the live rounds that bring no step) give
+    """Forecasts kept between windows (features._FORECASTS, for the live rounds that bring no step), and
+    replay's step features kept by the rows they read (features._STEPS), give
     every feature the same as computing each window afresh: over real sessions with OOMs, recoveries and
     a lookahead, and a counterfactual copy that shares its source's steps under another cap."""
     from gpuwatch.predict.dataset import session_timelines
@@ -174,6 +175,7 @@ def test_the_kept_forecasts_change_no_feature(tmp_path):
 
             def fresh(w, plan=None):
                 F._FORECASTS.clear()
+                F._STEPS.clear()  # and the step features kept between replay windows (features._steps)
                 return F.features(w, plan)
             afresh = session_timelines(path, stride=1, feature_fn=fresh)
             for a, b in zip(kept, afresh):

@@ -118,12 +118,15 @@ def limits(w: Window) -> Limits:
     empty = np.empty(0)
     if not s.height:
         return Limits(empty, empty, cap, cap, 0.0, None)
-    ts_us = _us(s["ts"])
+    wa = w.cols
+    ts_us = wa.sample_us() if wa is not None else _us(s["ts"])
     t = (ts_us - w.end_us) / 1e6
     st = w.steps
-    reserved = float(st["torch_reserved_bytes"][-1]) if st.height and st["torch_reserved_bytes"][-1] is not None else None
+    last_res = (wa.last_step("torch_reserved_bytes") if wa is not None else st["torch_reserved_bytes"][-1]) if st.height else None
+    reserved = float(last_res) if last_res is not None else None
     m = process_memory(s, w.meta.pid if w.meta is not None else None, cap, reserved,
-                       w.meta.mem_total_bytes if w.meta is not None else None, w.own)
+                       w.meta.mem_total_bytes if w.meta is not None else None, w.own,
+                       cols=wa.sample if wa is not None else None)
     ok = ~np.isnan(m.used)
     return Limits(m.used[ok], t[ok], m.limit, m.alloc_limit, m.others, m.total, ts_us)
 
@@ -170,18 +173,48 @@ def _col(df: pl.DataFrame, name: str) -> np.ndarray:
 
 
 def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] | None) -> dict | None:
+    """The step features. In replay (a window cut from a recording's converted columns) without a live
+    plan they are kept by the rows they read - the window's steps and events, by place in the source's
+    columns - and the limit: every feature here but steps_per_s is computed from those alone, and most
+    windows of a recording (10 samples a second, a step every 0.2-2 s) share them with the one before."""
     st = w.steps
     if not st.height:
         return None
+    wa = w.cols  # replay: views of columns converted once for the recording (window.Columns)
+    ts = wa.step_us() if wa is not None else _us(st["ts"])
+    steps_per_s = float(((ts > w.end_us - 5e6) & (ts <= w.end_us)).sum()) / 5.0
+    key = None
+    if wa is not None and not plan:
+        key = (wa.steps.serial, wa.t_lo, wa.t_hi, wa.events.serial, wa.e_lo, wa.e_hi, lim.alloc_limit)
+        got = _STEPS.get(key)
+        if got is not None:
+            out.update(got[1])
+            out["steps_per_s"] = steps_per_s
+            return got[0]
+        before = dict(out)
+    last = _steps_of(out, w, st, wa, ts, lim, plan)
+    out["steps_per_s"] = steps_per_s
+    if key is not None:
+        if len(_STEPS) >= _FORECASTS_KEPT:
+            _STEPS.pop(next(iter(_STEPS)), None)
+        _STEPS[key] = (last, {k: v for k, v in out.items() if k not in before or v is not before[k]})
+    return last
+
+
+_STEPS: dict[tuple, tuple] = {}  # replay: the last few windows' step features, by the rows they read (_steps)
+
+
+def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: np.ndarray, lim: Limits,
+              plan: dict[str, Any] | None) -> dict:
     last = st.row(st.height - 1, named=True)
-    batch, seq = _col(st, "batch"), _col(st, "seq_len")
+    col = wa.step if wa is not None else (lambda name: _col(st, name))
+    batch, seq = col("batch"), col("seq_len")
     tokens = batch * seq
-    times = _col(st, "step_time_s")
-    ts = _us(st["ts"])
-    out["steps_per_s"] = float(((ts > w.end_us - 5e6) & (ts <= w.end_us)).sum()) / 5.0
+    times = col("step_time_s")
+    oom_us = _window_oom_us(w)
     if np.isfinite(times).sum() >= 3:
         out["step_time_trend"] = nanmedian(times[-3:]) / max(nanmedian(times), 1e-9)
-    if not plan:  # replay: the last row's plan, unless an OOM came after that row (the recovery changed it)
+    if not plan and oom_us.size:  # replay: the last row's plan, unless an OOM came after that row (the recovery changed it)
         plan = _plan_after_oom(w.events, float(ts[-1]))
     nb, ns, npr = _plan_of(last, plan)
     last_tok = float(last["batch"] or 0) * float(last["seq_len"] or 0)
@@ -192,7 +225,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     limit = lim.alloc_limit
     if not limit:
         return last
-    alloc, peak, res = _col(st, "torch_allocated_bytes"), _col(st, "torch_peak_bytes"), _col(st, "torch_reserved_bytes")
+    alloc, peak, res = col("torch_allocated_bytes"), col("torch_peak_bytes"), col("torch_reserved_bytes")
     if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
         out["torch_reserved_gap_frac"] = (res[-1] - alloc[-1]) / limit
     if np.isfinite(res[-1]):
@@ -209,10 +242,11 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
         reserved = float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None
         ab, asq = _ahead_of(last, plan)
         ev = w.events
-        micro = _col(st, "micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
-        prec = tuple(st["precision"].to_list())
+        micro = col("micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
+        prec = tuple(wa.step_values("precision") if wa is not None else st["precision"].to_list())
+        ev_us = (wa.event_us() if wa is not None else _us(ev["ts"])) if ev.height else None
         key = (ts.tobytes(), seq.tobytes(), tokens.tobytes(), micro.tobytes(), prec, peak.tobytes(), alloc.tobytes(), times.tobytes(),
-               nb, ns, npr, ab, asq, limit, reserved, _us(ev["ts"]).tobytes() if ev.height else b"", ev.height)
+               nb, ns, npr, ab, asq, limit, reserved, ev_us.tobytes() if ev_us is not None else b"", ev.height)
         fc, ahead_p = _FORECASTS.get(key) or _forecasts(batch, seq, micro, list(prec), alloc, peak, times, nb, ns, npr,
                                                         ab, asq, limit, reserved, ev, key)
         if ahead_p is not None:
@@ -222,7 +256,7 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
-    cut = _since_last_oom(_oom_us(w.events), ts)  # the growth measured in the configuration that runs now
+    cut = _since_last_oom(oom_us, ts)  # the growth measured in the configuration that runs now
     T.trend(out, ts[cut:] / 1e6, (tokens * 1e6 + seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
             out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None)
     return last
@@ -314,6 +348,17 @@ def _oom_us(events: pl.DataFrame) -> np.ndarray:
 _NO_TIMES = np.empty(0)
 
 
+def _window_oom_us(w: Window) -> np.ndarray:
+    """`_oom_us` of the window's events, from the source's converted columns where it has them."""
+    wa = w.cols
+    if wa is None:
+        return _oom_us(w.events)
+    kinds = wa.event_kinds()
+    if "oom" not in kinds:
+        return _NO_TIMES
+    return wa.event_us()[np.array([k == "oom" for k in kinds])]
+
+
 def _since_last_oom(oom_us: np.ndarray, ts: np.ndarray) -> int:
     """The index of the window's first step after its last OOM (`oom_us`: `_oom_us`; 0 where none came since
     its first step; past the last step where the OOM came after it): an OOM's recovery changes what runs (a
@@ -358,7 +403,7 @@ def _ahead_of(last: dict[str, Any], plan: dict[str, Any] | None) -> tuple[Any, A
 
 
 def _events(out: dict[str, float], w: Window) -> None:
-    ts = _oom_us(w.events)
+    ts = _window_oom_us(w)
     if not ts.size:
         out["secs_since_oom"], out["ooms_60s"] = HORIZON_CAP_S, 0.0
         return
@@ -376,13 +421,15 @@ def _health(out: dict[str, float], w: Window, ts: np.ndarray | None = None) -> N
     if not s.height:
         out["missing_frac"] = 1.0
         return
-    iv = _f64(s["sampler_interval_us"])
+    wa = w.cols
+    iv = wa.sample("sampler_interval_us") if wa is not None else _f64(s["sampler_interval_us"])
     out["gap_max_ratio"] = float(np.fmax.reduce(iv)) / (w.interval_s * 1e6) if np.isfinite(iv).any() else NAN
     ts = _us(s["ts"]) if ts is None else ts
     span = max(w.interval_s, (w.end_us - float(ts[0])) / 1e6 + w.interval_s)
     out["missing_frac"] = max(0.0, 1.0 - s.height / (span / w.interval_s))
     cols = s.columns
-    last = {c: s.get_column(c)[-1] for c in _HEALTH_COLS if c in cols}  # not s.row(): 32 columns, lists too
+    last = ({c: wa.last_sample(c) for c in _HEALTH_COLS if c in cols} if wa is not None  # not s.row(): 32 columns, lists too
+            else {c: s.get_column(c)[-1] for c in _HEALTH_COLS if c in cols})
     temp, slow = last.get("gpu_temp_c"), last.get("gpu_temp_slowdown_c") or (w.meta.temp_slowdown_c if w.meta else None)
     if temp is not None and slow:
         out["temp_margin_c"] = float(slow - temp)

@@ -152,9 +152,25 @@ class _TreeWalker:
     def proba(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         if self.clf is not None and len(X) >= self.BATCH:  # `score` of a recording: thousands of rows
-            return self.clf.predict_proba(X)
+            # on one OpenMP thread: the same numbers (rows are independent), and the pool's threads cost
+            # far more than the trees - the first batch of a process spun for ~1 s of CPU on the shared
+            # 2-core dev box (3,000 rows: 0.02 s on one thread), and `score --jobs N` on N cores would
+            # start N pools of N threads each
+            with _one_openmp_thread():
+                return self.clf.predict_proba(X)
         p = np.array([1.0 / (1.0 + np.exp(-self.raw(row))) for row in X.tolist()])
         return np.stack([1.0 - p, p], axis=1)
+
+
+_CTL: list = []  # the threadpoolctl controller, built once a process (building one scans its libraries: ms)
+
+
+def _one_openmp_thread():
+    if not _CTL:
+        from threadpoolctl import ThreadpoolController
+
+        _CTL.append(ThreadpoolController())
+    return _CTL[0].limit(limits=1, user_api="openmp")
 
 
 class LiveScorer:

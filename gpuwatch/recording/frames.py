@@ -144,7 +144,7 @@ def outside_torch(own: float, reserved: float | None) -> float:
 
 def process_memory(s: pl.DataFrame, pid: int | None, cap: float | None, reserved: float | None,
                    meta_total: float | None = None, pre: tuple[np.ndarray, np.ndarray] | None = None,
-                   nontorch: float | None = None) -> ProcessMemory:
+                   nontorch: float | None = None, cols=None) -> ProcessMemory:
     """Memory in use over samples `s` of one GPU (samples schema, time order, at least one row) and the
     limits it meets, as of the last sample. Where the workload's process is known (`pid`, NVML's
     per-process list) its own memory counts and other processes on the GPU lower its limit - right on
@@ -152,11 +152,14 @@ def process_memory(s: pl.DataFrame, pid: int | None, cap: float | None, reserved
     torch (own - `reserved`, torch's reserved bytes at its last step) is added to a cap `cap` (torch's
     cap leaves that memory out). Otherwise the whole GPU's used + reserved (v1's "used" included the
     driver's reserve) against the cap, else the card. `nontorch`: the memory outside torch where the
-    caller measured it otherwise (a whole session's, at its steps' ends) instead of at the last sample."""
-    whole = f64(s["gpu_mem_used_bytes"])
-    drv = f64(s["gpu_mem_reserved_bytes"])
+    caller measured it otherwise (a whole session's, at its steps' ends) instead of at the last sample.
+    `cols`: name -> the rows' column as f64 gives it, where the caller converted the columns already
+    (window.WindowArrays.sample: a recording's columns converted once, not once per window)."""
+    col = cols if cols is not None else (lambda name: f64(s[name]))
+    whole = col("gpu_mem_used_bytes")
+    drv = col("gpu_mem_reserved_bytes")
     drv = np.where(np.isnan(drv), 0.0, drv)  # not np.nan_to_num: ~65 us a call, per window
-    tot = f64(s["gpu_mem_total_bytes"])
+    tot = col("gpu_mem_total_bytes")
     tot = tot[np.isfinite(tot)]
     total = float(tot[-1]) if tot.size else (float(meta_total) if meta_total else None)
     own = own_memory(s, pid, bool(reserved), pre)

@@ -19,7 +19,7 @@ from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, s
 from gpuwatch.recording.reader import SessionReader, nothing_read
 from gpuwatch.recording.recorded import (fill_plans, first_plan, recorded_caps, recorded_interval, recorded_pid,
                                          recorded_steps, recorded_workload, sorted_by_time, StepCount)
-from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window
+from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window, WindowArrays, cut_tables
 from gpuwatch.telemetry.bus import Bus
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -205,6 +205,7 @@ class ReplaySource:
         self._tail: dict[Any, pl.DataFrame | None] = {}
         self._ts: dict[Any, np.ndarray] = {}  # per GPU: its rows' times in us, for searchsorted
         self._own: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # per GPU: frames.own_used, once
+        self._cut: dict[Any, tuple] = {}  # per GPU: what window_at cuts from (_cut_of), once
         self._load(self.reader.load_new())
         if not self._by_gpu and not follow:
             from gpuwatch.errors import RecordingError
@@ -241,6 +242,7 @@ class ReplaySource:
         new = any(not f.is_empty() for f in frames.values())
         if not new:
             return False
+        self._cut.clear()  # window_at's per-GPU tables (_cut_of): cut again from what is held now
         s = frames["samples"]
         if not s.is_empty():
             s = sorted_by_time(s)
@@ -328,19 +330,21 @@ class ReplaySource:
                   events_s: float = WINDOW_EVENTS_S) -> Window:
         """A window ending at any moment, without moving the cursor (training and `score` walk a
         recording with this, so they cut exactly what replay would show at that moment)."""
-        body = self._by_gpu.get(gpu)
-        if body is None:
-            body = schema.empty("samples")
-        ts = self._ts.get(gpu, np.array([], dtype=np.int64))
-        hi = int(np.searchsorted(ts, end_us, side="right"))
-        lo = int(np.searchsorted(ts, end_us - seconds * 1e6, side="right"))
+        cut = self._cut.get(gpu)
+        if cut is None:
+            cut = self._cut[gpu] = self._cut_of(gpu)
+        body, ts, sc, steps_g, steps_at, tc, ev_g, ev_ts, ec = cut
+        hi = int(ts.searchsorted(end_us, side="right"))
+        lo = int(ts.searchsorted(end_us - seconds * 1e6, side="right"))
         samples = body.slice(lo, hi - lo)
-        si = int(np.searchsorted(self._steps_ts, end_us, side="right"))
-        steps = self._steps_by_gpu(gpu, si, n_steps)
-        ei = int(np.searchsorted(self._events_ts, end_us, side="right"))
-        ej = int(np.searchsorted(self._events_ts, end_us - events_s * 1e6, side="right"))
-        ev = self.events_df.slice(ej, ei - ej)
-        ev = of_gpu(ev, gpu, keep_null=True) if gpu is not None else ev
+        # the GPU's last n_steps steps among the last n_steps x GPUs rows of all GPUs' steps up to the moment
+        si = int(self._steps_ts.searchsorted(end_us, side="right"))
+        k = int(steps_at.searchsorted(si))
+        a = max(int(steps_at.searchsorted(max(0, si - n_steps * max(1, len(self.gpus))))), k - n_steps)
+        steps = steps_g.slice(a, k - a)
+        ei = int(ev_ts.searchsorted(end_us, side="right"))
+        ej = int(ev_ts.searchsorted(end_us - events_s * 1e6, side="right"))
+        ev = ev_g.slice(ej, ei - ej)
         meta = _meta_of(self.gpus, gpu)
         own = self._own_of(gpu, body, meta)
         first = None
@@ -349,7 +353,14 @@ class ReplaySource:
             first = first_plan(self.steps_df.filter(pl.col("gpu") == gpu) if gpu is not None else self.steps_df,
                                evg, end_us)
         return Window(gpu, end_us, self.interval_s, samples, steps, ev, meta,
-                      (own[0][lo:hi], own[1][lo:hi]) if own is not None else None, first)
+                      (own[0][lo:hi], own[1][lo:hi]) if own is not None else None, first,
+                      WindowArrays(sc, lo, hi, tc, a, k, ec, ej, ei, (samples, steps, ev)))
+
+    def _cut_of(self, gpu: int | None) -> tuple:
+        """window_at's per-GPU tables (window.cut_tables), once per GPU until new rows come."""
+        body = self._by_gpu.get(gpu)
+        return cut_tables(schema.empty("samples") if body is None else body,
+                          self._ts.get(gpu, np.array([], dtype=np.int64)), self.steps_df, self.events_df, gpu)
 
     def _own_of(self, gpu: int | None, body: pl.DataFrame, meta: GpuMeta | None) -> tuple[np.ndarray, np.ndarray] | None:
         """The workload's own memory per sample of this GPU, computed once (not once per window)."""
