@@ -495,3 +495,35 @@ def test_an_accumulating_micro_batch_below_the_smallest_shape_keeps_the_optimize
     fc = fit.at(1, s[i], 1e15, micro_batches=7)
     measured = pk[i] - al[i - 1] + fit.alloc_now
     assert measured <= fc.mean + 1.645 * fc.sigma
+
+
+def test_a_replay_window_reads_the_same_features_from_its_converted_columns():
+    """`score` and training read a replay window's rows from numpy columns its source converted once per
+    recording (`Window.arrays`, window.Columns); the feature function's other path converts the window's own
+    polars frames (live windows, and a window copied with other frames). Every feature is the same both ways,
+    at every sample of real sessions: OOMs and recoveries, a guarded run, a side-by-side capped workload whose own
+    memory counts, a cache loop's episodes."""
+    from dataclasses import replace
+
+    heldout = ROOT / "recordings"
+    sessions = [CAPPED, ROOT / "recordings" / "sample-h200-guard-fragment",
+                heldout / "heldout-h100-2026-12-06-blind-2905" / "ho-03-small-decode-decode-ramp-b152-s512",
+                heldout / "heldout-h200-2026-12-06-blind-2906" / "ho-02-loop-cache-b6-s96-768-e2"]
+    for path in sessions:
+        src = ReplaySource(path)
+        g = src.gpus[0].index
+        ts = src.times(g)
+        n = 0
+        for t in ts[:: max(1, len(ts) // 150)]:
+            w = src.window_at(g, int(t))
+            assert w.cols is not None  # the columns' path is the one under test
+            F._FORECASTS.clear(), F._STEPS.clear()
+            a = F.features(w)
+            F._FORECASTS.clear(), F._STEPS.clear()
+            b = F.features(replace(w, samples=w.samples.clone()))  # other frames: the polars path
+            assert replace(w, samples=w.samples.clone()).cols is None
+            assert a.keys() == b.keys(), path
+            for k in a:
+                assert a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]), (path, t, k, a[k], b[k])
+            n += 1
+        assert n >= 100, path
