@@ -38,14 +38,10 @@ class Scorer:
         self.ref = np.array([np.nan if v is None else v for v in model.reference], dtype=np.float64)
         est = model.estimator
         proba = _fast_proba(est)
-        # One OpenMP thread: a single row costs ~30x more with spinning threads. The controller is
-        # built once (building one scans the process's libraries: 3 ms, measured on the H200 run).
-        from threadpoolctl import ThreadpoolController
-
-        ctl = ThreadpoolController()
+        # One OpenMP thread: a single row costs ~30x more with spinning threads (`one_openmp_thread`).
 
         def predict(X):
-            with ctl.limit(limits=1, user_api="openmp"):
+            with one_openmp_thread():
                 return proba(X)
         self._predict = proba if getattr(proba, "pure_python", False) else predict
 
@@ -156,16 +152,19 @@ class _TreeWalker:
             # far more than the trees - the first batch of a process spun for ~1 s of CPU on the shared
             # 2-core dev box (3,000 rows: 0.02 s on one thread), and `score --jobs N` on N cores would
             # start N pools of N threads each
-            with _one_openmp_thread():
+            with one_openmp_thread():
                 return self.clf.predict_proba(X)
         p = np.array([1.0 / (1.0 + np.exp(-self.raw(row))) for row in X.tolist()])
         return np.stack([1.0 - p, p], axis=1)
 
 
-_CTL: list = []  # the threadpoolctl controller, built once a process (building one scans its libraries: ms)
+_CTL: list = []  # the threadpoolctl controller, built once a process (building one scans its libraries: 3 ms)
 
 
-def _one_openmp_thread():
+def one_openmp_thread():
+    """A context in which scikit-learn's OpenMP pool runs one thread: the same numbers (rows are independent);
+    a single row costs ~30x more with spinning threads, and a recording's batch spun for ~1 s of CPU in a
+    process's first predict on a shared 2-core box."""
     if not _CTL:
         from threadpoolctl import ThreadpoolController
 
