@@ -37,3 +37,17 @@ def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
     th = threading.Thread(target=run, name=name, daemon=True)
     th.start()
     return th
+
+
+_KEEP_LOCK = threading.Lock()
+
+
+def keep_bounded(cache: dict, key, value, n: int) -> None:
+    """Put `key` in `cache` (insertion order), dropping its oldest entries beyond `n`: the feature function's
+    caches of results (predict/features.py, predict/trend.py), which the TUI's thread and a background scoring
+    thread can fill at once. Under a lock: dropping the oldest reads the dict's order, and a dict another thread
+    inserts into meanwhile raises "changed size during iteration" (or KeyError, the entry gone)."""
+    with _KEEP_LOCK:
+        while len(cache) >= n:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = value

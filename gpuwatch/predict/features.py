@@ -22,6 +22,7 @@ from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTE
 from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.window import Window
+from gpuwatch.threads import keep_bounded
 from gpuwatch.telemetry.reasons import LIMITING
 
 GiB = 2**30
@@ -195,9 +196,8 @@ def _steps(out: dict[str, float], w: Window, lim: Limits, plan: dict[str, Any] |
     last = _steps_of(out, w, st, wa, ts, lim, plan)
     out["steps_per_s"] = steps_per_s
     if key is not None:
-        if len(_STEPS) >= _FORECASTS_KEPT:
-            _STEPS.pop(next(iter(_STEPS)), None)
-        _STEPS[key] = (last, {k: v for k, v in out.items() if k not in before or v is not before[k]})
+        keep_bounded(_STEPS, key, (last, {k: v for k, v in out.items() if k not in before or v is not before[k]}),
+                     _FORECASTS_KEPT)
     return last
 
 
@@ -309,9 +309,7 @@ def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq
         fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else fit.at(float(ab), float(asq), lim,
                                                                                 reserved=reserved)
         ahead_p = max(fc.p_horizon, fa.p_horizon) if fa is not None else fc.p_horizon
-    if len(_FORECASTS) >= _FORECASTS_KEPT:
-        _FORECASTS.pop(next(iter(_FORECASTS)), None)
-    _FORECASTS[key] = (fc, ahead_p)
+    keep_bounded(_FORECASTS, key, (fc, ahead_p), _FORECASTS_KEPT)
     return fc, ahead_p
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuwatch.predict.peak import usable_limit
+from gpuwatch.threads import keep_bounded
 
 HORIZON_S = 5.0  # the model's horizon (predict/dataset.py HORIZON_S; not imported: dataset imports features)
 CAP_S = 600.0  # features.HORIZON_CAP_S
@@ -143,9 +144,7 @@ def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarr
     if got is None:
         got = {}
         _trend(got, t, key, alloc, peak, res, limit, planned_peak)
-        if len(_KEPT) >= 4:
-            _KEPT.pop(next(iter(_KEPT)))
-        _KEPT[k] = got
+        keep_bounded(_KEPT, k, got, 4)
     out.update(got)
 
 
