@@ -242,7 +242,6 @@ class ReplaySource:
         new = any(not f.is_empty() for f in frames.values())
         if not new:
             return False
-        self._cut.clear()  # window_at's per-GPU tables (_cut_of): cut again from what is held now
         s = frames["samples"]
         if not s.is_empty():
             s = sorted_by_time(s)
@@ -281,6 +280,7 @@ class ReplaySource:
         if not frames.get("risk", schema.empty("risk")).is_empty():
             self.risk_df = sorted_by_time(pl.concat([self.risk_df, frames["risk"]]))
             self._risk_ts = epoch_us(self.risk_df["ts"])
+        self._cut.clear()  # window_at's per-GPU tables (_cut_of): cut again from what is held now (after it is held)
         return True
 
     risk_note: str | None = None  # where the risk rows came from when not recorded with the session
