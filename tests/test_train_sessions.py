@@ -139,6 +139,36 @@ def test_counterfactual_copies_read_the_tables_as_the_reader_does(tmp_path):
     assert CF.validate([lst, ren])["capped_sessions"] == 1
 
 
+def test_counterfactual_copies_held_in_memory_cut_into_the_same_timelines_as_written_ones(tmp_path):
+    """Issue 31 (3): training no longer writes each counterfactual copy as a session folder and reads it back;
+    the copies are held in memory (`derive_sources`). Every copy's timelines - names, labels, features of every
+    window, weights - are the same as the written copy's, on a capped session with virtual OOMs, a guarded one
+    and a leak (copies of each, at each cap `derive` picks)."""
+    import numpy as np
+
+    from gpuwatch.predict import counterfactual as CF
+    from gpuwatch.predict.dataset import session_timelines
+
+    sessions = [CAPPED, CAPPED.parent / "sample-h200-guard-fragment", CAPPED.parent / "sample-h200-leak-oom"]
+    n = 0
+    for src in sessions:
+        written = CF.derive(src, tmp_path / src.name, "x")
+        held = CF.derive_sources(src, "x")
+        assert [r.cap_bytes for r in written] == [r.cap_bytes for r, _ in held] and written
+        for r, (h, copy) in zip(written, held):
+            assert (r.virtual_oom, r.oom_step, r.source) == (h.virtual_oom, h.oom_step, h.source)
+            a = session_timelines(r.path, stride=3, sample=True)
+            b = session_timelines(copy, stride=3, sample=True)
+            assert len(a) == len(b) == 1
+            for x, y in zip(a, b):
+                assert (x.session, x.scenario, x.gpu, x.source, x.derived) == (y.session, y.scenario, y.gpu, y.source, y.derived)
+                for f in ("ts_us", "X", "y", "w", "inf", "failures", "warn_end", "step_ts"):
+                    assert np.array_equal(getattr(x, f), getattr(y, f), equal_nan=True), (r.path.name, f)
+                assert x.meta == y.meta
+            n += 1
+    assert n >= 6
+
+
 # -- defect 13: compact of a bad meta.json; train of a symbolic link loop ------------------------------------
 @pytest.mark.parametrize("text,needle", [("[]", "meta.json: not a JSON object (a list)"),
                                          ('{"schema_version": 99}', "meta.json: schema version 99")])

@@ -91,9 +91,21 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
     source's kind of run, for grouped evaluation) is kept in its meta.json."""
     src = Path(src)
     meta, t = _read(src)
+    r, meta, tables = relabeled(meta, t, cap, out, src.name, scenario)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        _write_like(src / f"{name}.parquet", df, out / f"{name}.parquet")
+    write_file(out / "meta.json", json.dumps(meta, indent=1), fsync=False)  # a training scratch copy
+    return r
+
+
+def relabeled(meta: dict[str, Any], t: dict[str, pl.DataFrame], cap: int, out: Path, source: str, scenario: str = ""
+              ) -> tuple[Relabeled, dict[str, Any], dict[str, pl.DataFrame]]:
+    """A session's meta.json and tables (`_read`) relabeled under a virtual cap of `cap` bytes, in memory: the
+    copy's (Relabeled with `out` as its path, meta, samples/steps/events) - what `relabel` writes."""
     samples, steps, events = t["samples"], t["steps"], t["events"]
     if samples.is_empty() or steps.is_empty():
-        raise ValueError(f"{src}: needs samples and steps")
+        raise ValueError(f"{source}: needs samples and steps")
     usable = usable_limit(cap)
     peaks = steps["torch_peak_bytes"].cast(pl.Float64).fill_null(0.0).to_numpy()
     over = np.where(peaks > usable)[0]
@@ -116,13 +128,10 @@ def relabel(src: Path, cap: int, out: Path, scenario: str = "") -> Relabeled:
         ev_new = ev_new.with_columns(pl.col("ts").cast(pl.Datetime("us", "UTC")))
         events = pl.concat([events, ev_new.select(events.columns).cast(events.schema)]).sort("ts")
     samples, steps = _clip(samples, steps, meta, cap)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, df in (("samples", samples), ("steps", steps), ("events", events)):
-        _write_like(src / f"{name}.parquet", df, out / f"{name}.parquet")
-    meta = _meta_under(meta, cap, src.name, oom_step is not None)
+    meta = _meta_under(meta, cap, source, oom_step is not None)
     meta["derived"]["scenario"] = scenario
-    write_file(out / "meta.json", json.dumps(meta, indent=1), fsync=False)  # a training scratch copy
-    return Relabeled(out, src.name, cap, oom_step is not None, oom_step)
+    return (Relabeled(out, source, cap, oom_step is not None, oom_step), meta,
+            {"samples": samples, "steps": steps, "events": events})
 
 
 def _write_like(orig: Path, df: pl.DataFrame, dest: Path) -> None:
@@ -174,6 +183,35 @@ def derive(src: Path, out_root: Path, scenario: str = "") -> list[Relabeled]:
     """Every counterfactual copy of one session worth training on, under `out_root/<name>@<GiB>`.
     RecordingError (one line) where the session cannot be read."""
     meta, t = _read(Path(src))
+    out = []
+    for cap in _caps(meta, t):
+        dest = out_root / f"{Path(src).name}@{cap / 2**30:.2f}GiB"
+        if dest.exists():
+            shutil.rmtree(dest)
+        out.append(relabel(Path(src), cap, dest, scenario))
+    return out
+
+
+def derive_sources(src: Path, scenario: str = "") -> list[tuple[Relabeled, Any]]:
+    """`derive`'s copies held in memory, not written: each as a ReplaySource over its tables (named
+    `<name>@<GiB>`, as `derive` names its folders). Training cuts them into windows and drops them; the same
+    timelines as the written copies (tested)."""
+    from gpuwatch.recording.reader import TablesReader
+    from gpuwatch.recording.source import ReplaySource
+
+    src = Path(src)
+    meta, t = _read(src)
+    out = []
+    for cap in _caps(meta, t):
+        name = Path(f"{src.name}@{cap / 2**30:.2f}GiB")
+        r, m, tables = relabeled(meta, t, cap, name, src.name, scenario)
+        out.append((r, ReplaySource(name, reader=TablesReader(name, m, tables))))
+    return out
+
+
+def _caps(meta: dict[str, Any], t: dict[str, pl.DataFrame]) -> list[int]:
+    """The virtual caps a session is copied under (`caps_for`); none for a copy, a session with no steps, or
+    several workloads (a cap is per GPU)."""
     if meta.get("derived"):
         return []
     steps = t["steps"]
@@ -184,13 +222,7 @@ def derive(src: Path, out_root: Path, scenario: str = "") -> list[Relabeled]:
     caps = recorded_caps(meta)
     gpus = meta.get("gpus") or []
     total = gpus[0].get("mem_total_bytes") if gpus and isinstance(gpus[0], dict) else None
-    out = []
-    for cap in caps_for(steps, next(iter(caps.values()), None), total):
-        dest = out_root / f"{Path(src).name}@{cap / 2**30:.2f}GiB"
-        if dest.exists():
-            shutil.rmtree(dest)
-        out.append(relabel(Path(src), cap, dest, scenario))
-    return out
+    return caps_for(steps, next(iter(caps.values()), None), total)
 
 
 def validate(sessions: list[Path]) -> dict[str, Any]:

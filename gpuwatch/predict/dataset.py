@@ -297,9 +297,9 @@ def load_sessions(paths: Iterable[Path], stride: int = 1, progress: Callable[[st
                   compact: bool = False, features_dir: Path | None = None, fit_dir: Path | None = None
                   ) -> tuple[list[Timeline], list[str]]:
     """Timelines of every usable session (predict/usable.py); one that is not is left out, said in one
-    line beginning "skipped: " among the warnings. With `counterfactual` (a folder), each session's
-    counterfactual-cap copies are derived there and loaded too, marked `derived`
-    (predict/counterfactual.py). `feature_fn`: the feature function's stand-in (evaluation with a model's
+    line beginning "skipped: " among the warnings. With `counterfactual` (not None), each session's
+    counterfactual-cap copies are derived in memory and loaded too, marked `derived`
+    (predict/counterfactual.py `derive_sources`: nothing is written; the folder is no longer used). `feature_fn`: the feature function's stand-in (evaluation with a model's
     shape library: `functools.partial(features, prior=...)`). `jobs` > 1: sessions are cut in that many
     processes (joblib; or on the Dask cluster open: predict/parallel.py), their results taken in the order
     given - the same timelines as one process. `sample`: each window's weight in the fit
@@ -332,9 +332,9 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
              sample: bool = False, compact: bool = False, shards: Path | None = None, fit_dir: Path | None = None
              ) -> tuple[list[Timeline], list[Timeline], list[str], str | None]:
     """One session's (timelines, counterfactual copies' timelines, warnings, progress line); an unusable
-    session gives no timelines and its one "skipped: " line. Its copies go under `counterfactual`, a
-    folder of its own (two sessions of one name never share it)."""
-    from gpuwatch.predict.counterfactual import derive
+    session gives no timelines and its one "skipped: " line. Its copies (where `counterfactual` is not None)
+    are held in memory, cut and dropped."""
+    from gpuwatch.predict.counterfactual import derive_sources
     from gpuwatch.predict.usable import Unusable, open_usable
 
     ff: dict[str, Any] = {"feature_fn": feature_fn} if feature_fn is not None else {}
@@ -348,15 +348,12 @@ def load_one(p: Path, stride: int, horizon_s: float, counterfactual: Path | None
     derived: list[Timeline] = []
     warnings: list[str] = []
     if counterfactual is not None and tls:
-        try:
-            for r in derive(p, counterfactual, tls[0].scenario):
-                derived += session_timelines(r.path, stride, horizon_s, **ff)
+        try:  # the copies are held in memory, cut into windows and dropped: no copy is written (issue 31)
+            for _r, copy in derive_sources(p, tls[0].scenario):
+                derived += session_timelines(copy, stride, horizon_s, **ff)
         except (RecordingError, pl.exceptions.PolarsError, ValueError, OSError) as e:
             warnings.append(f"{p.name}: no counterfactual copies ({_why_unusable(p, e)})")
             derived = []
-        import shutil
-
-        shutil.rmtree(counterfactual, ignore_errors=True)  # cut into windows: the copies' files are done with
     n = len({t.session for t in derived})
     line = f"{p.name}: {sum(t.ts_us.size for t in tls)} windows" + (f", {n} counterfactual-cap copies" if n else "")
     written: list[Path | None] = [None] * len(tls)  # the recorded timelines' windows on disk, where written

@@ -36,7 +36,7 @@ from gpuwatch.recording.layout import (CHUNK_RE, COMPACT_RE, SEGMENT_RE, STREAM_
                                        fatal_exc, first_flush, one_line, os_why, read_regular, select_files,
                                        stat_regular, table_files)
 
-__all__ = ["Recording", "SessionReader", "StreamState", "PartialRead", "column_max", "open_recording", "read_stream_new",
+__all__ = ["Recording", "SessionReader", "TablesReader", "StreamState", "PartialRead", "column_max", "open_recording", "read_stream_new",
            "read_table_file", "table_max", "validate_meta"]
 
 META_MAX_BYTES = 16 * 2**20  # a meta.json is a few KiB; anything this big is not one
@@ -229,6 +229,22 @@ class Recording:
     @property
     def gpus(self) -> list[int]:
         return sorted(g for g in self.samples["gpu"].unique().to_list() if g is not None)
+
+
+class TablesReader:
+    """A session held in memory, not in a folder (a counterfactual-cap copy, predict/counterfactual.py): what a
+    `ReplaySource` reads of a reader - `path` (its name; nothing is there), `meta`, `warnings` and `load_new`
+    (the tables once, then nothing new)."""
+
+    def __init__(self, path: Path | str, meta: dict[str, Any], tables: dict[str, pl.DataFrame]) -> None:
+        self.path = Path(path)
+        self.meta = meta
+        self.warnings: list[str] = []
+        self._tables: dict[str, pl.DataFrame] | None = {t: tables.get(t, schema.empty(t)) for t in schema.TABLES}
+
+    def load_new(self) -> dict[str, pl.DataFrame]:
+        out, self._tables = self._tables, None
+        return out if out is not None else {t: schema.empty(t) for t in schema.TABLES}
 
 
 class SessionReader:

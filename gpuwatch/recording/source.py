@@ -16,7 +16,7 @@ import polars as pl
 
 from gpuwatch.recording import schema
 from gpuwatch.recording.frames import epoch_us, of_gpu, own_of_rows, own_used, split_by_gpu, stack
-from gpuwatch.recording.reader import SessionReader, nothing_read
+from gpuwatch.recording.reader import SessionReader, TablesReader, nothing_read
 from gpuwatch.recording.recorded import (fill_plans, first_plan, recorded_caps, recorded_interval, recorded_pid,
                                          recorded_steps, recorded_workload, sorted_by_time, StepCount)
 from gpuwatch.recording.window import WINDOW_EVENTS_S, WINDOW_S, WINDOW_STEPS, GpuMeta, Window, WindowArrays, cut_tables
@@ -189,8 +189,9 @@ class ReplaySource:
     TAIL_MERGE_MIN = 36_000  # rows a GPU's tail may hold before it merges into the body (1 h at 10 Hz)
 
     def __init__(self, path: Path | str, follow: bool = False, speed: float = 1.0,
-                 clock=time.monotonic) -> None:
-        self.reader = SessionReader(path)
+                 clock=time.monotonic, reader: SessionReader | TablesReader | None = None) -> None:
+        """`reader`: a session already in memory (reader.TablesReader; `path` is then its name)."""
+        self.reader = reader if reader is not None else SessionReader(path)
         self.follow = follow
         self.kind = "follow" if follow else "replay"
         self.label = self.reader.path.name
@@ -210,8 +211,9 @@ class ReplaySource:
         if not self._by_gpu and not follow:
             from gpuwatch.errors import RecordingError
 
-            raise RecordingError(nothing_read(self.reader, "no samples") if self.reader.warnings
-                                 else f"{self.reader.path}: no samples")
+            r = self.reader
+            raise RecordingError(nothing_read(r, "no samples") if isinstance(r, SessionReader) and r.warnings
+                                 else f"{r.path}: no samples")
         self.playing = follow
         self.writer_done = follow and bool(self.reader.meta.get("complete"))  # followed after it ended
         self.writer_gone = False  # follow: no process holds the session's lock (killed) and nothing new comes
