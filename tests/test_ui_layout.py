@@ -191,3 +191,25 @@ def test_a_capped_workload_beside_others_shows_its_own_memory_against_its_cap():
     assert pct == round(100 * own / meta.effective_limit_bytes) and pct < 110, line
     meta_uncapped = type(meta)(meta.index, meta.name, meta.mem_total_bytes, pid=meta.pid)
     assert " mem " in R.gpu_lines(row, meta_uncapped, 80, False)[0].plain  # no cap: the GPU's memory, as before
+
+
+async def test_after_a_jump_the_event_list_ends_with_the_newest_event_at_80x24():
+    """A new user, replaying set 2906's cache loop: after a jump the event list stopped two events short of the
+    cursor - drawn for the rows a formula gave (10 at 80x24, 8 on screen), its newest rows fell below the panel.
+    The list is drawn for the panel's own height, again whenever it changes size."""
+    for size in ((80, 24), (100, 30)):
+        src = ReplaySource(RAMP.parent / "heldout-h200-2026-12-06-blind-2906" / "ho-02-loop-cache-b6-s96-768-e2")
+        app = make_app(src)
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(0.3)
+            src.playing = False
+            ev = src.events_df
+            src.seek_to(int(ev["ts"][ev.height // 2].timestamp() * 1e6) + 2_000_000)
+            app.screen.refresh_data(force=True)
+            await pilot.pause(0.3)
+            newest = src.events(1)[-1]["kind"]
+            panel = app.screen.query_one("#events")
+            lines = await settled_lines(pilot, app, lambda ls: panel.n_lines <= panel.content_size.height)
+            assert panel.n_lines <= panel.content_size.height, (size, panel.n_lines, panel.content_size)
+            listed = [ln.split()[1] for ln in lines if ln[:2].isdigit() and ln[2:3] == ":"]
+            assert listed and listed[-1] == newest, (size, listed, newest)

@@ -50,6 +50,8 @@ class Panel(Static):
         for line in lines:
             line.truncate(width, overflow="ellipsis")
         text = Text("\n").join(lines)
+        text.no_wrap = True  # each line is cut to the width above: never wrapped into two (a list one row too
+        # long for its panel scrolled its newest row out of sight)
         key = text.plain + str(len(text.spans))
         if key == self.key:
             return False
@@ -58,6 +60,12 @@ class Panel(Static):
         self.update(text, layout=len(lines) != self.n_lines)
         self.n_lines = len(lines)
         return True
+
+    def on_resize(self, event) -> None:
+        """The event list takes the rows the panels above leave: when they grow or shrink it is drawn again
+        for its new height (drawn for the old one, its newest rows - the ones a jump lands on - fell below)."""
+        if self.id == "events" and isinstance(self.screen, Dashboard):
+            self.screen.redraw_bottom()
 
 
 class Dashboard(Screen):
@@ -162,6 +170,10 @@ class Dashboard(Screen):
         self._set("risk", risk)
         self._bottom(latest, width)
 
+    def redraw_bottom(self) -> None:
+        """The bottom panel (events or processes) again, for its height now."""
+        self._bottom(self.source.latest(), self._width())
+
     def _bottom(self, latest: dict, width: int) -> None:
         h = self._events_height()
         if self.show_procs:
@@ -194,6 +206,13 @@ class Dashboard(Screen):
         return self.size.width - (4 if self.wide else 0)
 
     def _events_height(self) -> int:
+        """The rows the event list has on screen: the panel's own height once laid out (it takes what the
+        others leave, so a formula over the others' rows went stale whenever one of them grew - at 80x24 it
+        said 10 where 8 were shown, and the two newest events, the ones a jump had just landed on, were cut
+        off below), the formula before the first layout."""
+        h = self.query_one("#events", Panel).content_size.height
+        if h > 0:
+            return h
         return max(1, self.size.height - 14 - (len(self.source.gpus) - 1) * 3 - (12 if self.wide else 0))
 
     def _set(self, wid: str, text: Text) -> None:
