@@ -189,6 +189,12 @@ def test_a_capped_workload_beside_others_shows_its_own_memory_against_its_cap():
     pct = int(line.rsplit(" ", 1)[1].rstrip("%"))
     # NVML's per-process figure holds the CUDA context beside what torch's cap limits: 104 % here, not 180 %
     assert pct == round(100 * own / meta.effective_limit_bytes) and pct < 110, line
+    # given torch's reserved bytes after the last step, the bar meets the cap plus the memory outside torch - the
+    # limit the risk and `gpuwatch report` measure against: a new user read 104 % as over the cap
+    reserved = float(src.steps_df["torch_reserved_bytes"][-1])
+    line = R.gpu_lines(row, meta, 80, False, reserved)[0].plain
+    pct = int(line.rsplit(" ", 1)[1].rstrip("%"))
+    assert pct <= 100 and f"/{(meta.effective_limit_bytes + own - reserved) / 2**30:.1f} GiB" in line, line
     meta_uncapped = type(meta)(meta.index, meta.name, meta.mem_total_bytes, pid=meta.pid)
     assert " mem " in R.gpu_lines(row, meta_uncapped, 80, False)[0].plain  # no cap: the GPU's memory, as before
 
@@ -213,3 +219,24 @@ async def test_after_a_jump_the_event_list_ends_with_the_newest_event_at_80x24()
             assert panel.n_lines <= panel.content_size.height, (size, panel.n_lines, panel.content_size)
             listed = [ln.split()[1] for ln in lines if ln[:2].isdigit() and ln[2:3] == ":"]
             assert listed and listed[-1] == newest, (size, listed, newest)
+
+
+def test_a_capped_workload_not_yet_listed_beside_others_reads_the_whole_gpu_against_the_card():
+    """Set 2905's decode ramp for its first 9.6 s: NVML lists the other workloads on the GPU but not this one yet.
+    The bar read `mem 12.6/4 GiB 334%` (the whole GPU against this workload's cap); now the whole GPU against
+    the card, and the history plot leaves those samples out instead of mixing them with the process's own."""
+    from gpuwatch.recording.frames import used_against_cap
+    from gpuwatch.ui import render as R
+
+    src = ReplaySource(RAMP.parent / "heldout-h100-2026-12-06-blind-2905" / "ho-03-small-decode-decode-ramp-b152-s512")
+    meta = src.gpus[0]
+    procs = src.samples(meta.index)["gpu_procs"].to_list()
+    i = next(k for k, p in enumerate(procs) if p and len(p) > 1 and all(q["pid"] != meta.pid for q in p))
+    src.seek_to(int(src.times(meta.index)[i]))
+    row = src.latest()[meta.index]
+    line = R.gpu_lines(row, meta, 80, False)[0].plain
+    pct = int(line.rsplit(" ", 1)[1].rstrip("%"))
+    assert " mem " in line and f"/{meta.mem_total_bytes / 2**30:.0f} GiB" in line and pct < 100, line
+    used = src.samples(meta.index)["gpu_mem_used_bytes"].to_list()
+    vals, kind = used_against_cap(used[: i + 200], procs[: i + 200], meta.pid, True)
+    assert kind == "own" and vals[i] is None and any(v is not None for v in vals)

@@ -4,6 +4,8 @@ process's own memory per sample (its entry in NVML's process list)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,14 +58,41 @@ def of_gpu(df: pl.DataFrame, gpu: int, keep_null: bool) -> pl.DataFrame:
     return df[np.flatnonzero(mask)]
 
 
-def used_against_cap(used: list, procs: list, pid: int | None, capped: bool) -> tuple[list, bool]:
-    """What a GPU's memory figures show per sample (the dashboard's panel, history and headroom line): under a
-    workload's cap, the workload process's own memory where NVML lists it, else the whole GPU's; uncapped, the
-    whole GPU's. Returns the figures and whether any is the process's own."""
-    if not capped or pid is None:
-        return list(used), False
-    own, _listed = own_of_rows([{"gpu_procs": p} for p in procs], pid)
-    return [float(o) if o == o else u for o, u in zip(own, used)], bool(np.isfinite(own).any())
+def used_against_cap(used: list, procs: list, pid: int | None, capped: bool) -> tuple[list, str]:
+    """What a GPU's memory figures show per sample (the dashboard's panel, history and headroom line), and what
+    they are: under a workload's cap, the workload process's own memory where NVML lists it ("own"), the whole
+    GPU's where no other process is listed - it is alone there, or nothing is listed ("alone": issue 20's capped
+    run read 39/140 GiB against the card), and None at a sample where only other processes are listed (before
+    the workload shows up beside them: the whole GPU's read 334 % of its cap). Both meet `shown_limit`'s cap.
+    Uncapped, or where every sample lists only others: the whole GPU's against the card ("gpu")."""
+    if not capped:
+        return list(used), "gpu"
+    own = own_of_rows([{"gpu_procs": p} for p in procs], pid)[0] if pid is not None else [math.nan] * len(used)
+    out: list = []
+    kinds = set()
+    for o, u, p in zip(own, used, procs):
+        if o == o:
+            out.append(float(o))
+            kinds.add("own")
+        elif not p or (pid is None and len(p) == 1):
+            out.append(u)
+            kinds.add("alone")
+        else:
+            out.append(None)
+    if not kinds:
+        return list(used), "gpu"
+    return out, "own" if "own" in kinds else "alone"
+
+
+def shown_limit(cap: float | None, card: float | None, own: float | None, reserved: float | None) -> float | None:
+    """What the dashboard's memory figures meet: with a cap and the process's own memory `own` (`used_against_cap`'s
+    "own" or "alone"), the cap plus its memory outside torch (`outside_torch`: the CUDA context beside what torch's cap limits - the limit the
+    risk and the report measure against, so a process at its cap reads ~100 %, not 104-106 %); else the card
+    (the whole GPU's memory against the whole GPU)."""
+    if cap and own is not None and own == own:
+        lim = cap + outside_torch(own, reserved)
+        return min(lim, card) if card else lim
+    return card or cap
 
 
 def own_of_rows(rows: list[dict], pid: int) -> tuple[np.ndarray, np.ndarray]:

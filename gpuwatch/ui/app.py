@@ -20,7 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from gpuwatch.contract import GuardMode, Precision
-from gpuwatch.recording.frames import used_against_cap
+from gpuwatch.recording.frames import shown_limit, used_against_cap
 from gpuwatch.recording.source import TelemetrySource
 from gpuwatch.units import parse_goto
 from gpuwatch.ui import render as R
@@ -152,17 +152,18 @@ class Dashboard(Screen):
         latest = self.source.latest()
         rows = [latest.get(g.index) for g in self.source.gpus]
         gpu_text = Text("\n").join(line for g, row in zip(self.source.gpus, rows)
-                                   for line in R.gpu_lines(row, g, width, self.wide)) if self.source.gpus \
+                                   for line in R.gpu_lines(row, g, width, self.wide, self._reserved(g.index))) \
+            if self.source.gpus \
             else Text("no GPU: CPU-only mode (host and workload panels still work)", style="yellow")
         self._set("header", self._header())
         self._set("gpus", gpu_text)
         meta = self._plot_meta()
-        mem = self._mem(meta, 300)[0] if meta else None  # the headroom fit's
+        mem, own = self._mem(meta, 300) if meta else (None, "gpu")  # the headroom fit's
         key = self._plots_moment()
         if force or key != self._plots_key:  # one column a second: rebuilt once a second of data
             self._plots_key = key
             self._set("plots", self._plots(width))
-        risk = self._risk(mem)
+        risk = self._risk(mem, own)
         power = rows[0].get("gpu_power_w") if rows and rows[0] else None
         self._set("work", Text("\n").join(R.workload_lines(self.source.steps(200), self._workload_status(), power, self.wide)))
         host_row = next(iter(latest.values()), None)
@@ -252,8 +253,8 @@ class Dashboard(Screen):
         specs: list[tuple[str, list, float | None, str]] = []
         labels: dict[str, float | None] = {}  # a plot whose label is not its last column's max
         if meta is not None:
-            total = meta.effective_limit_bytes  # the workload's cap where one is set, as the risk reads it
             mem, own = self._mem(meta, n)
+            total = self._mem_limit(meta, mem, own)  # the workload's cap (and its memory outside torch), or the card
             free = [None if v is None or not total else max(0.0, 1 - v / total) for v in mem]
             rows = src.risk(g, n)
             end = src.cursor_us()
@@ -265,7 +266,7 @@ class Dashboard(Screen):
             else:
                 last = ("headroom", R.bucket_min(free, k), 1.0, "cyan")
             specs += [("util %", hist("gpu_util_pct"), 100, "green"),
-                      ("own GiB" if own else "mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None,
+                      ("own GiB" if own == "own" else "mem GiB", R.bucket_max(mem, k, 1 / 2**30), total / 2**30 if total else None,
                        "magenta"),
                       ("power W", hist("gpu_power_w"), meta.power_limit_w, "yellow"),
                       ("temp °C", hist("gpu_temp_c"), meta.temp_slowdown_c, "red"), last]
@@ -290,14 +291,14 @@ class Dashboard(Screen):
         title = Text(f"history {'GPU' + str(g) if g is not None else 'host'}: last {plot_w * k * self.interval_s:.0f} s, 1 column = 1 s (max; headroom: min); tok/s per step", style="dim")
         return Text("\n").join([title, *out])
 
-    def _risk(self, mem: list | None = None) -> Text:
+    def _risk(self, mem: list | None = None, own: str = "gpu") -> Text:
         """The risk panel for the plotted GPU (what the scorer published, live or recorded); without a
-        risk at this moment, why not (once) and memory headroom and its trend (from `mem`)."""
+        risk at this moment, why not (once) and memory headroom and its trend (from `mem`, `_mem`'s)."""
         meta = self._plot_meta()
         if meta is None or mem is None:
             return Text("risk: no GPU", style="dim")
         cap = meta.mem_limit_bytes
-        total = meta.effective_limit_bytes
+        total = self._mem_limit(meta, mem, own)
         rows = self.source.risk(meta.index, 1)
         if rows:
             note = self._guard_status() or getattr(self.source, "risk_note", None) or ""  # e.g. scored on the fly
@@ -315,13 +316,26 @@ class Dashboard(Screen):
         """The guard's state as the risk panel shows it: mode, rule, actions so far, who has control."""
         return self.session.status().guard_panel() if self.session is not None else ""
 
-    def _mem(self, meta, n: int) -> tuple[list, bool]:
+    def _reserved(self, gpu) -> float | None:
+        """torch's reserved bytes after this GPU's last step (None where no step has run or recorded it)."""
+        for r in reversed(self.source.steps(64)):
+            if r.get("gpu") == gpu:
+                v = r.get("torch_reserved_bytes")
+                return float(v) if v is not None else None
+        return None
+
+    def _mem_limit(self, meta, mem: list, kind: str) -> float | None:
+        """What `mem` (from `_mem`, of that kind) meets, as the GPU panel's bar does (frames.shown_limit)."""
+        last = next((v for v in reversed(mem) if v is not None), None) if kind != "gpu" else None
+        return shown_limit(meta.mem_limit_bytes, meta.mem_total_bytes, last, self._reserved(meta.index))
+
+    def _mem(self, meta, n: int) -> tuple[list, str]:
         """The last `n` memory figures of `meta`'s GPU as the GPU panel reads them (frames.used_against_cap):
         under a workload's cap its own process's memory, so the history and the headroom line meet the cap
-        with the same figure as the panel. Returns them and whether they are the process's own."""
+        with the same figure as the panel. Returns them and what they are (used_against_cap's kind)."""
         used = self.source.series("gpu_mem_used_bytes", meta.index, n)
-        if not meta.mem_limit_bytes or meta.pid is None:
-            return used, False
+        if not meta.mem_limit_bytes:
+            return used, "gpu"
         return used_against_cap(used, self.source.series("gpu_procs", meta.index, n), meta.pid, True)
 
     def _plot_meta(self):

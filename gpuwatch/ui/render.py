@@ -11,7 +11,7 @@ from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
 from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
-from gpuwatch.recording.frames import used_against_cap
+from gpuwatch.recording.frames import shown_limit, used_against_cap
 from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.window import GpuMeta
@@ -102,7 +102,9 @@ def _f(v: Any, fmt: str = "{:.0f}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
-def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool) -> list[Text]:
+def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool,
+              reserved: float | None = None) -> list[Text]:
+    """`reserved`: torch's reserved bytes after the GPU's last step (the memory outside torch, `shown_limit`)."""
     if row is None:
         return [Text(f"GPU{meta.index} {meta.name}: no data (lost?)", style="bold red")]
     bw = max(6, (width - 62) // 2)
@@ -112,13 +114,17 @@ def gpu_lines(row: dict[str, Any] | None, meta: GpuMeta, width: int, wide: bool)
     # measured against what an OOM is measured against: the workload's --gpu-memory-limit where set - and then
     # the workload process's own memory, not the whole GPU's (side by side, a capped run read 6.8/4 GiB, 180 %:
     # two processes' memory against one's cap)
-    total = min(card, meta.mem_limit_bytes) if card and meta.mem_limit_bytes else card or meta.mem_limit_bytes
-    (used,), own_known = used_against_cap([used], [row.get("gpu_procs")], meta.pid, bool(meta.mem_limit_bytes))
+    (own,), kind = used_against_cap([used], [row.get("gpu_procs")], meta.pid, bool(meta.mem_limit_bytes))
+    capped = kind != "gpu" and own is not None
+    used = own if capped else used
+    total = shown_limit(meta.mem_limit_bytes, card, own if capped else None, reserved)
+    own_known = capped and kind == "own"
     mfrac = used / total if used is not None and total else None
     line1 = Text.assemble(
         (f"GPU{meta.index} ", "bold"), (f"{meta.name.removeprefix('NVIDIA ').removesuffix(' [replay]')[:10]:10s} ", ""), "util ", bar(util / 100 if util is not None else None, bw),
         f" {_f(util):>3}%  {'own' if own_known else 'mem'} ", bar(mfrac, bw, "magenta"),
-        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/{_f(total / GiB if total else None)} GiB",
+        f" {_f(used / GiB if used is not None else None, '{:.1f}')}/"
+        f"{_f(total / GiB if total else None, '{:.1f}' if total and total < 10 * GiB else '{:.0f}')} GiB",
         f" {_f(mfrac * 100 if mfrac is not None else None)}%")
     temp, slow = row.get("gpu_temp_c"), row.get("gpu_temp_slowdown_c") or meta.temp_slowdown_c
     pw, lim = row.get("gpu_power_w"), row.get("gpu_power_limit_w") or meta.power_limit_w
