@@ -38,6 +38,7 @@ def run(py, env, *args, timeout=120):
     (["stress", "--preset", "tiny", "--device", "cpu", "--mode", "decode", "--new-tokens", "20000", "--no-record",
       "--no-model"], "longer than tiny's max_position_embeddings (4096)"),
     (["compact"], "the following arguments are required: session"),
+    (["report", "--bogus", "x"], "error: unrecognized arguments: --bogus"),  # not "gpuwatch: error: gpuwatch: ..."
 ])
 def test_bad_flags_one_line_exit_2(py, env, args, needle):
     r = run(py, env, *args)
@@ -242,3 +243,13 @@ def test_a_run_whose_every_step_ran_out_of_memory_fails(capsys):
     assert "no step completed (9 OOM(s))" in capsys.readouterr().out
     assert _finish(session(workload(0, 0)), "deadline") == 0  # built too slowly for a short --duration: no failure
     assert _finish(session(workload(9, 0)), "SIGTERM") == 143
+
+
+def test_eval_with_no_usable_session_is_an_error(py, env, tmp_path):
+    """A new user's `gpuwatch eval bad/trunc`: a warning that the session was skipped, no figures, and exit 0.
+    Nothing to evaluate is an error: the warning, then one error line, exit 2."""
+    r = run(py, env, "eval", str(tmp_path / "nonexistent"))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "skipped" in lines[0] and lines[-1].startswith("gpuwatch: error: no usable session"), r.stderr
+    assert "Traceback" not in r.stderr

@@ -528,3 +528,24 @@ async def test_process_panel_shows_utilization_user_and_command_live_and_in_repl
         await pilot.press("home")
         first = rows_of(text(app, "events"))  # the first second: recorded before the first slow read
         assert [r[:3] for r in first] == [["0", "42", "-"], ["1", "42", "-"]] and first[0][5:7] == ["-", "-"]
+
+
+def test_replay_with_a_named_model_checks_it_and_says_when_the_recorded_risk_is_shown(monkeypatch, tmp_path):
+    """A new user: `replay SESSION --model /tmp/nope.joblib` on a session recorded with its risk opened the
+    dashboard as if nothing were wrong (the named model was only read for sessions without risk). A named model
+    is always read - a missing one is the one-line error it is elsewhere - and where the session's own risk is
+    shown instead, that is said."""
+    from pathlib import Path
+
+    from gpuwatch.predict.model import ModelError
+    from gpuwatch.ui import launch
+
+    session = RAMP.parent / "heldout-h200-2026-12-06-blind-2906" / "ho-02-loop-cache-b6-s96-768-e2"
+    assert not ReplaySource(session).risk_df.is_empty()  # recorded with its risk
+    monkeypatch.setattr(launch, "require_terminal", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "_run_app", lambda app, session, status: 0)
+    said: list[str] = []
+    with pytest.raises(ModelError, match="nope.joblib"):
+        launch.run_replay(session, model=tmp_path / "nope.joblib", status=said.append)
+    assert launch.run_replay(session, model=ROOT / "models" / "risk.joblib", status=said.append) == 0
+    assert any("not used" in s and "risk as recorded" in s for s in said), said

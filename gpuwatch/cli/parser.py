@@ -21,7 +21,10 @@ SPEED_MIN, SPEED_MAX = 0.25, 16.0
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, never a usage dump or traceback
-        raise UsageError(f"{self.prog}: {message} (see --help)")
+        # a subcommand's parser names itself ("gpuwatch report: ..."); the top one is named by the error's own
+        # "gpuwatch: error: " prefix already (it read "gpuwatch: error: gpuwatch: unrecognized arguments")
+        where = f"{self.prog}: " if " " in self.prog else ""
+        raise UsageError(f"{where}{message} (see --help)")
 
 
 # -- argument types -----------------------------------------------------------------------------------

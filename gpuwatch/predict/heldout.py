@@ -114,6 +114,10 @@ def evaluate(paths: list[Path], model_path: Path, stride: int = 5, use_prior: bo
     tls, warnings = load_sessions(paths, stride=stride, feature_fn=ff)
     for w in warnings:
         (warn or say)(w)
+    if not tls:  # nothing to score: an error, not figures of nothing and exit 0 (a new user's `eval bad/trunc`)
+        from gpuwatch.errors import UsageError
+
+        raise UsageError(f"no usable session among the {len(paths)} given: nothing to evaluate")
     out: dict[str, Any] = {"model": model.label, "threshold": model.threshold, "stride": stride,
                            "shape_library": ff is not None, "sessions": {}, "sets": {}}
     rs = rules(model)

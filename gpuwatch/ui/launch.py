@@ -140,16 +140,22 @@ def run_replay(path: Path, follow: bool = False, speed: float = 1.0, status=None
     source = ReplaySource(path, follow=follow, speed=speed)
     require_terminal()
     loaded = None
-    if not no_model and model is not None and needs_scoring(source):
+    unused = None
+    if not no_model and model is not None:
         from gpuwatch.predict.model import load_model
 
-        loaded = load_model(model, trust=trust)  # a model the user named: a bad one is a one-line error
+        loaded = load_model(model, trust=trust)  # a model the user named: a bad one is a one-line error, always
+        if not needs_scoring(source):  # (a new user's missing model went unsaid on a session with its risk)
+            unused = (f"--model {model} not used: this session's {'risk as recorded' if not follow else 'live risk'}"
+                      " is shown (the model scores only sessions recorded without risk)")
     if not no_model:
         score_in_background(source, model, trust, None, model=loaded)
     for w in source.reader.warnings:  # skipped files: said after the screen closes, and shown in it
         status(f"warning: {w}")
+    if unused:
+        status(f"warning: {unused}")
     app = make_app(source)
-    notes = list(source.reader.warnings)
+    notes = ([unused] if unused else []) + list(source.reader.warnings)
     why = getattr(source.reader, "incomplete_reason", None)
     if why and not follow:
         notes.insert(0, why)
