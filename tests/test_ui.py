@@ -145,6 +145,12 @@ async def test_live_keys_reach_the_workload_and_the_bus():
         assert isinstance(app.screen, ConfirmQuit)
         await pilot.press("n")
         assert not isinstance(app.screen, ConfirmQuit) and app.is_running
+        await pilot.press("ctrl+q")  # Textual's own quit key asks too while a workload runs (it quit at once)
+        assert isinstance(app.screen, ConfirmQuit) and app.is_running
+        await pilot.press("ctrl+q")  # asked once, not stacked
+        assert sum(isinstance(x, ConfirmQuit) for x in app.screen_stack) == 1
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmQuit) and app.is_running
         await pilot.press("q", "y")
     assert app.return_code == 0
 

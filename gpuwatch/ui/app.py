@@ -579,6 +579,17 @@ class GpuwatchApp(App):
 
     CSS_PATH = "app.tcss"
     TITLE = "gpuwatch"
+    # Textual's own ctrl+q quit at once, workload or not, where q asks first while a workload runs (a new user's
+    # finding): both go through the dashboard's question
+    BINDINGS = [Binding("ctrl+q", "request_quit", "quit", show=False, priority=True)]
+
+    def action_request_quit(self) -> None:
+        if isinstance(self.screen, ConfirmQuit):
+            return  # already asking
+        if self.dashboard in self.screen_stack:
+            self.dashboard.action_request_quit()
+        else:
+            self.exit()
 
     def __init__(self, source: TelemetrySource, session=None, refresh_hz: float = 4.0,
                  interval_s: float | None = None) -> None:
