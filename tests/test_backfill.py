@@ -100,3 +100,19 @@ def test_eval_of_the_first_steps(tmp_path, capsys):
     figs = json.loads(out.read_text())
     assert [r["session"] for r in figs["heldout"]["rows"]] == ["nc6-v3slice-prefill-b10"]
     assert figs["training"]["summary"]["first_steps"] > 0
+
+
+def test_the_model_at_a_baselines_rate_is_beaten_tied_or_not():
+    """`eval` printed "model 0/9 ... beaten" where the model and the baseline both caught nothing at that rate:
+    a tie is said as one. Beaten: more caught, or as many (some) with a longer median lead."""
+    from dataclasses import replace
+
+    from gpuwatch.predict import evaluate as E
+    from gpuwatch.predict.heldout import _verdict
+
+    base = E.event_metrics([], [], 0.5)
+    m = lambda caught, lead: replace(base, caught=caught, oom_events=9, lead_s_median=lead)  # noqa: E731
+    assert _verdict(m(0, None), m(0, None)) == "tied"
+    assert _verdict(m(3, 4.0), m(3, 4.0)) == "tied"
+    assert _verdict(m(3, 4.5), m(3, 4.0)) == "beaten" and _verdict(m(4, 1.0), m(3, 4.0)) == "beaten"
+    assert _verdict(m(3, 3.0), m(3, 4.0)) == "NOT beaten" and _verdict(m(2, 9.0), m(3, 4.0)) == "NOT beaten"

@@ -73,10 +73,20 @@ def _at_rate(n: str, b: E.Metrics, tls: list, model_scores: list[np.ndarray]) ->
     m = E.recall_at_fa(tls, model_scores, b.near_fa_per_hour, near=True)
     said = "no threshold" if m is None else (f"{m.caught}/{m.oom_events} (threshold {m.threshold:.3f}, "
                                              f"lead {m.lead_s_median or 0:.2f} s)")
-    verdict = "" if m is None else ("beaten" if m.caught > b.caught or (
-        m.caught == b.caught and (m.lead_s_median or 0) >= (b.lead_s_median or 0)) else "NOT beaten")
+    verdict = "" if m is None else _verdict(m, b)
     return (f"   at {n[len(BASELINE):]}'s {b.near_fa_per_hour:.1f} near-limit false alarms/h "
             f"({b.caught}/{b.oom_events}): model {said} {verdict}"), m
+
+
+def _verdict(m: E.Metrics, b: E.Metrics) -> str:
+    """Beaten: more OOMs caught, or as many (some) with a longer median lead; tied: as many and as early (both
+    catching none is a tie, not a win - `eval` said "0/9 ... beaten"); else not beaten."""
+    lm, lb = m.lead_s_median or 0.0, b.lead_s_median or 0.0
+    if m.caught > b.caught or (m.caught == b.caught > 0 and lm > lb):
+        return "beaten"
+    if m.caught == b.caught and (m.caught == 0 or lm == lb):
+        return "tied"
+    return "NOT beaten"
 
 
 def table(name: str, tls: list, scored: dict[str, list[np.ndarray]], thresholds: dict[str, float],
