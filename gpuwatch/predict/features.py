@@ -335,26 +335,25 @@ def failed_shapes(events: pl.DataFrame) -> list[Failed]:
 
 
 def _oom_us(events: pl.DataFrame) -> np.ndarray:
-    """The times (us) of the events window's OOMs, in order. Nearly always none: found by a list's
-    membership first, not a string column's array (~3 vs ~11 us a window)."""
-    kinds = events["kind"].to_list() if events.height else []
-    if "oom" not in kinds:
-        return _NO_TIMES
-    return _us(events["ts"])[np.array([k == "oom" for k in kinds])]
+    """The times (us) of the events window's OOMs, in order."""
+    return _ooms_of(events["kind"].to_list() if events.height else [], lambda: _us(events["ts"]))
 
 
 _NO_TIMES = np.empty(0)
 
 
+def _ooms_of(kinds: list, times_us) -> np.ndarray:
+    """The times (`times_us()`, us) of the `kinds` that are OOMs. Nearly always none: found by a list's
+    membership first, not a string column's array (~3 vs ~11 us a window), and the times not read then."""
+    if "oom" not in kinds:
+        return _NO_TIMES
+    return times_us()[np.array([k == "oom" for k in kinds])]
+
+
 def _window_oom_us(w: Window) -> np.ndarray:
     """`_oom_us` of the window's events, from the source's converted columns where it has them."""
     wa = w.cols
-    if wa is None:
-        return _oom_us(w.events)
-    kinds = wa.event_kinds()
-    if "oom" not in kinds:
-        return _NO_TIMES
-    return wa.event_us()[np.array([k == "oom" for k in kinds])]
+    return _oom_us(w.events) if wa is None else _ooms_of(wa.event_kinds(), wa.event_us)
 
 
 def _since_last_oom(oom_us: np.ndarray, ts: np.ndarray) -> int:

@@ -5,7 +5,6 @@ process's own memory per sample (its entry in NVML's process list)."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import numpy as np

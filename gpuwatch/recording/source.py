@@ -375,13 +375,6 @@ class ReplaySource:
             self._own[gpu] = own_used(body["gpu_procs"], meta.pid)
         return self._own[gpu]
 
-    def _steps_by_gpu(self, gpu: int | None, upto: int, n: int) -> pl.DataFrame:
-        """The last n steps of `gpu` among the first `upto` rows (all GPUs' steps are time-ordered)."""
-        part = self.steps_df.slice(max(0, upto - n * max(1, len(self.gpus))), min(upto, n * max(1, len(self.gpus))))
-        if gpu is not None:
-            part = of_gpu(part, gpu, keep_null=False)
-        return part.tail(n)
-
     def risk(self, gpu: int | None, n: int) -> list[dict[str, Any]]:
         df, ts = self.risk_df, self._risk_ts
         i = min(int(np.searchsorted(ts, self._t, side="right")), df.height)

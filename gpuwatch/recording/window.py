@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from gpuwatch.recording.frames import epoch_us, f64, of_gpu
+
 
 @dataclass(frozen=True)
 class GpuMeta:
@@ -85,7 +87,7 @@ class Columns:
         """A numeric column as float64, NaN for nulls (frames.f64 of the whole column)."""
         a = self._f64.get(name)
         if a is None:
-            a = np.array(self.df[name].to_numpy(), dtype=np.float64)
+            a = f64(self.df[name])
             a.setflags(write=False)
             self._f64[name] = a
         return a
@@ -93,8 +95,6 @@ class Columns:
     def us(self) -> np.ndarray:
         """`ts` as int64 microseconds (frames.epoch_us of the whole column)."""
         if self._us is None:
-            from gpuwatch.recording.frames import epoch_us
-
             a = np.array(epoch_us(self.df["ts"]), dtype=np.int64)
             a.setflags(write=False)
             self._us = a
@@ -164,8 +164,6 @@ def cut_tables(body: pl.DataFrame, ts: np.ndarray, steps: pl.DataFrame, events: 
     samples `body` (times `ts`), its steps with their rows' places among all GPUs' `steps`, and its events with
     the GPU-less ones, each with its numpy columns - the same rows as slicing the whole tables and keeping the
     GPU's (frames.of_gpu), without a gather per window."""
-    from gpuwatch.recording.frames import epoch_us, of_gpu
-
     if gpu is not None and steps.height:
         g = steps["gpu"].to_numpy()
         g = g.astype(np.float64) if g.dtype.kind != "f" else g
