@@ -285,3 +285,68 @@ def test_after_an_oom_the_replay_scores_the_recovered_plan_not_the_stale_one():
     assert _plan_after_oom(ev2, last_us) == {"batch": 16, "seq_len": 512, "precision": "bf16"}
     bad = ev2.with_columns(pl.col("detail").str.replace('"next_batch": 16', '"next_batch": "sixteen"'))
     assert _plan_after_oom(bad, last_us) == {"batch": None, "seq_len": None}  # a corrupt detail: no plan, no error
+
+
+def test_above_the_alarm_the_risk_ranks_by_how_far_over_the_limit_and_raises_no_new_alarm():
+    """p ~1 is the ceiling of a probability: a step estimated 0.3 % over the usable limit and one 20 % over
+    scored the same 0.5 / t_e, so no threshold above the alarm told them apart. The excess orders them;
+    which rows alarm (risk >= 0.5) is what it was."""
+    from gpuwatch.predict.composite import ALARM
+
+    c = RiskComposite(None, 0.6, float("inf"))
+    x = np.full((6, len(NAMES)), np.nan)
+    p, a = NAMES.index("peak_cross_p"), NAMES.index("ahead_cross_p")
+    nf, af = NAMES.index("next_peak_est_frac"), NAMES.index("ahead_peak_est_frac")
+    x[0, p], x[0, nf] = 1.0, 1.003  # just over: the cap's fragmentation margin may still hold it
+    x[1, p], x[1, nf] = 1.0, 1.20  # far over
+    x[2, p], x[2, a], x[2, nf], x[2, af] = 0.1, 1.0, 0.9, 1.10  # the lookahead's step is over, the next is not
+    x[3, p], x[3, nf] = 0.55, 1.05  # over by the estimate but under the alarm (a wide spread): unchanged
+    x[4, p], x[4, nf] = 1.0, 0.98  # at p ~1 by another rule (a failed shape) with the estimate under: the ceiling
+    x[5, p] = 0.3  # nothing estimated
+    r = c.predict_proba(x)[:, 1]
+    without = c.combine(c.p_estimator(x), np.zeros(6))[:, 1]
+    assert ((r >= ALARM) == (without >= ALARM)).all()
+    assert r[3] == without[3] and r[5] == without[5] and r[4] == without[4] == 0.5 / 0.6
+    assert without[0] == without[1] and r[1] > r[0] > without[0]  # the tie is broken the right way round
+    assert r[1] > r[2] > r[0] and r.max() <= 1.0
+    assert c.over(x)[2] == pytest.approx(0.10)
+
+
+def test_the_lookahead_feature_estimates_its_step_at_least_as_high_as_the_next():
+    """On a real recorded ramp (a schedule that plans ahead): where the lookahead is recorded its estimate is
+    there, never under the next step's, and above it somewhere (a larger level ahead)."""
+    from gpuwatch.predict.dataset import session_timelines
+
+    tl = session_timelines(ROOT / "recordings" / "sample-h200-guard-ramp-train", stride=5)[0]
+    nf, af = tl.X[:, NAMES.index("next_peak_est_frac")], tl.X[:, NAMES.index("ahead_peak_est_frac")]
+    ap = tl.X[:, NAMES.index("ahead_cross_p")]
+    assert np.array_equal(np.isfinite(af), np.isfinite(ap))
+    both = np.isfinite(af) & np.isfinite(nf)
+    assert both.sum() > 20 and (af[both] >= nf[both] - 1e-12).all() and (af[both] > nf[both] + 0.01).any()
+
+
+def test_on_a_recorded_blind_set_the_ranking_above_the_alarm_keeps_catches_where_the_quietest_baseline_is():
+    """Blind set 2906 (H200, shipped): vramtop's rule raises no near-limit false alarm there and catches 11 of
+    102 OOMs. Every alarm of the risk at p ~1 used to score the same, so at that rate it caught none; ranked
+    by the estimate's excess over the usable limit it keeps most (75 when measured, session 43)."""
+    import functools
+
+    from gpuwatch.predict import evaluate as E
+    from gpuwatch.predict.dataset import load_sessions, sessions_under
+    from gpuwatch.predict.features import features
+    from gpuwatch.predict.model import load_model
+
+    model = load_model(ROOT / "models" / "risk.joblib")
+    tls, _ = load_sessions(sessions_under(ROOT / "recordings" / "heldout-h200-2026-12-06-blind-2906"), stride=5,
+                           feature_fn=functools.partial(features, prior=model.prior))
+    c = model.estimator
+    ranked = [c.predict_proba(t.X)[:, 1] for t in tls]
+    flat = [c.combine(c.p_estimator(t.X), c.classifier.predict_proba(t.X)[:, 1])[:, 1] for t in tls]
+    vt = E.baseline_metrics(tls)["vramtop"]
+    assert vt.near_false_alarms == 0 and vt.caught == 11
+    at_ranked, at_flat = (E.recall_at_fa(tls, s, 0.0, near=True) for s in (ranked, flat))
+    assert at_flat is None or at_flat.caught == 0
+    assert at_ranked is not None and at_ranked.caught >= 60 and at_ranked.near_false_alarms == 0
+    # at the alarm itself nothing changed
+    a, b = (E.event_metrics(tls, s, model.threshold) for s in (ranked, flat))
+    assert (a.caught, a.false_alarms, a.near_false_alarms) == (b.caught, b.false_alarms, b.near_false_alarms)

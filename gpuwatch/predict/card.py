@@ -225,6 +225,11 @@ def _model_sections(rep) -> list[str]:
         "`gpuwatch/predict/composite.py`: risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), alarm at 0.5,",
         f"with t_e = {_f(rep.operating_point[0], '{:g}')} and t_c = {_f(rep.operating_point[1], '{:g}')} "
         "(picked on the session-held-out scores; inf: the classifier never alarms alone).",
+        "Above the alarm the estimator's part goes on rising with how far the plan's estimated peak lies over the",
+        "usable limit (`over`: the larger of `next_peak_est_frac` and `ahead_peak_est_frac`, less 1): + (1 - 0.5 / t_e)",
+        "x (1 - exp(-over / 0.1)). Which windows alarm is unchanged; it orders the alarms, so a threshold above the",
+        "alarm keeps the steps estimated well over the limit and drops those just over it (which the cap's",
+        "fragmentation margin often still holds) - without it every alarm at p ~1 scored the same 0.5 / t_e.",
         "p_estimator is the feature `peak_cross_p` (no learning; `predict/peak.py`): the planned step's peak",
         "against the usable limit, raised to 0.99 for a plan no smaller than a shape that ran out of memory",
         "earlier in the session (a censored observation), and to 0.9 for an inference plan that needs 5 % of",

@@ -1,7 +1,8 @@
 """The shipped risk: the peak estimator's probability as the backbone, a classifier beside it for what
 the estimator cannot see, each at its own operating point.
 
-    risk = max(p_estimator x 0.5 / t_e, p_classifier x 0.5 / t_c), clipped to 0..1; alarm at 0.5
+    risk = max(p_estimator x 0.5 / t_e [+ above the alarm: (1 - 0.5 / t_e) x (1 - exp(-over / OVER_SCALE))],
+               p_classifier x 0.5 / t_c), clipped to 0..1; alarm at 0.5
 
 `p_estimator` is the feature `peak_cross_p` (predict/peak.py: the probability that a step within the
 horizon peaks over the usable limit; no learning), or `ahead_cross_p` where that is higher (the largest
@@ -11,6 +12,17 @@ gaps, what happened before), trained without re-weighting the classes so that it
 frequency. `t_e` and `t_c` are picked on out-of-fold scores (predict/train.py): the pair that catches
 the most OOMs within the false-alarm budget near the limit. Either part alone reaching its threshold
 raises the alarm; below it the risk still rises with both. A part that is switched off has t = inf.
+
+Above the alarm, the estimator's part goes on rising with `over`: how far the plan's estimated peak lies over
+the usable limit (the next step's, `next_peak_est_frac`, or the lookahead's largest, `ahead_peak_est_frac`,
+less 1). Without it a probability of ~1 is every alarm's ceiling (0.5 / t_e, 0.83 at t_e = 0.6), so a step
+estimated 0.3 % over the usable limit (which fits under the cap: the limit keeps a fragmentation margin) and
+one 20 % over score the same, and no threshold above the alarm tells them apart: on the four pooled blind sets
+(2901, 2903, 2905, 2906) the risk caught nothing at vramtop's near-limit false-alarm rate (6.2/h) where vramtop
+caught 98 of 262; ranked by `over` it catches 194 (session 43, models/risk.md). Where the alarm is raised
+is unchanged (p_estimator >= t_e exactly as before): this orders the alarms, it adds or removes none.
+OVER_SCALE = 0.1: 0.1-0.5 gave the same on those sets (a scale of 0.005-0.03 saturates within a few percent
+over, tying the alarms again); chosen on sets that are seen now, so a blind set recorded after it says what it is worth.
 
 Why not one classifier over everything: measured on the H200 sessions (models/risk.md, ablation), trees
 over the estimator's figures and the context together raised several times more false alarms near the
@@ -27,6 +39,7 @@ import numpy as np
 from gpuwatch.predict.features import NAMES
 
 ALARM = 0.5  # the composite's alarm threshold (the manifest's)
+OVER_SCALE = 0.1  # of the usable limit: the estimated excess at which the part above the alarm is 63 % of the way to 1
 
 
 class RiskComposite:
@@ -39,13 +52,19 @@ class RiskComposite:
         self.est_index = NAMES.index("peak_cross_p")
         self.ahead_index = NAMES.index("ahead_cross_p")
         self.trend_index = NAMES.index("trend_cross_p")
+        self.over_indices = (NAMES.index("next_peak_est_frac"), NAMES.index("ahead_peak_est_frac"))
         self.classes_ = np.array([0, 1])
 
-    def combine(self, p_est: np.ndarray, p_clf: np.ndarray) -> np.ndarray:
-        """The composite's (1 - risk, risk) from the estimator's and the classifier's probabilities."""
+    def combine(self, p_est: np.ndarray, p_clf: np.ndarray, over: np.ndarray | None = None) -> np.ndarray:
+        """The composite's (1 - risk, risk) from the estimator's and the classifier's probabilities, and
+        the estimate's excess over the usable limit (`over_limit`; None: the estimator's part stops at its
+        probability's ceiling)."""
         # np.where, not np.nan_to_num: the live scorer calls this for one row five times a second, and
         # nan_to_num costs ~65 us a call there (a profile of the live round: 3 of them were 0.2 ms)
-        a = np.where(p_est == p_est, p_est, 0.0) * (ALARM / self.t_estimator if math.isfinite(self.t_estimator) else 0.0)
+        top = ALARM / self.t_estimator if math.isfinite(self.t_estimator) else 0.0
+        a = np.where(p_est == p_est, p_est, 0.0) * top
+        if over is not None and top > 0.0:  # above the alarm only: which alarms it raises is unchanged
+            a = np.where(a >= ALARM, a + max(1.0 - top, 0.0) * -np.expm1(-np.maximum(over, 0.0) / OVER_SCALE), a)
         b = np.where(p_clf == p_clf, p_clf, 0.0) * (ALARM / self.t_classifier if math.isfinite(self.t_classifier) else 0.0)
         r = np.clip(np.maximum(a, b), 0.0, 1.0)
         return np.stack([1.0 - r, r], axis=1)
@@ -53,7 +72,22 @@ class RiskComposite:
     def predict_proba(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float64)
         p_clf = self.classifier.predict_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
-        return self.combine(self.p_estimator(X), p_clf)
+        return self.combine(self.p_estimator(X), p_clf, self.over(X))
+
+    def over(self, X: np.ndarray) -> np.ndarray:
+        """`over_limit` of rows of all features."""
+        i, j = getattr(self, "over_indices", (NAMES.index("next_peak_est_frac"), NAMES.index("ahead_peak_est_frac")))
+        return self.over_limit(X[:, i], X[:, j])
+
+    # the features `over_limit` takes, in its order
+    OVER = ("next_peak_est_frac", "ahead_peak_est_frac")
+
+    @staticmethod
+    def over_limit(next_frac: np.ndarray, ahead_frac: np.ndarray) -> np.ndarray:
+        """How far the plan's estimated peak lies over the usable limit (a fraction of it; 0 at or under
+        it, and where nothing is estimated): the larger of the next step's and the lookahead's."""
+        f = np.fmax(next_frac, ahead_frac)
+        return np.where(f == f, np.maximum(f - 1.0, 0.0), 0.0)
 
     def p_estimator(self, X: np.ndarray) -> np.ndarray:
         """The estimator's part per row: the highest of the next step's probability (with the per-step
@@ -81,7 +115,7 @@ class RiskComposite:
         def proba(X):
             X = np.asarray(X, dtype=np.float64)
             p_clf = classifier_proba(X)[:, 1] if math.isfinite(self.t_classifier) else np.zeros(len(X))
-            return self.combine(self.p_estimator(X), p_clf)
+            return self.combine(self.p_estimator(X), p_clf, self.over(X))
         return proba
 
     def parts(self, x) -> dict[str, float]:

@@ -32,7 +32,7 @@ KIND = "oom"
 # The features evaluation reads of every window (predict/evaluate.py: the baselines, the estimator's part, "near
 # the limit"): all a recorded timeline keeps of them where its windows wait on disk (`on_disk`, `Timeline.cols`).
 EVAL_COLUMNS = ("mem_used_frac", "mem_headroom_gib", "time_to_full_s", "next_peak_est_frac", "peak_cross_p",
-                "ahead_cross_p", "trend_cross_p")
+                "ahead_cross_p", "trend_cross_p", "ahead_peak_est_frac")
 
 
 @dataclass

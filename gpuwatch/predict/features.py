@@ -65,6 +65,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "reserved_ttf_s": ("s", f"time until torch reserved reaches torch's limit at its slope across the last steps, while rising; else {HORIZON_CAP_S:.0f}"),
     "alloc_ttf_s": ("s", f"time until the planned step's estimated peak reaches the usable limit net of what fragmentation holds (frag_held_frac, less the cache's reuse) at alloc_rate_same_shape, while it grows; 0 where it is there already; else {HORIZON_CAP_S:.0f}"),
     "trend_cross_p": ("probability", "P(the growth the plan does not explain fills the usable limit within the horizon): from alloc_ttf_s (predict/trend.py)"),
+    "ahead_peak_est_frac": ("fraction", "the largest step planned within the lookahead: its estimated peak / the usable limit (predict/ahead.py); at least next_peak_est_frac; missing where the workload plans no further than the next step. How far over the limit the lookahead's step goes: the risk ranks its alarms by it (predict/composite.py `over`)"),
 }
 NAMES = tuple(FEATURES)
 # The sample columns the feature function reads (with ts and gpu): a live source keeps only these for
@@ -247,10 +248,11 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
         ev_us = (wa.event_us() if wa is not None else _us(ev["ts"])) if ev.height else None
         key = (ts.tobytes(), seq.tobytes(), tokens.tobytes(), micro.tobytes(), prec, peak.tobytes(), alloc.tobytes(), times.tobytes(),
                nb, ns, npr, ab, asq, limit, reserved, ev_us.tobytes() if ev_us is not None else b"", ev.height)
-        fc, ahead_p = _FORECASTS.get(key) or _forecasts(batch, seq, micro, list(prec), alloc, peak, times, nb, ns, npr,
-                                                        ab, asq, limit, reserved, ev, key)
+        fc, ahead_p, ahead_frac = _FORECASTS.get(key) or _forecasts(batch, seq, micro, list(prec), alloc, peak, times, nb,
+                                                                    ns, npr, ab, asq, limit, reserved, ev, key)
         if ahead_p is not None:
             out["ahead_cross_p"] = ahead_p
+            out["ahead_peak_est_frac"] = ahead_frac
         if fc is not None:
             _estimate(out, fc)
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
@@ -301,7 +303,7 @@ def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq
     fit = fit_steps(batch, seq, micro, prec, alloc, peak, times, npr)  # once for both plans
     lim = usable_limit(limit)
     fc = fit.at(float(nb), float(ns), lim, failed=failed_shapes(events), reserved=reserved) if fit is not None else None
-    ahead_p = None
+    ahead_p = ahead_frac = None
     if fit is not None and fc is not None and ab and asq:  # the largest step planned within the lookahead (ahead.py):
         # its estimate and the outgrown-segments rule, not the failed-shape rule - a shape that failed
         # under the allocator's state of now may fit after the steps on the way reshaped the cache (call
@@ -309,8 +311,9 @@ def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq
         fa = fc if float(ab) * float(asq) <= float(nb) * float(ns) else fit.at(float(ab), float(asq), lim,
                                                                                 reserved=reserved)
         ahead_p = max(fc.p_horizon, fa.p_horizon) if fa is not None else fc.p_horizon
-    keep_bounded(_FORECASTS, key, (fc, ahead_p), _FORECASTS_KEPT)
-    return fc, ahead_p
+        ahead_frac = max(fc.mean, fa.mean) / fc.limit if fa is not None else fc.mean / fc.limit
+    keep_bounded(_FORECASTS, key, (fc, ahead_p, ahead_frac), _FORECASTS_KEPT)
+    return fc, ahead_p, ahead_frac
 
 
 def failed_shapes(events: pl.DataFrame) -> list[Failed]:

@@ -30,6 +30,7 @@ from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
 _AHEAD, _PEAK = NAMES.index("ahead_cross_p"), NAMES.index("peak_cross_p")
+_AHEAD_FRAC = NAMES.index("ahead_peak_est_frac")  # blanked with _AHEAD: the lookahead's part is both
 
 
 class Scorer:
@@ -76,7 +77,7 @@ class Scorer:
         if a != a or a <= (p if p == p else 0.0) or r < self.model.threshold * CLEAR_RATIO:
             return r  # (under the alarm's clearing level the guard decides the same on r as on anything lower)
         y = list(x)
-        y[_AHEAD] = float("nan")
+        y[_AHEAD] = y[_AHEAD_FRAC] = float("nan")
         return self.score_vector(y)
 
 

@@ -179,11 +179,23 @@ def estimator_scores(tls: list[Timeline], lookahead: bool = True) -> list[np.nda
             for t in tls]
 
 
-def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float) -> list[np.ndarray]:
+def estimator_over(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarray]:
+    """The estimate's excess over the usable limit per window (the composite's `over_limit`): the next
+    step's and, with `lookahead`, the lookahead's largest step's."""
+    from gpuwatch.predict.composite import RiskComposite
+
+    return [RiskComposite.over_limit(E.column(t, "next_peak_est_frac"), E.column(t, "ahead_peak_est_frac") if lookahead
+                                     else np.full(len(t.ts_us), np.nan)) for t in tls]
+
+
+def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float,
+                     over: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """The composite's risk per window; `over` (estimator_over) ranks the alarms above the alarm level -
+    which windows alarm is the same without it (pick_operating_point leaves it out)."""
     from gpuwatch.predict.composite import RiskComposite
 
     c = RiskComposite(None, t_e, t_c)
-    return [c.combine(a, b)[:, 1] for a, b in zip(p_est, p_clf)]
+    return [c.combine(a, b, None if over is None else o)[:, 1] for a, b, o in zip(p_est, p_clf, over or p_est)]
 
 
 def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: list[np.ndarray], horizon_s: float
@@ -395,20 +407,20 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
         folds = min(SESSION_FOLDS, n_groups)
         progress(f"cross-validation grouped by session ({folds} folds of {n_groups} sessions; "
                  "no session, nor its counterfactual copies, on both sides)...")
-        p_est = estimator_scores(real)
+        p_est, over = estimator_scores(real), estimator_over(real)
         oof = _real(out_of_fold(tls, lambda t: t.source, progress, folds, kind="hgb-context", balance=False, **par), real_idx)
         t_e, t_c, by_session, why = pick_operating_point(real, p_est, oof, horizon_s)
         threshold = ALARM
-        by_session = E.event_metrics(real, composite_scores(p_est, oof, t_e, t_c), ALARM, horizon_s, with_auc=True)
+        by_session = E.event_metrics(real, composite_scores(p_est, oof, t_e, t_c, over), ALARM, horizon_s, with_auc=True)
         scen = sorted({t.scenario for t in real})
         progress(f"cross-validation grouped by scenario ({len(scen)} folds: leave one scenario out)...")
         oos = _real(out_of_fold(tls, lambda t: t.scenario, progress, kind="hgb-context", balance=False, **par), real_idx)
-        comp_s = composite_scores(p_est, oos, t_e, t_c)
+        comp_s = composite_scores(p_est, oos, t_e, t_c, over)
         by_scenario = E.event_metrics(real, comp_s, ALARM, horizon_s, with_auc=True)
         for sc in scen:
             idx = [i for i, t in enumerate(real) if t.scenario == sc]
             per_scen[sc] = E.event_metrics([real[i] for i in idx], [comp_s[i] for i in idx], ALARM, horizon_s)
-        comp = composite_scores(p_est, oof, t_e, t_c)
+        comp = composite_scores(p_est, oof, t_e, t_c, over)
         baselines = E.baseline_metrics(real, horizon_s)
         for name, m in baselines.items():
             fa = m.near_fa_per_hour if m.near_fa_per_hour is not None else 0.0
@@ -420,7 +432,7 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
         t_ctx, _ = E.pick_threshold(real, oof, MAX_FA_PER_HOUR, horizon_s, near=True)
         ablation = {
             f"estimator alone (alarm at p >= {te_only:g})": E.event_metrics(
-                real, composite_scores(p_est, oof, te_only, float("inf")), ALARM, horizon_s, with_auc=True),
+                real, composite_scores(p_est, oof, te_only, float("inf"), over), ALARM, horizon_s, with_auc=True),
             f"classifier alone, context features (alarm at p >= {t_ctx:.3f})": E.event_metrics(
                 real, oof, t_ctx, horizon_s, with_auc=True),
             f"one classifier over the estimator's figures and the context (balanced; alarm at {t_core:.3f})":
@@ -429,7 +441,8 @@ def _train(tls, data, warnings, out, progress, horizon_s, evaluate, t0, given=No
         }
         if any(np.isfinite(E.column(t, "ahead_cross_p")).any() for t in real):
             ablation["the same without the lookahead (next step only; predict/ahead.py)"] = E.event_metrics(
-                real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c), ALARM, horizon_s,
+                real, composite_scores(estimator_scores(real, lookahead=False), oof, t_e, t_c,
+                                       estimator_over(real, lookahead=False)), ALARM, horizon_s,
                 with_auc=True)
     progress("fitting the final model on every session and its counterfactual copies...")
     clf, reference, data["fit"] = _final_fit(tls, max_windows, progress)

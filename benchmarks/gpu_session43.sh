@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 43's GPU call (dry-run on the CPU with DRY=1 before it is spent):
+#   a: issue 29 - the seventh blind set (seed 2907, next in sequence), recorded after the risk's ranking above the
+#      alarm (composite.py `over`: the estimate's excess over the usable limit); then, on an H200 only, issue 30's
+#      owed v3-slice prefill sweep (compile=layer at 64, 96 and 128 x 512, 5 timed steps: s42a/b ran it on an H100)
+#   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a
+set -u
+. benchmarks/session_env.sh "${1:?the part: a}"
+. benchmarks/session_fns.sh
+on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
+
+case "$1" in
+a)
+  SEED=${SEED:-2907} blind_set ${BT:-255} 20
+  if on_h200; then SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi
+  ;;
+esac
+echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
