@@ -350,3 +350,25 @@ def test_on_a_recorded_blind_set_the_ranking_above_the_alarm_keeps_catches_where
     # at the alarm itself nothing changed
     a, b = (E.event_metrics(tls, s, model.threshold) for s in (ranked, flat))
     assert (a.caught, a.false_alarms, a.near_false_alarms) == (b.caught, b.false_alarms, b.near_false_alarms)
+
+
+def test_the_next_steps_risk_leaves_out_the_lookaheads_excess_too():
+    """Both probabilities at ~1: the lookahead's step 20 % over the limit ranks the risk above the next step's
+    own (0.3 % over); the risk the guard acts on is the next step's, not raised by a step further ahead
+    (what a --risk-threshold above the ceiling of 0.83 would otherwise cut)."""
+    from gpuwatch.predict.model import load_model
+    from gpuwatch.predict.scorer import Scorer
+
+    sc = Scorer(load_model(ROOT / "models" / "risk.joblib"))
+    x = [float("nan")] * len(NAMES)
+    for n, v in (("peak_cross_p", 1.0), ("ahead_cross_p", 1.0), ("next_peak_est_frac", 1.003),
+                 ("ahead_peak_est_frac", 1.2)):
+        x[NAMES.index(n)] = v
+    r = sc.score_vector(x)
+    y = list(x)
+    y[NAMES.index("ahead_cross_p")] = y[NAMES.index("ahead_peak_est_frac")] = float("nan")
+    alone = sc.score_vector(y)
+    assert r > alone >= sc.model.threshold and sc.risk_next(x, r) == pytest.approx(alone)
+    z = list(x)
+    z[NAMES.index("ahead_peak_est_frac")] = 1.003  # the lookahead adds nothing: no second prediction needed
+    assert sc.risk_next(z, 0.9) == 0.9

@@ -398,8 +398,9 @@ class BusCollector(Collector):
             yield c
 
         # failure risk: the latest scoring per GPU and kind
-        risk = GaugeMetricFamily("gpuwatch_failure_risk", "The model's probability that this failure happens "
-                                 "within its horizon (0..1), latest scoring.", labels=lab + ["kind"])
+        risk = GaugeMetricFamily("gpuwatch_failure_risk", "The model's risk that this failure happens within "
+                                 "its horizon (0..1; above the alarm threshold it ranks by how far the plan's "
+                                 "estimated peak lies over the usable limit), latest scoring.", labels=lab + ["kind"])
         alarm = GaugeMetricFamily("gpuwatch_risk_alarm", "1 while the risk is at or above the alarm threshold.",
                                   labels=lab + ["kind"])
         thr = GaugeMetricFamily("gpuwatch_risk_threshold", "The model's alarm threshold.", labels=lab + ["kind"])

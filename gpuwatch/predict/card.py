@@ -7,6 +7,7 @@ import json
 
 from gpuwatch.atomic import write_file
 from gpuwatch.predict import evaluate as E
+from gpuwatch.predict.composite import OVER_SCALE
 from gpuwatch.predict.features import FEATURES
 
 FEATURE_TABLE = "\n".join(f"| `{n}` | {u} | {d} |" for n, (u, d) in FEATURES.items())
@@ -227,7 +228,7 @@ def _model_sections(rep) -> list[str]:
         "(picked on the session-held-out scores; inf: the classifier never alarms alone).",
         "Above the alarm the estimator's part goes on rising with how far the plan's estimated peak lies over the",
         "usable limit (`over`: the larger of `next_peak_est_frac` and `ahead_peak_est_frac`, less 1): + (1 - 0.5 / t_e)",
-        "x (1 - exp(-over / 0.1)). Which windows alarm is unchanged; it orders the alarms, so a threshold above the",
+        f"x (1 - exp(-over / {OVER_SCALE:g})). Which windows alarm is unchanged; it orders the alarms, so a threshold above the",
         "alarm keeps the steps estimated well over the limit and drops those just over it (which the cap's",
         "fragmentation margin often still holds) - without it every alarm at p ~1 scored the same 0.5 / t_e.",
         "p_estimator is the feature `peak_cross_p` (no learning; `predict/peak.py`): the planned step's peak",

@@ -19,7 +19,9 @@ less 1). Without it a probability of ~1 is every alarm's ceiling (0.5 / t_e, 0.8
 estimated 0.3 % over the usable limit (which fits under the cap: the limit keeps a fragmentation margin) and
 one 20 % over score the same, and no threshold above the alarm tells them apart: on the four pooled blind sets
 (2901, 2903, 2905, 2906) the risk caught nothing at vramtop's near-limit false-alarm rate (6.2/h) where vramtop
-caught 98 of 262; ranked by `over` it catches 194 (session 43, models/risk.md). Where the alarm is raised
+caught 98 of 262; ranked by `over` it catches 214 (session 43, docs/BENCHMARKS.md). A failed shape's alarm
+(peak.py FAILED_P) carries no excess and stays at the ceiling: a threshold above the alarm drops it before
+any alarm estimated over the limit. Where the alarm is raised
 is unchanged (p_estimator >= t_e exactly as before): this orders the alarms, it adds or removes none.
 OVER_SCALE = 0.1: 0.1-0.5 gave the same on those sets (a scale of 0.005-0.03 saturates within a few percent
 over, tying the alarms again); chosen on sets that are seen now, so a blind set recorded after it says what it is worth.

@@ -31,6 +31,7 @@ from gpuwatch.threads import start_thread
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
 _AHEAD, _PEAK = NAMES.index("ahead_cross_p"), NAMES.index("peak_cross_p")
 _AHEAD_FRAC = NAMES.index("ahead_peak_est_frac")  # blanked with _AHEAD: the lookahead's part is both
+_NEXT_FRAC = NAMES.index("next_peak_est_frac")
 
 
 class Scorer:
@@ -73,8 +74,10 @@ class Scorer:
     def risk_next(self, x: list[float], r: float) -> float:
         """The risk of the next step: `r` without the lookahead's part (predict/ahead.py) - what the
         guard acts on. `r` itself where the lookahead adds nothing (one prediction more only where it does)."""
-        a, p = x[_AHEAD], x[_PEAK]
-        if a != a or a <= (p if p == p else 0.0) or r < self.model.threshold * CLEAR_RATIO:
+        a, p, af, nf = x[_AHEAD], x[_PEAK], x[_AHEAD_FRAC], x[_NEXT_FRAC]
+        adds = a == a and (a > (p if p == p else 0.0)  # the lookahead's probability, or its excess above the alarm
+                           or (af == af and af > 1.0 and af > (nf if nf == nf else 0.0)))
+        if not adds or r < self.model.threshold * CLEAR_RATIO:
             return r  # (under the alarm's clearing level the guard decides the same on r as on anything lower)
         y = list(x)
         y[_AHEAD] = y[_AHEAD_FRAC] = float("nan")

@@ -36,13 +36,13 @@ SEED = 0
 # the trees from learning a session's quirks (+1 rising, -1 falling, 0 free).
 MONOTONE = {"mem_used_frac": 1, "mem_max_frac_30s": 1, "mem_slope_5s": 1, "mem_slope_30s": 1, "mem_accel": 1,
             "torch_peak_frac": 1, "torch_peak_max_frac": 1, "alloc_growth_frac_per_step": 1,
-            "next_peak_est_frac": 1, "peak_cross_p": 1, "ahead_cross_p": 1, "peak_margin_sigmas": -1, "plan_vs_max_fit": 1,
+            "next_peak_est_frac": 1, "peak_cross_p": 1, "ahead_cross_p": 1, "ahead_peak_est_frac": 1, "peak_margin_sigmas": -1, "plan_vs_max_fit": 1,
             "plan_growth": 1, "ooms_60s": 1, "others_mem_frac": 1, "torch_reserved_gap_frac": 1,
             "torch_reserved_frac": 1, "frag_need_frac": 1,
             "mem_headroom_gib": -1, "time_to_full_s": -1, "secs_since_oom": -1}
 
 # The estimator's own figures (predict/peak.py): the backbone of the risk.
-ESTIMATOR = ("peak_cross_p", "ahead_cross_p", "next_peak_est_frac", "peak_margin_sigmas")
+ESTIMATOR = ("peak_cross_p", "ahead_cross_p", "next_peak_est_frac", "peak_margin_sigmas", "ahead_peak_est_frac")
 # What the estimator cannot see - leaks and slow growth, fragmentation, other processes, gaps - for
 # the classifier on top of it.
 CONTEXT = ("mem_used_frac", "mem_slope_5s", "time_to_full_s", "alloc_growth_frac_per_step",

@@ -187,6 +187,8 @@ TTF_LO, TTF_HI = "trend_ttf_lo_s", "trend_ttf_hi_s"  # a features dict's extra k
 # trend's time to the limit as a range, for the dashboard (`outlook`)
 OUTLOOK_MIN_P = 0.25  # below this the estimator's strongest signal gives no time to the limit worth showing
 SIGNALS = {"peak_cross_p": "next-step peak", "ahead_cross_p": "lookahead", "trend_cross_p": "trend"}
+# the plan's estimates behind those signals: a reason among them is the estimator's own, not the context's
+ESTIMATES = ("next_peak_est_frac", "ahead_peak_est_frac", "peak_margin_sigmas")
 
 
 @dataclass(frozen=True)

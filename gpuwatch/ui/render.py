@@ -10,7 +10,7 @@ from typing import Any
 from rich.text import Text
 
 from gpuwatch.predict.headroom import headroom
-from gpuwatch.predict.trend import SIGNALS, Outlook, outlook
+from gpuwatch.predict.trend import ESTIMATES, SIGNALS, Outlook, outlook
 from gpuwatch.recording.frames import shown_limit, used_against_cap
 from gpuwatch.recording.ranks import rank_stats, straggler
 from gpuwatch.recording.recorded import event_detail
@@ -304,7 +304,7 @@ def outlook_text(o: Outlook, reasons: list | None = None) -> str:
     that signal - with the feature that carries the risk where its strongest reason is none of the
     estimator's signals ("lookahead; carried by torch_peak_frac": the classifier's context)."""
     top = reasons[0][0] if reasons else None
-    by = o.signal if top is None or top in SIGNALS else f"{o.signal}; carried by {top}"
+    by = o.signal if top is None or top in SIGNALS or top in ESTIMATES else f"{o.signal}; carried by {top}"
     return f"OOM in ~{_range(o.lo_s, o.hi_s)} ({by})"
 
 
