@@ -3,9 +3,10 @@
 #   a: issue 29 - the seventh blind set (seed 2907, next in sequence), recorded after the risk's ranking above the
 #      alarm (composite.py `over`: the estimate's excess over the usable limit); then, on an H200 only, issue 30's
 #      owed v3-slice prefill sweep (compile=layer at 64, 96 and 128 x 512, 5 timed steps: s42a/b ran it on an H100)
-#   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a
+#   c: the sweep alone (where part a ran on an H100): exits 3 at once on any other card, to save the budget
+#   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c
 set -u
-. benchmarks/session_env.sh "${1:?the part: a}"
+. benchmarks/session_env.sh "${1:?the part: a or c}"
 . benchmarks/session_fns.sh
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 
@@ -14,6 +15,10 @@ a)
   SEED=${SEED:-2907} blind_set ${BT:-255} 20
   if on_h200; then SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
   else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi
+  ;;
+c)
+  on_h200 || { echo "not an H200: $(cat "$R/gpu.txt")"; exit 3; }
+  SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
