@@ -119,8 +119,9 @@ def test_the_outlook_names_the_signal_that_carries_the_risk():
     assert (o.signal, o.lo_s, o.hi_s) == ("trend", 3.0, 7.0)
     o = T.outlook({"peak_cross_p": 0.9, "ahead_cross_p": 0.9, "trend_cross_p": float("nan"), "steps_per_s": 2.0})
     assert (o.signal, o.lo_s, o.hi_s) == ("next-step peak", 0.0, 0.5)
-    o = T.outlook({"peak_cross_p": 0.1, "ahead_cross_p": 0.7, "steps_per_s": 2.0})
-    assert o.signal == "lookahead" and o.lo_s == 0.5
+    o = T.outlook({"peak_cross_p": 0.1, "ahead_cross_p": 0.7, "steps_per_s": 2.0, "next_peak_est_frac": 0.8,
+                   "ahead_peak_est_frac": 1.06})
+    assert o.signal == "lookahead" and o.lo_s == 0.5 and o.est == 1.06
     assert T.outlook({"peak_cross_p": float("nan")}) is None
 
 
@@ -133,6 +134,10 @@ def test_the_panel_says_the_range_and_what_carries_it():
     assert outlook_text(T.Outlook(4.0, None, "trend", 0.7)) == "OOM in ~4 s or more (trend)"
     assert outlook_text(T.Outlook(0.0, 0.5, "next-step peak", 0.9),
                         [["mem_used_frac", 0.3]]) == "OOM in ~0-0.5 s (next-step peak; carried by mem_used_frac)"
+    # the plan's step estimated over the usable limit: by how much (what ranks the risk above its alarm)
+    assert outlook_text(T.Outlook(0.5, 4.0, "lookahead", 1.0, 1.124),
+                        [["ahead_peak_est_frac", 0.1]]) == "OOM in ~0.5-4 s (lookahead 112%)"
+    assert outlook_text(T.Outlook(0.0, 0.5, "next-step peak", 0.9, 0.97)) == "OOM in ~0-0.5 s (next-step peak)"
 
 
 def test_vramtop_warns_on_sustained_growth_only_and_says_low_vram_when_flat():

@@ -194,12 +194,15 @@ ESTIMATES = ("next_peak_est_frac", "ahead_peak_est_frac", "peak_margin_sigmas")
 @dataclass(frozen=True)
 class Outlook:
     """What the estimate says of the time to the limit: a range in seconds (hi None: beyond CAP_S), the
-    signal that carries the risk and its probability."""
+    signal that carries the risk and its probability, and for the plan's signals the step's estimated peak /
+    the usable limit (`est`, None for the trend or where unknown: over 1 is what ranks the risk above its alarm,
+    predict/composite.py)."""
 
     lo_s: float
     hi_s: float | None
     signal: str
     p: float
+    est: float | None = None
 
 
 def outlook(f: dict[str, float]) -> Outlook | None:
@@ -217,6 +220,8 @@ def outlook(f: dict[str, float]) -> Outlook | None:
     if k == "trend_cross_p" and f.get(TTF_LO) is not None:
         hi = f.get(TTF_HI)
         return Outlook(float(f[TTF_LO]), None if hi is None or hi >= CAP_S else float(hi), SIGNALS[k], ps[k])
+    est = f.get("ahead_peak_est_frac" if k == "ahead_cross_p" else "next_peak_est_frac")
+    est = float(est) if est is not None and est == est else None
     if k == "ahead_cross_p":
-        return Outlook(step_s or 0.0, LOOKAHEAD_S, SIGNALS[k], ps[k])
-    return Outlook(0.0, step_s, SIGNALS[k], ps[k])
+        return Outlook(step_s or 0.0, LOOKAHEAD_S, SIGNALS[k], ps[k], est)
+    return Outlook(0.0, step_s, SIGNALS[k], ps[k], est)

@@ -301,10 +301,13 @@ def risk_outlook(source, gpu: int | None, row: dict[str, Any]) -> Outlook | None
 
 def outlook_text(o: Outlook, reasons: list | None = None) -> str:
     """"OOM in ~6-12 s (trend)": the range of the time to the limit by the estimator's strongest signal, and
-    that signal - with the feature that carries the risk where its strongest reason is none of the
-    estimator's signals ("lookahead; carried by torch_peak_frac": the classifier's context)."""
+    that signal - with the step's estimated peak against the usable limit where the plan's signal carries it
+    and the estimate is over ("next-step peak 112 %": how far over is what ranks the risk above its alarm),
+    and the feature that carries the risk where its strongest reason is none of the estimator's
+    ("lookahead; carried by torch_peak_frac": the classifier's context)."""
     top = reasons[0][0] if reasons else None
-    by = o.signal if top is None or top in SIGNALS or top in ESTIMATES else f"{o.signal}; carried by {top}"
+    sig = o.signal + (f" {o.est:.0%}" if o.est is not None and o.est > 1.0 else "")
+    by = sig if top is None or top in SIGNALS or top in ESTIMATES else f"{sig}; carried by {top}"
     return f"OOM in ~{_range(o.lo_s, o.hi_s)} ({by})"
 
 
