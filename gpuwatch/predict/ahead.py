@@ -29,6 +29,9 @@ PACE_STEPS = 5  # the pace: the median gap between the last this many step ends
 # Not a model feature: the key under which the scorer hands the guard, with the features, the next step's
 # risk without the lookahead (what the guard acts on).
 RISK_NEXT = "risk_next"
+# The lookahead's features (predict/features.py): its probability and its step's estimate, left out together
+# wherever the risk is asked without the lookahead (the guard's RISK_NEXT, `eval`'s ablation).
+FEATURES = ("ahead_cross_p", "ahead_peak_est_frac")
 
 
 def steps_within(ends_s: Sequence[float], lookahead_s: float = LOOKAHEAD_S) -> int:

@@ -47,6 +47,9 @@ OVER_SCALE = 0.1  # of the usable limit: the estimated excess at which the part 
 class RiskComposite:
     """A scikit-learn-like classifier (predict_proba over rows of all features, NAMES order)."""
 
+    # the features `over_limit` takes, in its order
+    OVER = ("next_peak_est_frac", "ahead_peak_est_frac")
+
     def __init__(self, classifier, t_estimator: float, t_classifier: float) -> None:
         self.classifier = classifier
         self.t_estimator = float(t_estimator)
@@ -54,7 +57,7 @@ class RiskComposite:
         self.est_index = NAMES.index("peak_cross_p")
         self.ahead_index = NAMES.index("ahead_cross_p")
         self.trend_index = NAMES.index("trend_cross_p")
-        self.over_indices = (NAMES.index("next_peak_est_frac"), NAMES.index("ahead_peak_est_frac"))
+        self.over_indices = tuple(NAMES.index(n) for n in self.OVER)
         self.classes_ = np.array([0, 1])
 
     def combine(self, p_est: np.ndarray, p_clf: np.ndarray, over: np.ndarray | None = None) -> np.ndarray:
@@ -78,11 +81,8 @@ class RiskComposite:
 
     def over(self, X: np.ndarray) -> np.ndarray:
         """`over_limit` of rows of all features."""
-        i, j = getattr(self, "over_indices", (NAMES.index("next_peak_est_frac"), NAMES.index("ahead_peak_est_frac")))
+        i, j = self.over_indices  # (a model saved before them has other features: load_model refuses it)
         return self.over_limit(X[:, i], X[:, j])
-
-    # the features `over_limit` takes, in its order
-    OVER = ("next_peak_est_frac", "ahead_peak_est_frac")
 
     @staticmethod
     def over_limit(next_frac: np.ndarray, ahead_frac: np.ndarray) -> np.ndarray:

@@ -18,11 +18,11 @@ from typing import Any, Callable
 import numpy as np
 
 from gpuwatch.predict import evaluate as E
+from gpuwatch.predict.ahead import FEATURES as LOOKAHEAD_FEATURES
 
 __all__ = ["evaluate", "heldout_sessions", "line", "rules", "set_name"]
 
 MODEL = "model"
-LOOKAHEAD = ("ahead_cross_p", "ahead_peak_est_frac")  # the lookahead's features (predict/ahead.py)
 BASELINE = "baseline: "
 
 
@@ -61,7 +61,7 @@ def rules(model) -> dict[str, tuple[float, Callable[[Any], np.ndarray]]]:
     p = model.estimator.predict_proba
     out: dict[str, tuple[float, Callable[[Any], np.ndarray]]] = {
         MODEL: (model.threshold, lambda t: p(t.X)[:, 1]),
-        "model without the lookahead": (model.threshold, lambda t: p(_blanked(t.X, *LOOKAHEAD))[:, 1]),
+        "model without the lookahead": (model.threshold, lambda t: p(_blanked(t.X, *LOOKAHEAD_FEATURES))[:, 1]),
         "model without the trend": (model.threshold, lambda t: p(_blanked(t.X, "trend_cross_p"))[:, 1])}
     for name, (_note, fn) in E.BASELINES.items():
         out[BASELINE + name] = (0.5, (lambda f: lambda t: f(t).astype(float))(fn))

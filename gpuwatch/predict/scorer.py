@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from gpuwatch.predict.ahead import RISK_NEXT
+from gpuwatch.predict.ahead import FEATURES as LOOKAHEAD_FEATURES, RISK_NEXT
 from gpuwatch.predict.dataset import plan_changes
 from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
@@ -29,9 +29,8 @@ from gpuwatch.recording.window import Window
 from gpuwatch.threads import start_thread
 
 REASONS_FROM = 0.5  # compute reasons when risk >= threshold x this
-_AHEAD, _PEAK = NAMES.index("ahead_cross_p"), NAMES.index("peak_cross_p")
-_AHEAD_FRAC = NAMES.index("ahead_peak_est_frac")  # blanked with _AHEAD: the lookahead's part is both
-_NEXT_FRAC = NAMES.index("next_peak_est_frac")
+_AHEAD, _AHEAD_FRAC = (NAMES.index(n) for n in LOOKAHEAD_FEATURES)  # blanked together: the lookahead's part
+_PEAK, _NEXT_FRAC = NAMES.index("peak_cross_p"), NAMES.index("next_peak_est_frac")
 
 
 class Scorer:

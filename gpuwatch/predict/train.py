@@ -184,8 +184,9 @@ def estimator_over(tls: list[Timeline], lookahead: bool = True) -> list[np.ndarr
     step's and, with `lookahead`, the lookahead's largest step's."""
     from gpuwatch.predict.composite import RiskComposite
 
-    return [RiskComposite.over_limit(E.column(t, "next_peak_est_frac"), E.column(t, "ahead_peak_est_frac") if lookahead
-                                     else np.full(len(t.ts_us), np.nan)) for t in tls]
+    nxt, ahead = RiskComposite.OVER
+    return [RiskComposite.over_limit(E.column(t, nxt), E.column(t, ahead) if lookahead else np.full(len(t.ts_us), np.nan))
+            for t in tls]
 
 
 def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: float, t_c: float,
@@ -195,7 +196,8 @@ def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: floa
     from gpuwatch.predict.composite import RiskComposite
 
     c = RiskComposite(None, t_e, t_c)
-    return [c.combine(a, b, None if over is None else o)[:, 1] for a, b, o in zip(p_est, p_clf, over or p_est)]
+    overs: list[np.ndarray | None] = list(over) if over is not None else [None] * len(p_est)
+    return [c.combine(a, b, o)[:, 1] for a, b, o in zip(p_est, p_clf, overs)]
 
 
 def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: list[np.ndarray], horizon_s: float
