@@ -23,8 +23,9 @@ caught 98 of 262; ranked by `over` it catches 214 (session 43, docs/BENCHMARKS.m
 (peak.py FAILED_P) carries no excess and stays at the ceiling: a threshold above the alarm drops it before
 any alarm estimated over the limit. Where the alarm is raised
 is unchanged (p_estimator >= t_e exactly as before): this orders the alarms, it adds or removes none.
-OVER_SCALE = 0.1: 0.1-0.5 gave the same on those sets (a scale of 0.005-0.03 saturates within a few percent
-over, tying the alarms again); chosen on sets that are seen now, so a blind set recorded after it says what it is worth.
+OVER_SCALE = 0.1: of 0.005, 0.03, 0.1 and 0.5 the one that keeps catches on those sets both at 0 near-limit
+false alarms and at vramtop's rate (benchmarks/alarm_excess.py; 0.005-0.03 saturate within a few percent over,
+tying the alarms again); chosen on sets that are seen now, so a blind set recorded after it says what it is worth.
 
 Why not one classifier over everything: measured on the H200 sessions (models/risk.md, ablation), trees
 over the estimator's figures and the context together raised several times more false alarms near the
