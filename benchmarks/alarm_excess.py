@@ -40,7 +40,7 @@ def onsets(model, tls) -> dict[str, list[float]]:
         sc = model.estimator.predict_proba(tl.X)[:, 1]
         ov = model.estimator.over(tl.X)
         near = np.nan_to_num(tl.X[:, NAMES.index("mem_used_frac")], nan=0.0) >= E.NEAR_FRAC
-        for t in E._alarm_starts(tl.ts_us, E.alarm_state(sc, ALARM) & (tl.y != -1), h):
+        for t in E.alarm_starts(tl.ts_us, E.alarm_state(sc, ALARM) & (tl.y != -1), h):
             i = int(np.searchsorted(tl.ts_us, t))
             true = bool(((tl.failures >= t) & (tl.failures <= t + 2 * h)).any())
             key = f"{'true' if true else 'false'} alarms starting {'near' if near[i] else 'far from'} the limit"

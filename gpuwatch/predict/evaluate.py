@@ -75,7 +75,7 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
                 t0 = tl.ts_us[np.argmax(win)]
                 leads_s.append((tf - t0) / 1e6)
                 leads_steps.append(int(((tl.step_ts > t0) & (tl.step_ts < tf)).sum()) + 1)
-        for t in _alarm_starts(tl.ts_us, alarm & valid, h):
+        for t in alarm_starts(tl.ts_us, alarm & valid, h):
             onsets += 1
             if not ((tl.failures >= t) & (tl.failures <= t + 2 * h)).any():
                 false += 1
@@ -117,7 +117,7 @@ def _stride_s(tl: Timeline) -> float:
     return float(np.median(np.diff(tl.ts_us))) / 1e6 if tl.ts_us.size > 1 else tl.interval_s
 
 
-def _alarm_starts(ts: np.ndarray, on: np.ndarray, h: int) -> list[int]:
+def alarm_starts(ts: np.ndarray, on: np.ndarray, h: int) -> list[int]:
     """The alarm's starts, counting an alarm that stays on as a new one every horizon (an alarm held
     through an hour of healthy running is not one false alarm but many: otherwise a rule that is
     always on would look best). A start is true when a failure follows within the horizon after the
