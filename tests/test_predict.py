@@ -49,6 +49,33 @@ def test_failure_marks_use_the_last_step_and_the_recovery():
         assert not ((steps > we) & (steps < tf)).any()
 
 
+FIRST = ROOT / "recordings" / "heldout-h200-2026-12-06-blind-2903" / "ho-02-loop-curriculum-b5-s64-512-e1"
+
+
+def test_an_attempt_that_fails_before_any_step_is_warned_only_before_it_began():
+    """A real blind-set episode whose cap is under its first step: 3 OOMs (5, 2 and 1 x 64), no step row.
+    The last chance before the first is the workload's start, before each retry the previous recovery -
+    not the failure itself (which credited an alarm raised while the failing step ran)."""
+    from gpuwatch.predict import evaluate as E
+
+    rec = ReplaySource(FIRST)
+    g = rec.gpus[0].index
+    ev = rec.events_df
+    us = lambda k: ev.filter(pl.col("kind") == k)["ts"].dt.epoch("us").to_numpy()  # noqa: E731
+    f, warn, _rend = dataset.failure_marks(np.empty(0, dtype=np.int64), ev, g)
+    assert f.size == 3
+    assert warn[0] == us("workload_start")[0]
+    assert (warn[1:] == us("oom_recovered")[:2]).all()
+    (tl,) = dataset.session_timelines(FIRST)
+    always = np.ones(tl.ts_us.size)
+    m = E.event_metrics([tl], [always], 0.5)
+    assert m.first_step_ooms == 3 and m.oom_events == 3
+    late = ((tl.ts_us > warn[0]) & (tl.ts_us < f[0])).astype(float)  # on only while the first attempt ran
+    assert E.event_metrics([tl], [late], 0.5).caught == 2  # too late for it; before the two retries began
+    early = (tl.ts_us <= warn[0]).astype(float)
+    assert early.any() and E.event_metrics([tl], [early], 0.5).caught == 3
+
+
 def test_plans_of_old_sessions_come_from_the_next_attempt():
     rec = ReplaySource(CAPPED)  # schema v1: no plan columns recorded
     st = rec.steps_df

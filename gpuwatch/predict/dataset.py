@@ -3,9 +3,10 @@ one feature function, over windows cut by the replay source exactly as replay sh
 label per failure kind.
 
 Labels (per GPU, kind "oom"): a window ending at t is
-- positive when an OOM at t_f follows with t_f - horizon <= t <= the end of the last step that
-  finished before it (that is when the failing step began: a guard acting then still saves it, so
-  the minimum warning is one step of the run);
+- positive when an OOM at t_f follows with t_f - horizon <= t <= the last moment before the failing
+  attempt began: the end of the last step that finished before it, or, where the workload started or
+  recovered from an OOM since, that moment (a guard acting then still saves it, so the minimum warning
+  is one step of the run; an attempt that fails before any step ran is warned only before it began);
 - dropped between that moment and the OOM (too late to act: neither positive nor negative), and from
   an OOM until its recovery (`oom_recovered`) or, without one, the next finished step;
 - negative otherwise.
@@ -107,10 +108,12 @@ def failure_marks(steps_ts: np.ndarray, events: pl.DataFrame, gpu: int | None, k
     ev = events.filter(pl.col("gpu").is_null() | (pl.col("gpu") == gpu)) if gpu is not None else events
     f = ev.filter(pl.col("kind") == kind)["ts"].dt.epoch("us").to_numpy()
     rec = ev.filter(pl.col("kind") == f"{kind}_recovered")["ts"].dt.epoch("us").to_numpy()
+    began = np.union1d(np.union1d(steps_ts, rec), ev.filter(pl.col("kind") == "workload_start")["ts"].dt.epoch("us")
+                       .to_numpy()).astype(np.int64)  # the moments an attempt could begin after
     warn, rend = np.empty(f.size, dtype=np.int64), np.empty(f.size, dtype=np.int64)
     for i, tf in enumerate(f):
-        before = steps_ts[steps_ts < tf]
-        warn[i] = before[-1] if before.size else tf - 1
+        before = began[began < tf]
+        warn[i] = before[-1] if before.size else tf - 1  # an old recording without its start: to the failure
         after_rec = rec[rec >= tf]
         after_step = steps_ts[steps_ts > tf]
         rend[i] = after_rec[0] if after_rec.size else (after_step[0] if after_step.size else tf + int(5e6))

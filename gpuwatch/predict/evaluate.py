@@ -1,7 +1,10 @@
 """Event-level evaluation of risk scores (a model's or a baseline rule's) over labelled timelines.
 
 - an OOM is *caught* when an alarm (score >= threshold) is raised between `horizon` before it and
-  the last moment a guard could act (the end of the step before the failing one);
+  the last moment a guard could act (the end of the step before the failing one, or the workload's start
+  or last recovery where that came later: predict/dataset.py `failure_marks`); an OOM before any step of
+  its session ran is counted as well, and apart (`first_step_ooms`): only an alarm before the attempt
+  began catches it, which no rule reading steps can raise;
 - lead time: from the first such alarm to the failure, in seconds and in finished steps;
 - an alarm *onset* (score crossing up, among scored moments; an alarm held on counts again every
   horizon) is true when an OOM follows within the next two horizons, else a false alarm; false
@@ -44,6 +47,8 @@ class Metrics:
     near_hours: float = 0.0  # healthy time at >= NEAR_FRAC of the effective limit
     near_false_alarms: int = 0  # false alarms that began there
     near_fa_per_hour: float | None = None
+    first_step_ooms: int = 0  # OOMs before any step of their session had finished: warned only before it began
+    first_step_caught: int = 0
 
     def row(self) -> dict:
         return asdict(self)
@@ -52,7 +57,7 @@ class Metrics:
 def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold: float,
                   horizon_s: float = HORIZON_S, with_auc: bool = False) -> Metrics:
     h = int(horizon_s * 1e6)
-    n = caught = ep = ep_caught = onsets = false = 0
+    n = caught = ep = ep_caught = onsets = false = first_n = first_caught = 0
     healthy_s = 0.0
     leads_s, leads_steps = [], []
     near_s, near_false = 0.0, 0
@@ -68,9 +73,12 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
             first = prev_f is None or tf - prev_f > h
             prev_f = tf
             ep += first
+            unrun = not (tl.step_ts < tf).any()
+            first_n += unrun
             win = (tl.ts_us >= tf - h) & (tl.ts_us <= we) & alarm
             if win.any():
                 caught += 1
+                first_caught += unrun
                 ep_caught += first
                 t0 = tl.ts_us[np.argmax(win)]
                 leads_s.append((tf - t0) / 1e6)
@@ -91,7 +99,8 @@ def event_metrics(timelines: list[Timeline], scores: list[np.ndarray], threshold
         lead_steps_median=_pct(leads_steps, 50), lead_steps_p10=_pct(leads_steps, 10),
         pr_auc=pr_auc(timelines, scores) if with_auc else None,
         near_hours=near_s / 3600, near_false_alarms=near_false,
-        near_fa_per_hour=near_false / (near_s / 3600) if near_s > 0 else None)
+        near_fa_per_hour=near_false / (near_s / 3600) if near_s > 0 else None,
+        first_step_ooms=first_n, first_step_caught=first_caught)
 
 
 NEAR_FRAC = 0.90  # "near the limit": memory in use at or above this share of the effective limit

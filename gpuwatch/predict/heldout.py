@@ -42,7 +42,8 @@ def line(name: str, m: E.Metrics) -> str:
     near = f"{m.near_false_alarms} in {m.near_hours * 60:.1f} min" + (
         f" ({m.near_fa_per_hour:.1f}/h)" if m.near_fa_per_hour is not None else "")
     lead = "-" if m.lead_s_median is None else f"{m.lead_s_median:.2f} s / {m.lead_steps_median:.0f} steps (p10 {m.lead_s_p10:.1f} s)"
-    return (f"{name:44s} OOMs {m.caught}/{m.oom_events}  false alarms {m.false_alarms} in {m.healthy_hours * 60:.1f} "
+    first = f" ({m.first_step_caught}/{m.first_step_ooms} before any step)" if m.first_step_ooms else ""
+    return (f"{name:44s} OOMs {m.caught}/{m.oom_events}{first}  false alarms {m.false_alarms} in {m.healthy_hours * 60:.1f} "
             f"healthy min  near the limit {near}  lead {lead}")
 
 
