@@ -96,7 +96,7 @@ class RiskComposite:
         """The estimator's part per row: the highest of the next step's probability (with the per-step
         growth carried on), the lookahead's (predict/ahead.py) and the trend's (growth the plan does not
         explain, predict/trend.py); missing ones count as 0, all missing stays missing."""
-        return self.estimator_part(X[:, self.est_index], X[:, self.ahead_index], X[:, self._trend()])
+        return self.estimator_part(X[:, self.est_index], X[:, self.ahead_index], X[:, self.trend_index])
 
     # the features `estimator_part` takes, in its order
     ESTIMATOR = ("peak_cross_p", "ahead_cross_p", "trend_cross_p")
@@ -108,10 +108,7 @@ class RiskComposite:
 
     def signals(self, X: np.ndarray) -> dict[str, np.ndarray]:
         """Each signal of the estimator's part per row (missing = NaN): which one carries the risk."""
-        return {"next step": X[:, self.est_index], "lookahead": X[:, self.ahead_index], "trend": X[:, self._trend()]}
-
-    def _trend(self) -> int:
-        return getattr(self, "trend_index", NAMES.index("trend_cross_p"))  # a composite pickled before it
+        return {"next step": X[:, self.est_index], "lookahead": X[:, self.ahead_index], "trend": X[:, self.trend_index]}
 
     def fast(self, classifier_proba):
         """predict_proba with the classifier's own fast path (the scorer's tree walker)."""
