@@ -57,6 +57,24 @@ def test_leave_one_out_never_lets_a_session_speak_for_itself():
     assert s == {"first_steps": 3, "oom": 2, "oom_warned": 2, "ran": 1, "ran_alarmed": 0, "no_estimate": 0}
 
 
+def test_a_retry_before_any_step_is_judged_as_a_first_step_too():
+    """Blind set 2906's steady decode failed its first step at 26 x 256 under a 1.55 GiB cap and ran the
+    recovery's 13 x 256: both attempts are first steps (no step row before either), judged at the moment
+    before each - the retry after its recovery, at the plan that recovery recorded."""
+    import polars as pl
+
+    s = ROOT / "recordings" / "heldout-h200-2026-12-06-blind-2906" / "ho-01-small-decode-none-b26-s256"
+    a = J.first_attempts(s)
+    assert [(x["attempt"], x["outcome"]) for x in a] == [(1, "OOM"), (2, "ran")]
+    ev = a[0]["src"].events_df
+    rec = int(ev.filter(pl.col("kind") == "oom_recovered")["ts"].dt.epoch("us")[0])
+    oom = int(ev.filter(pl.col("kind") == "oom")["ts"].dt.epoch("us")[0])
+    assert a[0]["end_us"] < oom <= rec <= a[1]["end_us"]
+    lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
+    first, retry = (J.judge(x, lib, ALARM_P) for x in a)
+    assert first["shape"] == "26x256" and retry["shape"] == "13x256" and retry["attempt"] == 2
+
+
 def test_the_library_survives_the_manifest_and_a_bad_one_is_none():
     lib = P.build(DECODE_OTHERS)
     back = P.ShapeLibrary.from_json(__import__("json").loads(__import__("json").dumps(lib.to_json())))

@@ -15,9 +15,11 @@ from gpuwatch.predict.prior import FIRST_STEP_OVERHEAD, INFERENCE, ShapeLibrary,
 
 
 def first_attempts(path: Path) -> list[dict[str, Any]]:
-    """Per GPU whose workload is a known model in an inference mode: the moment just before its first
-    attempted step (the last sample before it), and whether that step ran or ran out of memory (an OOM
-    event before any step row)."""
+    """Per GPU whose workload is a known model in an inference mode: every attempt at its first step - the
+    first, and each retry the recovery planned after a first step ran out of memory (no step row yet: the
+    shape library still speaks for it, at the plan the `oom_recovered` event recorded) - each with the
+    moment just before it (the last sample before it, after the recovery for a retry) and whether it ran or
+    ran out of memory. `attempt`: 1 for the first."""
     import polars as pl
 
     from gpuwatch.recording.source import ReplaySource
@@ -29,20 +31,26 @@ def first_attempts(path: Path) -> list[dict[str, Any]]:
         if wl is None or identity(wl) is None or wl.get("mode") not in INFERENCE:
             continue
         st = src.steps_df.filter(pl.col("gpu") == m.index)
-        ev = src.events_df.filter((pl.col("gpu") == m.index) & (pl.col("kind") == "oom"))
+        ev = src.events_df.filter(pl.col("gpu") == m.index)
         first_us = int(st["ts"].dt.epoch("us")[0]) if st.height else None
-        oom = ev.filter(pl.col("ts").dt.epoch("us") < first_us) if first_us is not None else ev
-        if oom.height:
-            t, outcome = int(oom["ts"].dt.epoch("us")[0]), "OOM"
-        elif first_us is not None:  # the step began a step's time before its row
-            t, outcome = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6), "ran"
-        else:
-            continue
+        ran_us = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6) if first_us is not None else None
+        us = lambda k: [int(x) for x in ev.filter(pl.col("kind") == k)["ts"].dt.epoch("us").to_list()  # noqa: E731
+                        if first_us is None or x < first_us]
+        ooms, recs = us("oom"), us("oom_recovered")
         ts = src.times(m.index)
-        before = ts[ts < t] if ts is not None else np.empty(0)
-        if before.size:
-            out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "outcome": outcome, "workload": wl,
-                        "cap": m.mem_limit_bytes})
+        # (the attempt's end: its OOM or the moment its step began; the earliest moment it could be judged at)
+        spans = [(ooms[0] if ooms else ran_us, None)]
+        for i, t_oom in enumerate(ooms):
+            rec = [r for r in recs if r >= t_oom and (i + 1 >= len(ooms) or r < ooms[i + 1])]
+            if rec:
+                spans.append((ooms[i + 1] if i + 1 < len(ooms) else ran_us, rec[0]))
+        for n, (t, after) in enumerate(spans, start=1):
+            if t is None or ts is None:
+                continue
+            before = ts[(ts < t) & ((ts >= after) if after is not None else True)]
+            if before.size:
+                out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "attempt": n,
+                            "outcome": "OOM" if n <= len(ooms) else "ran", "workload": wl, "cap": m.mem_limit_bytes})
     return out
 
 
@@ -59,6 +67,7 @@ def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dic
     act = (fc.mean - fc.base) / FIRST_STEP_OVERHEAD if fc is not None else 0.0  # the activations at the plan
     room = (fc.limit - fc.base) / act if fc is not None and act > 0 else None
     return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
+            "attempt": attempt.get("attempt", 1),
             "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,
             "p": None if p != p else float(p), "alarm": bool(p == p and p >= alarm_p), "outcome": attempt["outcome"]}
 
@@ -91,7 +100,7 @@ def _show(title: str, rows: list[dict[str, Any]], say) -> None:
     for r in rows:
         room = "-" if r["room_over_act"] is None else f"{r['room_over_act']:.2f}"
         p = "-" if r["p"] is None else f"{r['p']:.2f}"
-        say(f"  {r['session'][:40]:40s} {r['mode']:7s} {r['shape']:>10s} room/act {room:>6s}  p {p:>5s}  "
+        say(f"  {r['session'][:40]:40s}{'' if r.get('attempt', 1) == 1 else ' #' + str(r['attempt']):3s} {r['mode']:7s} {r['shape']:>10s} room/act {room:>6s}  p {p:>5s}  "
             f"{'ALARM' if r['alarm'] else '     '}  {r['outcome']}")
     say(f"   {summary(rows)}")
 
