@@ -43,3 +43,21 @@ def test_a_real_cuda_oom_is_recovered_to_the_pre_step_allocation():
     assert torch.cuda.memory_allocated() <= before
     w.run_step(2, 256, "steady")
     assert bus.steps.latest(1)[0]["batch"] == 2
+
+
+def test_the_steps_row_says_what_of_the_cache_lies_in_split_blocks():
+    """A segment kept by one live tensor, its other blocks freed: their bytes are inactive split blocks
+    (schema v6 `torch_inactive_split_bytes`), within what is cached and not allocated."""
+    import torch
+
+    from gpuwatch.workload import mechanics as X
+
+    dev = torch.device("cuda:0")
+    torch.cuda.empty_cache()
+    parts = [torch.empty(4 * 2**20, dtype=torch.uint8, device=dev) for _ in range(4)]  # one 20 MiB segment's blocks
+    keep = parts[1]
+    del parts
+    m = X.memory(dev)
+    cached = m["torch_reserved_bytes"] - m["torch_allocated_bytes"]
+    assert m["torch_inactive_split_bytes"] is not None and 0 < m["torch_inactive_split_bytes"] <= cached
+    del keep

@@ -27,12 +27,17 @@ def first_line(exc: BaseException) -> str:
 
 
 def memory(device: torch.device) -> dict[str, int | None]:
-    """The allocator's figures of a steps row (None off CUDA)."""
+    """The allocator's figures of a steps row (None off CUDA). `torch_inactive_split_bytes`: of the cached
+    (reserved, unallocated) memory, what lies in free blocks split off segments still partly in use - reusable
+    only by an allocation that fits such a block, so the part of the cache a fragmentation failure cannot use
+    (reserved - allocated - this is in whole free segments, which any allocation up to their size can take)."""
     if device.type != "cuda":
-        return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None}
+        return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None,
+                "torch_inactive_split_bytes": None}
     return {"torch_allocated_bytes": torch.cuda.memory_allocated(device),
             "torch_reserved_bytes": torch.cuda.memory_reserved(device),
-            "torch_peak_bytes": torch.cuda.max_memory_allocated(device)}
+            "torch_peak_bytes": torch.cuda.max_memory_allocated(device),
+            "torch_inactive_split_bytes": torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current")}
 
 
 def oom_detail(*, micro: int, seq: int, precision: str, error: str, effective_batch: int, allocated_before: int | None,
