@@ -4,9 +4,11 @@
 #      alarm (composite.py `over`: the estimate's excess over the usable limit); then, on an H200 only, issue 30's
 #      owed v3-slice prefill sweep (compile=layer at 64, 96 and 128 x 512, 5 timed steps: s42a/b ran it on an H100)
 #   c: the sweep alone (where part a ran on an H100): exits 3 at once on any other card, to save the budget
-#   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c
+#   t: (session 44) tests/test_gpu.py on any card - the schema v6 column torch_inactive_split_bytes among them
+#      (~1 min); then part c's sweep where the card is an H200 and time is left
+#   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c|t
 set -u
-. benchmarks/session_env.sh "${1:?the part: a or c}"
+. benchmarks/session_env.sh "${1:?the part: a, c or t}"
 . benchmarks/session_fns.sh
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 
@@ -19,6 +21,17 @@ a)
 c)
   on_h200 || { echo "not an H200: $(cat "$R/gpu.txt")"; exit 3; }
   SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  ;;
+t)
+  echo "== GPU tests: tests/test_gpu.py $(date +%T)"
+  if [ -z "${DRY:-}" ]; then
+    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
+  else
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
+  fi
+  echo "rc=$? $(date +%T)"; tail -n 12 "$R/gpu_tests.txt"
+  if on_h200; then SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
