@@ -73,6 +73,13 @@ def test_a_retry_before_any_step_is_judged_as_a_first_step_too():
     lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
     first, retry = (J.judge(x, lib, ALARM_P) for x in a)
     assert first["shape"] == "26x256" and retry["shape"] == "13x256" and retry["attempt"] == 2
+    # a prefill's retry starts within milliseconds of its recovery, before any sample: judged at the recovery
+    p = ROOT / "recordings" / "heldout-h100-2026-12-06-blind-2905" / "ho-04-small-prefill-none-b46-s384"
+    b = J.first_attempts(p)
+    assert [(x["attempt"], x["outcome"]) for x in b] == [(1, "OOM"), (2, "ran")]
+    ev = b[0]["src"].events_df
+    assert b[1]["end_us"] == int(ev.filter(pl.col("kind") == "oom_recovered")["ts"].dt.epoch("us")[0])
+    assert J.judge(b[1], lib, ALARM_P)["shape"] == "23x384"
 
 
 def test_the_library_survives_the_manifest_and_a_bad_one_is_none():

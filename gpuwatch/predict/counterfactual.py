@@ -147,6 +147,10 @@ def _clip(samples: pl.DataFrame, steps: pl.DataFrame, meta: dict[str, Any], cap:
           ) -> tuple[pl.DataFrame, pl.DataFrame]:
     steps = steps.with_columns(pl.min_horizontal(pl.col("torch_reserved_bytes"), pl.lit(cap, pl.UInt64))
                                .cast(steps.schema["torch_reserved_bytes"]))
+    if "torch_inactive_split_bytes" in steps.columns:  # (v6) split blocks lie in the cache: no more than it holds
+        cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
+        steps = steps.with_columns(pl.min_horizontal(pl.col("torch_inactive_split_bytes").cast(pl.Int64), cache)
+                                   .cast(steps.schema["torch_inactive_split_bytes"]))
     pid = meta.get("pid")
     procs = samples["gpu_procs"] if "gpu_procs" in samples.columns else None
     if isinstance(pid, int) and procs is not None:

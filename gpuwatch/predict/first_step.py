@@ -18,10 +18,12 @@ def first_attempts(path: Path) -> list[dict[str, Any]]:
     """Per GPU whose workload is a known model in an inference mode: every attempt at its first step - the
     first, and each retry the recovery planned after a first step ran out of memory (no step row yet: the
     shape library still speaks for it, at the plan the `oom_recovered` event recorded) - each with the
-    moment just before it (the last sample before it, after the recovery for a retry) and whether it ran or
-    ran out of memory. `attempt`: 1 for the first."""
+    moment just before it (the last sample before it; for a retry, the last after its recovery, else the
+    recovery itself) and whether it ran or ran out of memory. `attempt`: 1 for the first; a recovery that
+    planned no retry (it stopped the run) adds none."""
     import polars as pl
 
+    from gpuwatch.recording.recorded import event_detail, recovered_plan
     from gpuwatch.recording.source import ReplaySource
 
     src = ReplaySource(path)
@@ -34,23 +36,31 @@ def first_attempts(path: Path) -> list[dict[str, Any]]:
         ev = src.events_df.filter(pl.col("gpu") == m.index)
         first_us = int(st["ts"].dt.epoch("us")[0]) if st.height else None
         ran_us = first_us - int(float(st["step_time_s"][0] or 0.0) * 1e6) if first_us is not None else None
-        us = lambda k: [int(x) for x in ev.filter(pl.col("kind") == k)["ts"].dt.epoch("us").to_list()  # noqa: E731
-                        if first_us is None or x < first_us]
-        ooms, recs = us("oom"), us("oom_recovered")
+        rows = ev.filter(pl.col("kind").is_in(["oom", "oom_recovered"]))
+        marks = [(int(t), k, d) for t, k, d in zip(rows["ts"].dt.epoch("us").to_list(), rows["kind"].to_list(),
+                                                   rows["detail"].to_list()) if first_us is None or t < first_us]
+        ooms = [t for t, k, _d in marks if k == "oom"]
         ts = src.times(m.index)
-        # (the attempt's end: its OOM or the moment its step began; the earliest moment it could be judged at)
-        spans = [(ooms[0] if ooms else ran_us, None)]
+        # (the attempt's end: its OOM or the moment its step began; its outcome; the recovery it follows)
+        spans: list[tuple[int | None, str, int | None]] = [(ooms[0], "OOM", None) if ooms else (ran_us, "ran", None)]
         for i, t_oom in enumerate(ooms):
-            rec = [r for r in recs if r >= t_oom and (i + 1 >= len(ooms) or r < ooms[i + 1])]
+            nxt = ooms[i + 1] if i + 1 < len(ooms) else None
+            rec = [t for t, k, d in marks if k == "oom_recovered" and t >= t_oom and (nxt is None or t < nxt)
+                   and recovered_plan(event_detail({"detail": d})) is not None]  # a retry was planned
             if rec:
-                spans.append((ooms[i + 1] if i + 1 < len(ooms) else ran_us, rec[0]))
-        for n, (t, after) in enumerate(spans, start=1):
+                spans.append((nxt, "OOM", rec[0]) if nxt is not None else (ran_us, "ran", rec[0]))
+        for n, (t, outcome, after) in enumerate(spans, start=1):
             if t is None or ts is None:
                 continue
-            before = ts[(ts < t) & ((ts >= after) if after is not None else True)]
-            if before.size:
-                out.append({"src": src, "gpu": m.index, "end_us": int(before[-1]), "attempt": n,
-                            "outcome": "OOM" if n <= len(ooms) else "ran", "workload": wl, "cap": m.mem_limit_bytes})
+            if after is None:
+                before = ts[ts < t]
+                end_us = int(before[-1]) if before.size else None
+            else:  # a retry starts within milliseconds of its recovery (a prefill's): judged there at the latest
+                before = ts[(ts < t) & (ts >= after)]
+                end_us = int(before[-1]) if before.size else after
+            if end_us is not None:
+                out.append({"src": src, "gpu": m.index, "end_us": end_us, "attempt": n, "outcome": outcome,
+                            "workload": wl, "cap": m.mem_limit_bytes})
     return out
 
 

@@ -34,10 +34,11 @@ def memory(device: torch.device) -> dict[str, int | None]:
     if device.type != "cuda":
         return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None,
                 "torch_inactive_split_bytes": None}
-    return {"torch_allocated_bytes": torch.cuda.memory_allocated(device),
-            "torch_reserved_bytes": torch.cuda.memory_reserved(device),
-            "torch_peak_bytes": torch.cuda.max_memory_allocated(device),
-            "torch_inactive_split_bytes": torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current")}
+    st = torch.cuda.memory_stats(device)  # once: memory_allocated() and the others each flatten it again
+    return {"torch_allocated_bytes": st.get("allocated_bytes.all.current", 0),
+            "torch_reserved_bytes": st.get("reserved_bytes.all.current", 0),
+            "torch_peak_bytes": st.get("allocated_bytes.all.peak", 0),
+            "torch_inactive_split_bytes": st.get("inactive_split_bytes.all.current", 0)}
 
 
 def oom_detail(*, micro: int, seq: int, precision: str, error: str, effective_batch: int, allocated_before: int | None,
