@@ -1,5 +1,5 @@
 """`gpuwatch eval`: a risk model scored on sessions it never trained on and no design choice looked at - by
-default the held-out sessions (H200; one blind set, 2905, recorded on an H100) of recordings/heldout-*/ (`gpuwatch train` reads only
+default the held-out sessions (H200; blind sets 2905, 2907 and 2908 recorded on an H100) of recordings/heldout-*/ (`gpuwatch train` reads only
 recordings/sample-h200-* and recordings/h200-*; see recordings/README.md); or the sessions named, or every
 session under each `--set DIR` (a blind set of benchmarks/gpu_heldout.sh). The model's line for every
 session, then for every set (the folder a session lies in; a blind set's DIR/sessions is named by DIR) and,
