@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpuwatch.predict import evaluate as E  # noqa: E402
-from gpuwatch.predict.composite import ALARM  # noqa: E402
+from gpuwatch.predict.composite import ALARM, OVER_SCALE  # noqa: E402
 from gpuwatch.predict.dataset import default_sessions, load_sessions, sessions_under  # noqa: E402
 from gpuwatch.predict.features import NAMES, features  # noqa: E402
 from gpuwatch.predict.model import load_model  # noqa: E402
@@ -49,12 +49,11 @@ def onsets(model, tls) -> dict[str, list[float]]:
 
 
 def scored(model, tl, scale: float) -> np.ndarray:
-    """The shipped risk with the excess mapped at `scale` (OVER_SCALE's place)."""
+    """The shipped risk with the excess mapped at `scale` (OVER_SCALE's place): the composite's own `combine`,
+    handed the excess rescaled so that over / OVER_SCALE reads over / scale."""
     c = model.estimator
-    top = ALARM / c.t_estimator
-    a = np.nan_to_num(c.p_estimator(tl.X), nan=0.0) * top
-    a = np.where(a >= ALARM, a + (1.0 - top) * -np.expm1(-c.over(tl.X) / scale), a)
-    return np.clip(np.maximum(a, c.classifier.predict_proba(tl.X)[:, 1] * ALARM / c.t_classifier), 0.0, 1.0)
+    return c.combine(c.p_estimator(tl.X), c.classifier.predict_proba(tl.X)[:, 1],
+                     c.over(tl.X) * (OVER_SCALE / scale))[:, 1]
 
 
 def main() -> None:

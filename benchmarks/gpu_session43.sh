@@ -11,27 +11,23 @@ set -u
 . benchmarks/session_env.sh "${1:?the part: a, c or t}"
 . benchmarks/session_fns.sh
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
+owed_sweep() { SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"; }
+sweep_if_h200() { if on_h200; then owed_sweep; else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi; }
 
 case "$1" in
 a)
   SEED=${SEED:-2907} blind_set ${BT:-255} 20
-  if on_h200; then SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
-  else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi
+  sweep_if_h200
   ;;
 c)
   on_h200 || { echo "not an H200: $(cat "$R/gpu.txt")"; exit 3; }
-  SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  owed_sweep
   ;;
 t)
   echo "== GPU tests: tests/test_gpu.py $(date +%T)"
-  if [ -z "${DRY:-}" ]; then
-    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
-  else
-    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
-  fi
+  timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
   echo "rc=$? $(date +%T)"; tail -n 12 "$R/gpu_tests.txt"
-  if on_h200; then SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
-  else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi
+  sweep_if_h200
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"

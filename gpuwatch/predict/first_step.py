@@ -50,14 +50,11 @@ def first_attempts(path: Path) -> list[dict[str, Any]]:
             if rec:
                 spans.append((nxt, "OOM", rec[0]) if nxt is not None else (ran_us, "ran", rec[0]))
         for n, (t, outcome, after) in enumerate(spans, start=1):
-            if t is None or ts is None:
+            if t is None or ts is None or not ts.size:
                 continue
-            if after is None:
-                before = ts[ts < t]
-                end_us = int(before[-1]) if before.size else None
-            else:  # a retry starts within milliseconds of its recovery (a prefill's): judged there at the latest
-                before = ts[(ts < t) & (ts >= after)]
-                end_us = int(before[-1]) if before.size else after
+            before = ts[(ts < t) & (ts >= (after if after is not None else ts[0]))]
+            # (a retry starts within milliseconds of its recovery, a prefill's: judged at the recovery at the latest)
+            end_us = int(before[-1]) if before.size else after
             if end_us is not None:
                 out.append({"src": src, "gpu": m.index, "end_us": end_us, "attempt": n, "outcome": outcome,
                             "workload": wl, "cap": m.mem_limit_bytes})
