@@ -6,10 +6,18 @@
 #   c: the sweep alone (where part a ran on an H100): exits 3 at once on any other card, to save the budget
 #   t: (session 44) tests/test_gpu.py on any card - the schema v6 column torch_inactive_split_bytes among them
 #      (~1 min); then part c's sweep where the card is an H200 and time is left
+#   d: (session 45) part t's tests, then a design set that records the v6 column (seed 3120: two small prefill
+#      leaks, a prefill ramp and random lengths - chosen for the fragmentation class; seen, never a headline)
+#      in what is left of TOTAL; no sweep
 #   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c|t
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, c or t}"
+. benchmarks/session_env.sh "${1:?the part: a, c, d or t}"
 . benchmarks/session_fns.sh
+gpu_tests() {
+  echo "== GPU tests: tests/test_gpu.py $(date +%T)"
+  timeout ${GT_S:-150} $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
+  echo "rc=$? $(date +%T)"; tail -n 12 "$R/gpu_tests.txt"
+}
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 owed_sweep() { SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"; }
 sweep_if_h200() { if on_h200; then owed_sweep; else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi; }
@@ -24,10 +32,12 @@ c)
   owed_sweep
   ;;
 t)
-  echo "== GPU tests: tests/test_gpu.py $(date +%T)"
-  timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
-  echo "rc=$? $(date +%T)"; tail -n 12 "$R/gpu_tests.txt"
+  gpu_tests
   sweep_if_h200
+  ;;
+d)
+  gpu_tests
+  SEED=${SEED:-3120} blind_set $(( $(left) - 40 )) 20
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
