@@ -262,3 +262,26 @@ def test_a_small_segment_after_the_long_step_keeps_its_peak_in_view():
     assert T.held(res, peak) == pytest.approx(0.2 * GiB + 2 * 2**20)
     res[-1] += 1 * GiB  # a real rise: the steps since it
     assert T.held(res, peak) == pytest.approx(res[-1] - 8 * GiB)
+
+
+def test_only_split_blocks_count_as_held_where_the_steps_record_them():
+    """Schema v6: of the cache no step used, only the inactive split blocks (free inside segments still in use)
+    stay out of reach; whole free segments the allocator releases at the cap. Without the column (NaN: a v5
+    session) the rule reads reserve and peaks alone, as before."""
+    res = np.full(8, 14.0 * GiB)
+    peak = np.full(8, 10.0 * GiB)
+    assert T.held(res, peak) == pytest.approx(4 * GiB)
+    assert T.held(res, peak, np.full(8, 1.5 * GiB)) == pytest.approx(1.5 * GiB)
+    assert T.held(res, peak, np.full(8, 6.0 * GiB)) == pytest.approx(4 * GiB)  # never more than the peak left unused
+    assert T.held(res, peak, np.full(8, np.nan)) == pytest.approx(4 * GiB)
+    # the trend's room: the same growth reaches the limit later where the held memory is releasable
+    t = np.arange(8, dtype=np.float64)
+    key = np.ones(8)
+    alloc = 6.0 * GiB + t * 0.1 * GiB
+    lim = 16.0 * GiB
+    a: dict[str, float] = {}
+    b: dict[str, float] = {}
+    T.trend(a, t, key, alloc, peak, res, lim, 12.0 * GiB)
+    T.trend(b, t, key, alloc, peak, res, lim, 12.0 * GiB, np.full(8, 0.25 * GiB))
+    assert b["frag_held_frac"] == pytest.approx(0.25 / 16) and a["frag_held_frac"] == pytest.approx(4 / 16)
+    assert b["alloc_ttf_s"] > a["alloc_ttf_s"], (a["alloc_ttf_s"], b["alloc_ttf_s"])

@@ -61,7 +61,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "util_pct": ("%", "GPU utilization, last sample"),
     "train_mode": ("0/1", "the workload trains (weights' gradients live across the step)"),
     "alloc_rate_same_shape": ("GiB/s", "growth of torch allocated across steps of the same shape: the sum of each step's allocated minus the previous step's of its shape, over the time between them (a leak, a cache or graph pool that grows, memory kept across a ramp's restarts; 0 for a steady run and for shape changes alone)"),
-    "frag_held_frac": ("fraction", "torch reserved - the highest step peak since the reserve last changed (read after the window's last OOM, as every trend feature), / torch's limit: cached memory even the peak did not use; the trend takes what of it lies beyond the usable limit's margin off the limit, less the share the steps showed the cache reuses (predict/trend.py reuse)"),
+    "frag_held_frac": ("fraction", "torch reserved - the highest step peak since the reserve last changed (read after the window's last OOM, as every trend feature), no more than the last step's inactive split blocks where recorded (schema v6), / torch's limit: cached memory even the peak did not use and the allocator cannot release; the trend takes what of it lies beyond the usable limit's margin off the limit, less the share the steps showed the cache reuses (predict/trend.py reuse)"),
     "reserved_ttf_s": ("s", f"time until torch reserved reaches torch's limit at its slope across the last steps, while rising; else {HORIZON_CAP_S:.0f}"),
     "alloc_ttf_s": ("s", f"time until the planned step's estimated peak reaches the usable limit net of what fragmentation holds (frag_held_frac, less the cache's reuse) at alloc_rate_same_shape, while it grows; 0 where it is there already; else {HORIZON_CAP_S:.0f}"),
     "trend_cross_p": ("probability", "P(the growth the plan does not explain fills the usable limit within the horizon): from alloc_ttf_s (predict/trend.py)"),
@@ -170,6 +170,9 @@ def _f64(col: pl.Series) -> np.ndarray:
 _us = epoch_us  # a Datetime(us) column as int64 microseconds, without a polars query
 
 
+SPLIT = "torch_inactive_split_bytes"  # (schema v6) what of the cache is free inside segments still in use
+
+
 def _col(df: pl.DataFrame, name: str) -> np.ndarray:
     return _f64(df[name])
 
@@ -260,7 +263,8 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
     cut = _since_last_oom(oom_us, ts)  # the growth measured in the configuration that runs now
     T.trend(out, ts[cut:] / 1e6, (tokens * 1e6 + seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
-            out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None)
+            out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None,
+            col(SPLIT)[cut:] if SPLIT in st.columns else None)
     return last
 
 

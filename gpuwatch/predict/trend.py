@@ -11,7 +11,8 @@ a CUDA-graph pool per captured batch size, memory kept across a ramp's restarts 
   them. A steady run: 0; a ramp alone: 0 (each shape's steps hold the same); memory that stays and grows:
   its rate in time, whatever the steps in between did;
 - `frag_held_frac`: torch reserved minus the highest peak of the steps since the reserve last changed -
-  cached memory that even the step at its peak did not use - over torch's limit. The usable limit is taken net of it where the steps
+  cached memory that even the step at its peak did not use, and no more than the last step's inactive split
+  blocks where the steps record them (schema v6: whole free segments are released at the cap) - over torch's limit. The usable limit is taken net of it where the steps
   show the cache is not reused: the allocator can give that memory back only where whole segments are
   free, and a fragmented cache's are not - beyond the usable limit's own margin, which is there for the same
   rounding and splits (so with no reuse the room is what the reserve can still grow). Where the peak grew and the reserve did not grow with it (the
@@ -90,12 +91,17 @@ def reserved_slope(t: np.ndarray, res: np.ndarray) -> float | None:
     return float((tc * (rr - rr.mean())).sum() / den) if den > 0 else None
 
 
-def held(res: np.ndarray, peak: np.ndarray) -> float | None:
+def held(res: np.ndarray, peak: np.ndarray, split: np.ndarray | None = None) -> float | None:
     """Reserved after the last step minus the highest peak among the steps since the reserve last changed
     (bytes, >= 0): cache that no step at this reserve used. Not the last few steps' peaks: with random
     lengths the long step that grew the reserve is often not among them, and its cache - reused whenever
     that length comes again - read as held (blind set 2904's `ho-03`, a bounded cache per new length: the
-    trend put the planned step over the limit at once, trend_cross_p 1, four false alarms)."""
+    trend put the planned step over the limit at once, trend_cross_p 1, four false alarms).
+
+    Where the steps record the allocator's inactive split blocks (`split`, schema v6), no more than the last
+    step's: the rest of that unused cache is whole free segments, which the allocator releases and maps
+    again when an allocation meets the cap (so it is room, not fragmentation); only free memory inside
+    segments still partly in use cannot be given back."""
     r = res[-1]
     if not math.isfinite(r):
         return None
@@ -106,7 +112,10 @@ def held(res: np.ndarray, peak: np.ndarray) -> float | None:
     pk = pk[np.isfinite(pk)]
     if not pk.size:
         return None
-    return max(0.0, float(r) - float(pk.max()))
+    h = max(0.0, float(r) - float(pk.max()))
+    if split is not None and split.size and math.isfinite(split[-1]):
+        h = min(h, max(0.0, float(split[-1])))
+    return h
 
 
 def reuse(peak: np.ndarray, res: np.ndarray) -> float:
@@ -132,18 +141,21 @@ def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
 
 
 def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
-          res: np.ndarray, limit: float, planned_peak: float | None) -> None:
+          res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None = None) -> None:
     """The trend's features of one window into `out` (the feature function's dict); `limit` is torch's,
-    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none). Kept by
+    `planned_peak` the estimator's mean for the planned step (bytes; None where there is none), `split` the
+    steps' inactive split blocks (schema v6; NaN or None where not recorded: `held` reads reserve and peaks alone). Kept by
     everything it is computed from: a live round that brought a sample but no step reuses it (as
     features._FORECASTS does)."""
     if t.size < 2:
         return
-    k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak)
+    sp = split[-1:] if split is not None and split.size else None  # only the last step's is read
+    k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak,
+         sp.tobytes() if sp is not None else b"")
     got = _KEPT.get(k)
     if got is None:
         got = {}
-        _trend(got, t, key, alloc, peak, res, limit, planned_peak)
+        _trend(got, t, key, alloc, peak, res, limit, planned_peak, sp)
         keep_bounded(_KEPT, k, got, 4)
     out.update(got)
 
@@ -152,10 +164,10 @@ _KEPT: dict[tuple, dict[str, float]] = {}
 
 
 def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
-           res: np.ndarray, limit: float, planned_peak: float | None) -> None:
+           res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None) -> None:
     pairs = same_shape_pairs(t, key, alloc)
     rate = rate_of(pairs)
-    hold = held(res, peak)
+    hold = held(res, peak, split)
     if rate is not None:
         out["alloc_rate_same_shape"] = rate / 2**30
     if hold is not None:
