@@ -9,9 +9,11 @@
 #   d: (session 45) part t's tests, then a design set that records the v6 column (seed 3120: two small prefill
 #      leaks, a prefill ramp and random lengths - chosen for the fragmentation class; seen, never a headline)
 #      in what is left of TOTAL; no sweep
+#   e: (session 45) part t's tests, then blind set 2909 (the eighth, recorded after the trend's v6 split-block
+#      rule, 7b4384c) in what is left of TOTAL, then the owed sweep on an H200 where time is left
 #   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c|t
 set -u
-. benchmarks/session_env.sh "${1:?the part: a, c, d or t}"
+. benchmarks/session_env.sh "${1:?the part: a, c, d, e or t}"
 . benchmarks/session_fns.sh
 gpu_tests() {
   echo "== GPU tests: tests/test_gpu.py $(date +%T)"
@@ -33,6 +35,11 @@ c)
   ;;
 t)
   gpu_tests
+  sweep_if_h200
+  ;;
+e)
+  gpu_tests
+  SEED=${SEED:-2909} blind_set $(( $(left) - ${SWEEP_S:-40} )) 20
   sweep_if_h200
   ;;
 d)
