@@ -63,3 +63,30 @@ def test_the_steps_row_says_what_of_the_cache_lies_in_split_blocks():
     assert m["torch_inactive_split_bytes"] - before >= 12 * 2**20  # the three freed blocks
     assert m["torch_inactive_split_bytes"] <= cached
     del keep
+
+
+def test_the_steps_row_says_the_largest_free_block_and_segment():
+    """Schema v7: the same 20 MiB segment with its second block kept: the free blocks are 4 MiB before it and
+    12 MiB after it (the tail merged with the two freed), so the largest free block is at least 12 MiB, the
+    largest segment at least 20 MiB; a second read within BLOCKS_EVERY_S gives none. The snapshot's cost is
+    printed (it bounds how often a step may read it)."""
+    import time
+
+    import torch
+
+    from gpuwatch.workload import mechanics as X
+
+    dev = torch.device("cuda:0")
+    torch.cuda.empty_cache()
+    parts = [torch.empty(4 * 2**20, dtype=torch.uint8, device=dev) for _ in range(4)]
+    keep = parts[1]
+    del parts
+    X._NEXT_BLOCKS.clear()  # noqa: SLF001 - a read now, whatever ran before
+    t0 = time.perf_counter()
+    row = X.step_memory(dev)
+    print(f"blocks read in {1e3 * (time.perf_counter() - t0):.2f} ms")
+    assert row["torch_largest_free_bytes"] >= 12 * 2**20, row
+    assert row["torch_largest_segment_bytes"] >= 20 * 2**20, row
+    assert row["torch_largest_free_bytes"] <= row["torch_reserved_bytes"] - row["torch_allocated_bytes"]
+    assert X.blocks(dev) == X.NO_BLOCKS  # read again within BLOCKS_EVERY_S: not read
+    del keep

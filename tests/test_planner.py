@@ -453,6 +453,37 @@ def test_one_oom_check_and_one_set_of_oom_fields_for_both_workloads():
     assert d["micro_batches"] == 4 and {"batch", "seq_len", "precision", "step", "checkpointing"} <= set(d)
 
 
+def test_the_largest_free_block_and_segment_are_read_from_the_allocators_snapshot():
+    """Schema v7's two figures from a snapshot's segments (the shape torch.cuda.memory._snapshot returns): only
+    this device's large-pool segments of the default pool; off CUDA both are null, and every steps row carries
+    the schema's columns for them."""
+    import torch
+
+    from gpuwatch.recording.schema import STEPS
+    from gpuwatch.workload import mechanics as X
+
+    MiB = 2**20
+    segs = [
+        {"device": 0, "segment_type": "large", "segment_pool_id": (0, 0), "total_size": 60 * MiB,
+         "blocks": [{"size": 20 * MiB, "state": "active_allocated"}, {"size": 12 * MiB, "state": "inactive"},
+                    {"size": 8 * MiB, "state": "active_allocated"}, {"size": 20 * MiB, "state": "inactive"}]},
+        {"device": 0, "segment_type": "large", "segment_pool_id": (0, 0), "total_size": 30 * MiB,
+         "blocks": [{"size": 30 * MiB, "state": "inactive"}]},  # a whole free segment is a free block too
+        {"device": 0, "segment_type": "small", "segment_pool_id": (0, 0), "total_size": 2 * MiB,
+         "blocks": [{"size": 2 * MiB, "state": "inactive"}]},
+        {"device": 0, "segment_type": "large", "segment_pool_id": (1, 7), "total_size": 500 * MiB,
+         "blocks": [{"size": 500 * MiB, "state": "inactive"}]},  # a CUDA graph's private pool
+        {"device": 1, "segment_type": "large", "segment_pool_id": (0, 0), "total_size": 900 * MiB,
+         "blocks": [{"size": 900 * MiB, "state": "inactive"}]},
+    ]
+    assert X.largest_blocks(segs, 0) == (30 * MiB, 60 * MiB)
+    assert X.largest_blocks(segs[:1], 0) == (20 * MiB, 60 * MiB)
+    assert X.largest_blocks([], 0) == (0, 0)
+    row = X.step_memory(torch.device("cpu"))
+    assert row == {**X.memory(torch.device("cpu")), **X.NO_BLOCKS} and set(row) <= set(STEPS)
+    assert all(v is None for v in row.values())
+
+
 def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carried_past_its_data():
     """H200 call 4: a Trainer's per-device batch flapped 2 <-> 1 at each resumed run's first decision (16
     restarts in 44 steps), the curriculum's trend carried over 60 s to twice the run's longest length."""

@@ -151,6 +151,12 @@ def _clip(samples: pl.DataFrame, steps: pl.DataFrame, meta: dict[str, Any], cap:
         cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
         steps = steps.with_columns(pl.min_horizontal(pl.col("torch_inactive_split_bytes").cast(pl.Int64), cache)
                                    .cast(steps.schema["torch_inactive_split_bytes"]))
+    if "torch_largest_free_bytes" in steps.columns:  # (v7) a free block lies in the cache, a segment under the cap
+        cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
+        steps = steps.with_columns(
+            pl.min_horizontal(pl.col("torch_largest_free_bytes").cast(pl.Int64), cache).cast(steps.schema["torch_largest_free_bytes"]),
+            pl.min_horizontal(pl.col("torch_largest_segment_bytes"), pl.col("torch_reserved_bytes"))
+            .cast(steps.schema["torch_largest_segment_bytes"]))
     pid = meta.get("pid")
     procs = samples["gpu_procs"] if "gpu_procs" in samples.columns else None
     if isinstance(pid, int) and procs is not None:

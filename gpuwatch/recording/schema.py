@@ -13,8 +13,8 @@ import polars as pl
 if TYPE_CHECKING:
     from polars._typing import PolarsDataType  # a class (pl.UInt8) or an instance (pl.List(...)): both are dtypes
 
-SCHEMA_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
+SCHEMA_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older sessions read with the newer columns null (see docs/SCHEMA.md)
 
 TS = pl.Datetime("us", "UTC")
 # A process on a GPU. pid and used_bytes come with every tick (NVML's compute-apps); the rest is added once a
@@ -96,6 +96,10 @@ STEPS: dict[str, PolarsDataType] = {
     "checkpointing": pl.Boolean,
     # v6: torch's inactive split blocks after the step: cached memory free inside segments partly in use
     "torch_inactive_split_bytes": pl.UInt64,
+    # v7: the allocator's largest free block and largest segment after the step (large pool, default pool;
+    # read at most every 0.5 s: null on the steps between)
+    "torch_largest_free_bytes": pl.UInt64,
+    "torch_largest_segment_bytes": pl.UInt64,
 }
 
 # One row per (scoring, GPU): the failure risk that was live at that moment (v2).

@@ -454,7 +454,7 @@ class DistributedWorkload(Workload):
             tflops = F.step_flops(self.fields, mode, batch, seq, self.cfg.decode_tokens) / dt / 1e12
             peak = F.peak_tflops(self.device_name, self.precision)
             row.update(step_time_s=dt, tokens_per_s=tokens / dt, tflops=tflops, mfu=tflops / peak if peak else None,
-                       **X.memory(self.device), expert_impl=self._impl_label())
+                       **X.step_memory(self.device), expert_impl=self._impl_label())
         row.update(ts=time.time_ns() // 1000, rank=self.rank, world_size=self.ctx.world, comm_time_s=comm_s,
                    comm_bytes=comm_bytes)
         self.schedule.done()

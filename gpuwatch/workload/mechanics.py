@@ -9,6 +9,7 @@ workload's lacked `step` and `micro_batches`). torch only; transformers is never
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,57 @@ def memory(device: torch.device) -> dict[str, int | None]:
             "torch_reserved_bytes": st.get("reserved_bytes.all.current", 0),
             "torch_peak_bytes": st.get("allocated_bytes.all.peak", 0),
             "torch_inactive_split_bytes": st.get("inactive_split_bytes.all.current", 0)}
+
+
+BLOCKS_EVERY_S = 0.5  # the allocator's blocks are read at most this often per device...
+BLOCKS_COST_SHARE = 0.02  # ...and at most this share of the time (a snapshot walks every block: history makes it slow)
+_NEXT_BLOCKS: dict[int, float] = {}  # device index -> when its blocks may be read next (time.monotonic)
+NO_BLOCKS = {"torch_largest_free_bytes": None, "torch_largest_segment_bytes": None}
+
+
+def largest_blocks(segments: list[dict[str, Any]], device_index: int) -> tuple[int, int]:
+    """(the largest free block, the largest segment) in bytes among `device_index`'s large-pool segments of the
+    default pool, from an allocator snapshot's `segments`. Small-pool segments (2 MiB) serve no large block; a
+    CUDA graph's private pool serves only its graph."""
+    free = big = 0
+    for seg in segments:
+        if seg.get("device", device_index) != device_index or seg.get("segment_type", "large") != "large":
+            continue
+        pool = seg.get("segment_pool_id")
+        if pool and tuple(pool) != (0, 0):
+            continue
+        big = max(big, int(seg.get("total_size", 0)))
+        for b in seg.get("blocks", ()):
+            if b.get("state") == "inactive":
+                free = max(free, int(b.get("size", 0)))
+    return free, big
+
+
+def blocks(device: torch.device) -> dict[str, int | None]:
+    """The allocator's largest free block and largest segment after the step (schema v7), or None for both:
+    off CUDA, where the last read on this device was under BLOCKS_EVERY_S ago (or cost more than
+    BLOCKS_COST_SHARE of the time since), or where the snapshot fails. A block larger than the largest free
+    one must come from a new segment - the cap's room, or what the allocator can release - which is how a
+    cache with room in total still fails an allocation (fragmentation, issue 29)."""
+    if device.type != "cuda":
+        return dict(NO_BLOCKS)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    now = time.monotonic()
+    if now < _NEXT_BLOCKS.get(idx, 0.0):
+        return dict(NO_BLOCKS)
+    t0 = time.perf_counter()
+    try:
+        free, big = largest_blocks(torch.cuda.memory._snapshot(device).get("segments", []), idx)
+    except Exception:  # noqa: BLE001 - a figure of a steps row never stops the step
+        _NEXT_BLOCKS[idx] = now + 60.0
+        return dict(NO_BLOCKS)
+    _NEXT_BLOCKS[idx] = now + max(BLOCKS_EVERY_S, (time.perf_counter() - t0) / BLOCKS_COST_SHARE)
+    return {"torch_largest_free_bytes": free, "torch_largest_segment_bytes": big}
+
+
+def step_memory(device: torch.device) -> dict[str, int | None]:
+    """The allocator's figures of a steps row: `memory` every step, `blocks` as often as it may be read."""
+    return {**memory(device), **blocks(device)}
 
 
 def oom_detail(*, micro: int, seq: int, precision: str, error: str, effective_batch: int, allocated_before: int | None,

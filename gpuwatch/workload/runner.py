@@ -488,7 +488,7 @@ class Workload(GuardedSide):
                 "phase": phase, "precision": self.precision, "batch": batch, "seq_len": seq,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "loss": loss, "max_abs_logit": max_logit,
-                **X.memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
+                **X.step_memory(dev), "expert_impl": self._impl_label(), "micro_batches": k,
                 "checkpointing": self.checkpointing if mode == "train" else None}
 
     def release_fault_memory(self) -> None:
