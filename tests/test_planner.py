@@ -479,6 +479,9 @@ def test_the_largest_free_block_and_segment_are_read_from_the_allocators_snapsho
     assert X.largest_blocks(segs, 0) == (30 * MiB, 60 * MiB)
     assert X.largest_blocks(segs[:1], 0) == (20 * MiB, 60 * MiB)
     assert X.largest_blocks([], 0) == (0, 0)
+    pending = [{**segs[0], "blocks": [{"size": 40 * MiB, "state": "active_pending_free"}, {"size": 20 * MiB, "state": "inactive"}]}]
+    assert X.largest_blocks(pending, 0) == (20 * MiB, 60 * MiB)  # freed, its stream's work not done: not free yet
+    assert X.largest_blocks([{**segs[1], "is_expandable": True}] + segs, 0) is None  # expandable: no fixed segments
     row = X.step_memory(torch.device("cpu"))
     assert row == {**X.memory(torch.device("cpu")), **X.NO_BLOCKS} and set(row) <= set(STEPS)
     assert all(v is None for v in row.values())

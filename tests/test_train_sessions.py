@@ -335,3 +335,29 @@ def test_train_of_a_folder_with_nothing_to_train_on_is_one_line(tree, tmp_path, 
     r = _gpuwatch("train", str(tree / "notes"), "-o", str(tmp_path / "m.joblib"))
     assert r.returncode == 2 and "no session under it" in r.stderr, r.stderr
     assert not (tmp_path / "m.joblib").exists()
+
+
+def test_a_counterfactual_copy_clips_the_allocator_figures_and_keeps_their_nulls(tmp_path):
+    """The v6/v7 figures of a real session (one of the shipped capped ramps, the columns written in: half the
+    steps read the blocks, as `mechanics.blocks` does every 0.5 s) under a virtual cap: none exceeds what the
+    clipped cache (or reserve) holds, and a step with no figure keeps none (a null filled with the cache would
+    say a fragmentation the run never had)."""
+    from gpuwatch.predict import counterfactual as C
+
+    meta, t = C._read(CAPPED)  # noqa: SLF001 - the tables as relabel reads them
+    st = t["steps"]
+    n = st.height
+    big = pl.Series([None if i % 2 else 2**62 for i in range(n)], dtype=pl.UInt64)
+    t = {**t, "steps": st.with_columns(torch_inactive_split_bytes=big, torch_largest_free_bytes=big,
+                                       torch_largest_segment_bytes=big)}
+    cap = int(st["torch_peak_bytes"].max() * 0.9)
+    _r, _meta, out = C.relabeled(meta, t, cap, tmp_path / "copy", str(CAPPED))
+    s = out["steps"]
+    cache = (s["torch_reserved_bytes"].cast(pl.Int64) - s["torch_allocated_bytes"].cast(pl.Int64)).clip(0)
+    for c, bound in (("torch_inactive_split_bytes", cache), ("torch_largest_free_bytes", cache),
+                     ("torch_largest_segment_bytes", s["torch_reserved_bytes"].cast(pl.Int64))):
+        v = s[c].cast(pl.Int64)
+        assert (v.is_null() == pl.Series([bool(i % 2) for i in range(s.height)])).all(), c
+        ok = v.drop_nulls() <= bound.filter(v.is_not_null())
+        assert ok.all() and v.drop_nulls().len() > 0, c
+    assert s["torch_reserved_bytes"].max() <= cap

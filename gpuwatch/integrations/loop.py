@@ -335,7 +335,7 @@ class GuardedLoop:
         self.state = "running"
         self.last_ok_batch = micro
         self._last_dt = dt
-        mem = {**self._mem(), **X.blocks(self.device)}  # step_memory, through the one seam tests fake memory with
+        mem = {**self._mem(), **X.blocks(self.device)}  # what X.step_memory reads, with memory() through _mem (tests fake it)
         if self._baseline is None and self.device.type == "cuda" and self.guard is not None:
             from gpuwatch.workload.memsnap import baseline
 

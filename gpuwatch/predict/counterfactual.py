@@ -147,16 +147,13 @@ def _clip(samples: pl.DataFrame, steps: pl.DataFrame, meta: dict[str, Any], cap:
           ) -> tuple[pl.DataFrame, pl.DataFrame]:
     steps = steps.with_columns(pl.min_horizontal(pl.col("torch_reserved_bytes"), pl.lit(cap, pl.UInt64))
                                .cast(steps.schema["torch_reserved_bytes"]))
-    if "torch_inactive_split_bytes" in steps.columns:  # (v6) split blocks lie in the cache: no more than it holds
-        cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
-        steps = steps.with_columns(pl.min_horizontal(pl.col("torch_inactive_split_bytes").cast(pl.Int64), cache)
-                                   .cast(steps.schema["torch_inactive_split_bytes"]))
-    if "torch_largest_free_bytes" in steps.columns:  # (v7) a free block lies in the cache, a segment under the cap
-        cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
-        steps = steps.with_columns(
-            pl.min_horizontal(pl.col("torch_largest_free_bytes").cast(pl.Int64), cache).cast(steps.schema["torch_largest_free_bytes"]),
-            pl.min_horizontal(pl.col("torch_largest_segment_bytes"), pl.col("torch_reserved_bytes"))
-            .cast(steps.schema["torch_largest_segment_bytes"]))
+    # (v6, v7) what lies in the cache no more than it holds, a segment no larger than the reserve; a null (not
+    # recorded, not read on that step) stays null: clip, not min_horizontal, which would fill it in
+    cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
+    inside = {"torch_inactive_split_bytes": cache, "torch_largest_free_bytes": cache,
+              "torch_largest_segment_bytes": pl.col("torch_reserved_bytes").cast(pl.Int64)}
+    steps = steps.with_columns(pl.col(c).cast(pl.Int64).clip(upper_bound=b).cast(steps.schema[c])
+                               for c, b in inside.items() if c in steps.columns)
     pid = meta.get("pid")
     procs = samples["gpu_procs"] if "gpu_procs" in samples.columns else None
     if isinstance(pid, int) and procs is not None:

@@ -31,7 +31,8 @@ def memory(device: torch.device) -> dict[str, int | None]:
     """The allocator's figures of a steps row (None off CUDA). `torch_inactive_split_bytes`: of the cached
     (reserved, unallocated) memory, what lies in free blocks split off segments still partly in use - reusable
     only by an allocation that fits such a block, so the part of the cache a fragmentation failure cannot use
-    (reserved - allocated - this is in whole free segments, which any allocation up to their size can take)."""
+    (reserved - allocated - this is in whole free segments, which any allocation up to their size can take, and
+    in blocks freed whose stream's work is still pending)."""
     if device.type != "cuda":
         return {"torch_allocated_bytes": None, "torch_reserved_bytes": None, "torch_peak_bytes": None,
                 "torch_inactive_split_bytes": None}
@@ -48,10 +49,12 @@ _NEXT_BLOCKS: dict[int, float] = {}  # device index -> when its blocks may be re
 NO_BLOCKS = {"torch_largest_free_bytes": None, "torch_largest_segment_bytes": None}
 
 
-def largest_blocks(segments: list[dict[str, Any]], device_index: int) -> tuple[int, int]:
+def largest_blocks(segments: list[dict[str, Any]], device_index: int) -> tuple[int, int] | None:
     """(the largest free block, the largest segment) in bytes among `device_index`'s large-pool segments of the
     default pool, from an allocator snapshot's `segments`. Small-pool segments (2 MiB) serve no large block; a
-    CUDA graph's private pool serves only its graph."""
+    CUDA graph's private pool serves only its graph. None with expandable segments: the allocator grows a
+    range by mapping pages at its end, so a block larger than any free one needs no new segment and the two
+    figures do not say what they say of fixed segments."""
     free = big = 0
     for seg in segments:
         if seg.get("device", device_index) != device_index or seg.get("segment_type", "large") != "large":
@@ -59,6 +62,8 @@ def largest_blocks(segments: list[dict[str, Any]], device_index: int) -> tuple[i
         pool = seg.get("segment_pool_id")
         if pool and tuple(pool) != (0, 0):
             continue
+        if seg.get("is_expandable"):
+            return None
         big = max(big, int(seg.get("total_size", 0)))
         for b in seg.get("blocks", ()):
             if b.get("state") == "inactive":
@@ -74,18 +79,31 @@ def blocks(device: torch.device) -> dict[str, int | None]:
     cache with room in total still fails an allocation (fragmentation, issue 29)."""
     if device.type != "cuda":
         return dict(NO_BLOCKS)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
     now = time.monotonic()
+    idx = device.index if device.index is not None else -1
     if now < _NEXT_BLOCKS.get(idx, 0.0):
         return dict(NO_BLOCKS)
     t0 = time.perf_counter()
     try:
-        free, big = largest_blocks(torch.cuda.memory._snapshot(device).get("segments", []), idx)
+        if idx < 0:
+            idx = torch.cuda.current_device()
+        got = largest_blocks(_segments(), idx)
     except Exception:  # noqa: BLE001 - a figure of a steps row never stops the step
         _NEXT_BLOCKS[idx] = now + 60.0
         return dict(NO_BLOCKS)
     _NEXT_BLOCKS[idx] = now + max(BLOCKS_EVERY_S, (time.perf_counter() - t0) / BLOCKS_COST_SHARE)
-    return {"torch_largest_free_bytes": free, "torch_largest_segment_bytes": big}
+    if got is None:
+        return dict(NO_BLOCKS)
+    return {"torch_largest_free_bytes": got[0], "torch_largest_segment_bytes": got[1]}
+
+
+def _segments() -> list[dict[str, Any]]:
+    """The allocator's segments on every device, without the trace entries where this torch can leave them
+    out (memory history, if the user turned it on, would make each read build them all)."""
+    try:
+        return torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # a torch whose memory_snapshot has no include_traces
+        return torch.cuda.memory_snapshot()
 
 
 def step_memory(device: torch.device) -> dict[str, int | None]:
