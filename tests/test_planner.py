@@ -451,6 +451,12 @@ def test_one_oom_check_and_one_set_of_oom_fields_for_both_workloads():
     assert not X.is_oom(ValueError("shape mismatch"))
     d = X.oom_detail(micro=4, seq=8, precision="bf16", error="x", effective_batch=16, allocated_before=1, step=3)
     assert d["micro_batches"] == 4 and {"batch", "seq_len", "precision", "step", "checkpointing"} <= set(d)
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 528.00 MiB. GPU 0 has a total capacity of 79.18 GiB"
+                                  " of which 74.33 GiB is free. Including non-PyTorch memory, this process has 4.84 GiB memory in"
+                                  " use. 4.69 GiB allowed; Of the allocated memory 3.58 GiB is allocated by PyTorch, and 610.90 MiB"
+                                  " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting"
+                                  " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.\nsecond line")
+    assert X.first_line(cuda).endswith("to avoid fragmentation.")  # the figures a fragmentation failure is told by, kept
 
 
 def test_the_largest_free_block_and_segment_are_read_from_the_allocators_snapshot():

@@ -23,8 +23,12 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
+ERROR_CHARS = 1000  # CUDA's OOM message is one line of ~600: what it tried to allocate, what the cap allows, what
+# is reserved and unallocated - the figures that tell a fragmentation failure from a full cap; kept whole
+
+
 def first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    return str(exc).splitlines()[0][:ERROR_CHARS] if str(exc) else type(exc).__name__
 
 
 def memory(device: torch.device) -> dict[str, int | None]:

@@ -401,7 +401,7 @@ class Workload(GuardedSide):
         except Exception as e:  # noqa: BLE001 - classified here: only an OOM is caught
             if not M.is_oom(e):
                 raise
-            return None, str(e).splitlines()[0][:300]
+            return None, X.first_line(e)
 
     def run_step(self, wanted: int, seq: int, phase: str) -> None:
         """Run one step as the run loop does (OOM recovery, counters, the row appended to the bus)."""
