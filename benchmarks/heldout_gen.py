@@ -295,19 +295,30 @@ def _smi_log(path: Path, stop: threading.Event) -> None:
 WAVE_RESERVE_S = 150  # a wave's time besides its runs: calibration (model build + 4 steps), the run's build, exit
 
 
+def fitting(n_waves: int, left_s: float, seconds: int, reserve_s: float) -> int:
+    """How many waves the time left can hold, each at least min(30, seconds) s of run beside its reserve."""
+    need = min(30, seconds)
+    return max((n for n in range(n_waves + 1) if n == 0 or left_s / n - reserve_s >= need), default=0)
+
+
 def record(scenarios: list[Scenario], out: Path, seconds: int, budget_gib: float, dry: bool,
            deadline_s: float = 1e9) -> dict:
-    """Each wave's scenarios side by side, one wave after another; a wave that cannot have WAVE_RESERVE_S + 30
-    s (or the seconds asked, if fewer) before `deadline_s` is not started, and the seconds of the last ones shrink to fit (said per scenario)."""
+    """Each wave's scenarios side by side, one wave after another, as many waves as `deadline_s` holds at
+    WAVE_RESERVE_S + min(30, seconds) s each - those with the most scenarios first - their time shared equally
+    (the seconds asked at most); a wave with no time left is not run (said per scenario). Before session 45 the
+    time was split over every wave and a wave whose share fell short was dropped: blind set 2909 on an H100 (two
+    waves, 320 s) ran its one-scenario wave for 169 s and dropped the four-scenario one."""
     for d in ("logs", "sessions", "runs", "calib"):
         (out / d).mkdir(parents=True, exist_ok=True)
     result: dict = {}
     stop = threading.Event()
     threading.Thread(target=_smi_log, args=(out / "nvidia-smi.csv", stop), daemon=True).start()
     t_end = time.time() + deadline_s
-    ws = waves(scenarios, budget_gib)
+    reserve = 0 if dry else WAVE_RESERVE_S
+    ws = sorted(waves(scenarios, budget_gib), key=len, reverse=True)  # stable: slot order within a count
+    n_run = fitting(len(ws), deadline_s, seconds, reserve)
     for k, wave in enumerate(ws):
-        left = (t_end - time.time()) / (len(ws) - k) - (0 if dry else WAVE_RESERVE_S)
+        left = (t_end - time.time()) / max(1, n_run - k) - reserve if k < n_run else 0.0
         secs = int(min(seconds, left))
         print(f"wave {k + 1}: {', '.join(s.name for s in wave)} ({sum(s.slot_gib for s in wave):.0f} GiB, {secs} s) "
               f"{time.strftime('%T')}", flush=True)

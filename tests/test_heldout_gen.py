@@ -83,3 +83,16 @@ def test_the_runner_fits_the_deadline_and_says_which_waves_it_skipped(tmp_path, 
     ran.clear()
     G.record(sc, tmp_path, 20, 40.0, dry=True, deadline_s=1e6)  # fewer seconds than 30 asked: still run
     assert {t for _, t in ran} == {20}
+    # time for one wave only (blind set 2909's call): the wave with the most scenarios runs, with all of it
+    ran.clear()
+    ws = sorted(G.waves(sc, 40.0), key=len, reverse=True)
+    res = G.record(sc, tmp_path, 400, 40.0, dry=False, deadline_s=G.WAVE_RESERVE_S + 200)
+    assert sorted(n for n, _ in ran) == sorted(s.name for s in ws[0])
+    assert all(190 <= t <= 200 for _, t in ran), ran
+    assert sum(1 for r in res.values() if "error" in r) == len(sc) - len(ws[0])
+
+
+def test_as_many_waves_run_as_the_time_holds():
+    assert G.fitting(2, 320, 200, 150) == 1  # 2909: 320 s held one wave of 170 s, not two of 10
+    assert G.fitting(3, 600, 200, 150) == 3 and G.fitting(3, 10, 200, 150) == 0 and G.fitting(0, 600, 200, 150) == 0
+    assert G.fitting(5, 1e9, 200, 150) == 5
