@@ -11,6 +11,8 @@
 #      in what is left of TOTAL; no sweep
 #   e: (session 45) part t's tests, then blind set 2909 (the eighth, recorded after the trend's v6 split-block
 #      rule, 7b4384c) in what is left of TOTAL, then the owed sweep on an H200 where time is left
+#   next (session 46): SEED=2910 TOTAL=570 bash benchmarks/gpu_session43.sh a - the tenth blind set, whole (2909 ran
+#      1 of 5 before the runner's wave fix), then the sweep where the card is an H200
 #   run (repo root, carry .dev and REV):  TOTAL=570 bash benchmarks/gpu_session43.sh a|c|t
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, c, d, e or t}"
