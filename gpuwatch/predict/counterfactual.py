@@ -145,8 +145,8 @@ def _write_like(orig: Path, df: pl.DataFrame, dest: Path) -> None:
 
 def _clip(samples: pl.DataFrame, steps: pl.DataFrame, meta: dict[str, Any], cap: int
           ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    steps = steps.with_columns(pl.min_horizontal(pl.col("torch_reserved_bytes"), pl.lit(cap, pl.UInt64))
-                               .cast(steps.schema["torch_reserved_bytes"]))
+    steps = steps.with_columns(pl.col("torch_reserved_bytes").cast(pl.Int64).clip(upper_bound=cap)
+                               .cast(steps.schema["torch_reserved_bytes"]))  # a null stays null (min_horizontal filled it)
     # (v6, v7) what lies in the cache no more than it holds, a segment no larger than the reserve; a null (not
     # recorded, not read on that step) stays null: clip, not min_horizontal, which would fill it in
     cache = (pl.col("torch_reserved_bytes").cast(pl.Int64) - pl.col("torch_allocated_bytes").cast(pl.Int64)).clip(0)
