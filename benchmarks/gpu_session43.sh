@@ -27,8 +27,9 @@ owed_sweep() { SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-
 sweep_if_h200() { if on_h200; then owed_sweep; else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi; }
 
 case "$1" in
-a)
-  SEED=${SEED:-2907} blind_set ${BT:-255} 20
+a)  # the set's deadline: 255 s on an H200 (the sweep gets the rest), all but 50 s of TOTAL on any other card
+  if on_h200; then BT=${BT:-255}; else BT=${BT:-$(( $(left) - 50 ))}; fi
+  SEED=${SEED:-2907} blind_set "$BT" 20
   sweep_if_h200
   ;;
 c)
