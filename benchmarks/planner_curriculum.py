@@ -3,16 +3,21 @@ wrote the guard for - a random-weight Llama-style model (~0.33 B parameters), bf
 a length curriculum from 256 to 4,096 tokens in sequential order, under a memory cap - run in arms:
 
 - `unguarded`: the Trainer alone;
-- `planner`: `GpuwatchCallback` + `gpuwatch.integrations.hf.train`, the guard planning (the default);
+- `planner`: `GpuwatchCallback` + `gpuwatch.integrations.hf.train`, the guard planning (the default: the
+  Trainer's step split in place, so a smaller micro-batch needs no restart);
+- `planner-restart`: the same with `GpuwatchCallback(split=False)`: each change of the per-device batch a
+  checkpoint and a resumed run (what `planner` was until session 46);
 - `threshold`: the same with `GuardConfig(plan=False)` (the risk threshold and the 15 s give-back timer);
 - `static`: a cautious static per-device batch (`--static-batch`, default 4) x accumulation, the same effective batch;
 - `autofind`: `TrainingArguments(auto_find_batch_size=True)` (accelerate's find_executable_batch_size);
 - `planner-nocap` / `unguarded-nocap`: no cap, fewer steps: what the guard costs where it need not act;
 - `lightning-planner` / `lightning-unguarded` / `lightning-static`: the same model in a Lightning `Trainer`,
   `--epochs` epochs, each a curriculum of `--steps`/`--epochs` steps from `--min-seq` to `--lightning-max-seq`
-  (per-device batch `--batch`, bf16-mixed). Lightning changes the per-device batch only between epochs
-  (integrations/lightning.py), so inside the first epoch activation checkpointing is the one remedy the
-  guard has; from the second, a smaller per-device batch by accumulation. Static: `--static-batch` x accumulation.
+  (per-device batch `--batch`, bf16-mixed). The planner arm's training_step is `gw.step(...)`
+  (integrations/lightning.py): the micro-batch changes in the step, at any optimizer step.
+  `lightning-planner-epoch`: without `gw.step` - Lightning changes the per-device batch only between epochs,
+  so inside the first epoch activation checkpointing is the one remedy the guard has (what
+  `lightning-planner` was until session 46). Static: `--static-batch` x accumulation.
 Each arm runs in its own process (a fresh CUDA context and cap) with a time limit and prints one JSON line:
 steps done, OOMs (including any after a give-back), restarts, effective batches seen, tokens/s, the
 guard's actions by kind, the plans it chose.
@@ -33,9 +38,10 @@ import time
 from pathlib import Path
 
 ARMS = ("planner", "unguarded", "threshold", "static", "autofind", "planner-nocap", "unguarded-nocap")
+# also: `planner-restart` (split=False)
 # not in the default set: `planner-nocap-1hz`, the planner with the risk scored at 1 Hz instead of 5 (what the
 # scorer thread costs the steps where the guard need not act)
-LIGHTNING_ARMS = ("lightning-planner", "lightning-unguarded", "lightning-static")
+LIGHTNING_ARMS = ("lightning-planner", "lightning-unguarded", "lightning-static")  # also: lightning-planner-epoch
 
 
 def lengths(steps: int, lo: int, hi: int) -> list[int]:
@@ -56,8 +62,9 @@ def build(a: argparse.Namespace, max_seq: int):
     return cfg, LlamaForCausalLM(cfg)
 
 
-def lightning_module(model):
-    """The Lightning arms' LightningModule around the transformers model, and their padding collate."""
+def lightning_module(model, gw=None):
+    """The Lightning arms' LightningModule around the transformers model, and their padding collate; with
+    `gw`, training_step runs through `gw.step` (the micro-batch split in the step)."""
     import lightning as L
     import torch
 
@@ -73,8 +80,11 @@ def lightning_module(model):
             super().__init__()
             self.model = model
 
-        def training_step(self, ids, i):
+        def loss_of(self, ids):
             return self.model(input_ids=ids, labels=ids).loss
+
+        def training_step(self, ids, i):
+            return gw.step(self, ids, self.loss_of) if gw is not None else self.loss_of(ids)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -100,10 +110,10 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (s,), generator=gen) for s in lens for _ in range(B)]
     cap = int(a.cap_gib * 2**30) if dev_ok else None
-    if cap and arm != "lightning-planner":
+    guarded = arm.startswith("lightning-planner")
+    if cap and not guarded:
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
-    LM, collate = lightning_module(model)
     steps_seen, deadline, cut = [0], time.perf_counter() + a.arm_timeout - 25.0, [False]
 
     class Count(L.Callback):
@@ -117,11 +127,13 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     per_dev, accum = (a.static_batch, B // a.static_batch) if static else (B, 1)
     gw = None
     cbs = [Count()]
-    if arm == "lightning-planner":
+    if guarded:
         gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"),
                                        guard_config=GuardConfig(mode="on"), memory_limit=cap, sampler="thread" if dry else "process",
                                        **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
+    LM, collate = lightning_module(model, gw if arm == "lightning-planner" else None)
+    if gw is not None:
         loader = gw.dataloader(data, batch_size=per_dev, collate_fn=collate)
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=per_dev, collate_fn=collate, shuffle=False)
@@ -183,7 +195,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     cap = None if "nocap" in arm or not dev_ok else int(a.cap_gib * 2**30)
-    if cap and arm not in ("planner", "threshold"):
+    if cap and not (arm.startswith("planner") or arm == "threshold"):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     per_dev, accum = (a.static_batch, B // a.static_batch) if arm == "static" else (B, 1)
@@ -221,7 +233,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
     if arm.startswith("planner") or arm == "threshold":
         gc = GuardConfig(mode="on") if arm != "threshold" else GuardConfig(mode="on", plan=False)
         gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"), guard_config=gc,
-                              memory_limit=cap, sampler="thread" if dry else "process",
+                              memory_limit=cap, sampler="thread" if dry else "process", split=arm != "planner-restart",
                               **({"score_hz": 1.0} if arm.endswith("-1hz") else {}),
                               **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
@@ -272,8 +284,12 @@ def _guard_events(session: Path) -> dict:
     ev = rec.events
     kinds = ev["kind"].to_list()
     acts: dict[str, int] = {}
+    controls: dict[str, int] = {}  # the workload's own changes: "split" (in the step), "restart", "epoch_batch"...
     plans = []
     for k, d in zip(kinds, ev["detail"].to_list()):
+        if k == "control":
+            c = json.loads(d or "{}").get("control", "?")
+            controls[c] = controls.get(c, 0) + 1
         if k != "guard_action":
             continue
         det = json.loads(d or "{}")
@@ -286,7 +302,7 @@ def _guard_events(session: Path) -> dict:
     # the run's peak is the highest of the recorded steps'
     pk = rec.steps["torch_peak_bytes"].max() if "torch_peak_bytes" in rec.steps.columns else None
     out = {} if pk is None else {"peak_allocated_gib": round(float(pk) / 2**30, 2)}
-    return out | {"guard_actions": acts, "plans": plans[:20], "oom_events": kinds.count("oom"),
+    return out | {"guard_actions": acts, "controls": controls, "plans": plans[:20], "oom_events": kinds.count("oom"),
             "steps_with_checkpointing": sum(1 for x in ck if x), "session": str(session)}
 
 

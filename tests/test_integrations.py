@@ -1,7 +1,8 @@
 """The Hugging Face and Lightning callbacks, each run in a real Trainer for a few steps on the CPU with a
 tiny model. Neither framework changes its data loader's batch mid-run, so the guard's smaller
-micro-batch becomes a resumed run with the per-device batch down and the accumulation up: the effective
-batch holds, and so does the update (compared with an unguarded run)."""
+micro-batch is either run inside the framework's step (split in place: no restart) or becomes a resumed
+run with the per-device batch down and the accumulation up: either way the effective batch holds, and so
+does the update (compared with an unguarded run)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_per_device_batch_keeps_the_effective_batch_exact():
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------------
-def _hf_run(tmp_path, name, actions: dict[int, Action] | None):
+def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = True, items: bool = True):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -37,7 +38,7 @@ def _hf_run(tmp_path, name, actions: dict[int, Action] | None):
                              lr_scheduler_type="constant", train_sampling_strategy="sequential", report_to=[],
                              save_strategy="no", logging_steps=1, use_cpu=True, include_num_input_tokens_seen=True,
                              seed=0, disable_tqdm=True)
-    gw = GpuwatchCallback(record_dir=tmp_path, name=name, sampler="thread")
+    gw = GpuwatchCallback(record_dir=tmp_path, name=name, sampler="thread", split=split)
     seen: list[int] = []  # rows of every micro-batch the model saw
 
     class Inject(TrainerCallback):  # stands in for the guard's decisions at chosen steps (CPU: no risk)
@@ -46,14 +47,13 @@ def _hf_run(tmp_path, name, actions: dict[int, Action] | None):
                 gw.loop.apply(actions[state.global_step])
 
     class Count(TrainerCallback):
-        def on_substep_end(self, args, state, control, **kw):
-            seen.append(args.per_device_train_batch_size)
-
         def on_step_end(self, args, state, control, **kw):
-            seen.append(args.per_device_train_batch_size)
             seen.append(-1)  # an optimizer step ends here
 
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(int(kw["input_ids"].shape[0])), with_kwargs=True)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Inject(), Count(), gw])
+    if not items:  # the Trainer divides a micro-batch's mean loss itself (no item count reaches the model)
+        trainer.model_accepts_loss_kwargs = False
     train(trainer)
     per_step, cur = [], 0
     for x in seen:
@@ -65,12 +65,35 @@ def _hf_run(tmp_path, name, actions: dict[int, Action] | None):
     return trainer, gw, per_step
 
 
-def test_hf_trainer_keeps_the_effective_batch_and_the_update_through_the_guard(tmp_path):
+@pytest.mark.parametrize("items", [True, False], ids=["loss-by-items", "mean-loss"])
+def test_hf_trainer_splits_its_step_with_no_restart_and_keeps_the_update(tmp_path, items):
+    """One process: the guard's micro-batch of 3 runs inside the Trainer's step (8 rows as 3 + 3 + 2) from the
+    next step, and the batch is given back the same way: no restart, the same parameters as unguarded -
+    whether the Trainer normalises the loss by the batch's tokens or divides a mean loss itself."""
+    from gpuwatch.recording.reader import open_recording
+
+    plain, _, steps0 = _hf_run(tmp_path, "plain", None, items=items)
+    guarded, gw, steps1 = _hf_run(tmp_path, "guarded", {2: Action("lower_ceiling", 3, "test"),
+                                                         5: Action("clear_ceiling", None, "test")}, items=items)
+    assert gw.splitting and gw.restarts == 0 and guarded.state.global_step == plain.state.global_step == 8
+    assert steps0 == [8] * 8 and steps1 == [8] * 8, (steps0, steps1)  # rows per optimizer step held
+    assert gw.effective == [8] * 8
+    for a, b in zip(plain.model.parameters(), guarded.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert guarded.state.log_history[3]["loss"] == pytest.approx(plain.state.log_history[3]["loss"], rel=1e-4)
+    rec = open_recording(tmp_path / "guarded")
+    assert rec.steps.height == 8 and set(rec.steps["batch"].to_list()) == {8}
+    assert rec.steps["micro_batches"].to_list() == [1, 1, 3, 3, 3, 1, 1, 1]
+    ev = rec.events.filter(rec.events["kind"] == "control")["message"].to_list()
+    assert any("3 micro-batches of at most 3 in the step" in m and "no restart" in m for m in ev), ev
+
+
+def test_hf_trainer_split_off_restarts_with_a_smaller_per_device_batch(tmp_path):
     from gpuwatch.recording.reader import open_recording
 
     plain, _, steps0 = _hf_run(tmp_path, "plain", None)
     guarded, gw, steps1 = _hf_run(tmp_path, "guarded", {2: Action("lower_ceiling", 3, "test"),
-                                                         5: Action("clear_ceiling", None, "test")})
+                                                         5: Action("clear_ceiling", None, "test")}, split=False)
     assert gw.restarts == 2 and guarded.state.global_step == plain.state.global_step == 8
     assert steps0 == [8] * 8 and steps1 == [8] * 8, (steps0, steps1)  # samples per optimizer step held
     assert gw.effective == [8] * 8
@@ -91,9 +114,11 @@ def test_hf_trainer_stops_cleanly_with_a_checkpoint_when_the_guard_stops(tmp_pat
 
 
 # -- Lightning --------------------------------------------------------------------------------------------
-def _lightning_run(tmp_path, name, actions):
+def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accumulate=1):
     L = pytest.importorskip("lightning")
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
+
+    rows: list[int] = []  # rows of every forward
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -101,10 +126,14 @@ def _lightning_run(tmp_path, name, actions):
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
 
-        def training_step(self, batch, i):
+        def loss_of(self, batch):
             ids = batch[0]
+            rows.append(ids.shape[0])
             logits = self.net(ids[:, :-1])
             return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+        def training_step(self, batch, i):
+            return gw.step(self, batch, self.loss_of) if split else self.loss_of(batch)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -118,6 +147,10 @@ def _lightning_run(tmp_path, name, actions):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(batch[0].shape[0])
 
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if step_actions and trainer.global_step in step_actions:
+                gw.loop.apply(step_actions.pop(trainer.global_step))
+
         def on_train_epoch_end(self, trainer, pl_module):
             if actions and trainer.current_epoch in actions:
                 gw.loop.apply(actions[trainer.current_epoch])
@@ -125,8 +158,9 @@ def _lightning_run(tmp_path, name, actions):
     model = LM()
     trainer = L.Trainer(max_epochs=4, accelerator="cpu", logger=False, default_root_dir=str(tmp_path / f"pl-{name}"), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Inject(), gw],
-                        reload_dataloaders_every_n_epochs=1)
+                        reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=accumulate)
     trainer.fit(model, train_dataloaders=gw.dataloader(ds, batch_size=8))
+    model.rows = rows
     return model, gw, seen, trainer
 
 
@@ -149,3 +183,28 @@ def test_lightning_stops_cleanly_with_a_checkpoint_when_the_guard_stops(tmp_path
     model, gw, seen, t = _lightning_run(tmp_path, "leak", {1: Action("stop", None, "test: a leak")})
     assert t.global_step == 16 and gw.loop.should_stop and len(seen) == 16
     assert (tmp_path / "pl-leak" / "gpuwatch-stop-step16.ckpt").is_file()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_step_splits_mid_epoch_with_the_same_update(tmp_path, accumulate):
+    """`gw.step` in training_step: the guard's micro-batch of 3 applies from the next batch, mid-epoch (8 rows
+    as 3 + 3 + 2), and is given back the same way; the loader's batch never changes and the parameters end
+    as an unguarded run's - with Lightning's own accumulation on top too."""
+    from gpuwatch.recording.reader import open_recording
+
+    plain, _, _, _ = _lightning_run(tmp_path, "plain", None, split=True, accumulate=accumulate)
+    n = 32 // accumulate  # optimizer steps
+    guarded, gw, seen, t = _lightning_run(tmp_path, "guarded", None, split=True, accumulate=accumulate,
+                                          step_actions={n // 8: Action("lower_ceiling", 3, "test"),
+                                                        5 * n // 8: Action("clear_ceiling", None, "test")})
+    assert plain.rows == [8] * 32 and seen == [8] * 32  # the loader's batch held
+    whole, split = [8] * (n // 8 * accumulate), [3, 3, 2] * (n // 2 * accumulate)
+    assert guarded.rows == whole + split + [8] * (32 - len(whole) - len(split) // 3), guarded.rows
+    assert t.global_step == n and gw.effective == [8 * accumulate] * n and gw.splitting
+    for a, b in zip(plain.parameters(), guarded.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    rec = open_recording(tmp_path / "guarded")
+    k = rec.steps["micro_batches"].to_list()
+    assert k == [accumulate] * (n // 8) + [3 * accumulate] * (n // 2) + [accumulate] * (n - n // 8 - n // 2), k
+    ev = rec.events.filter(rec.events["kind"] == "control")["message"].to_list()
+    assert any("3 micro-batches of at most 3 in the step" in m for m in ev), ev

@@ -132,6 +132,17 @@ def test_split_handles_uneven_batches_and_non_batch_leaves():
     assert parts[1]["names"] == ["d", "e"] and parts[0]["scale"] is b["scale"]
 
 
+def test_split_cuts_a_list_of_batched_tensors_element_by_element():
+    """A TensorDataset's batch is a list of tensors (Lightning's, a DataLoader's default collate): each is
+    cut, where a list of the batch's rows is cut by rows (it used to come back whole in every part)."""
+    ids, y = torch.arange(16).reshape(8, 2), torch.arange(8)
+    parts = _split([ids, y], 3)
+    assert [p[0].shape[0] for p in parts] == [3, 3, 2] and torch.equal(torch.cat([p[1] for p in parts]), y)
+    rows = [torch.tensor([i, i]) for i in range(5)]  # per-row tensors: a list of the rows
+    parts = _split({"x": torch.zeros(5, 1), "rows": rows}, 2)
+    assert [len(p["rows"]) for p in parts] == [3, 2] and parts[1]["rows"][0] is rows[3]
+
+
 def test_an_oom_retries_at_half_then_stops_cleanly_at_the_floor_with_the_checkpoint():
     model = tiny_lm()
     saved = []

@@ -52,10 +52,27 @@ def split(batch: Batch, k: int) -> list[Batch]:
             return d if type(b) is dict else type(b)(d)
         if isinstance(b, tuple):
             return tuple(cut(v, i) for v in b)
-        if isinstance(b, list) and len(b) == n:
-            return [b[j] for j in ranges(n, k)[i]]
+        if isinstance(b, list):  # a list of batched tensors (a TensorDataset's batch) is cut element by element,
+            if any(isinstance(v, (Mapping, tuple, list)) or (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n)
+                   for v in b):
+                return [cut(v, i) for v in b]
+            if len(b) == n:  # a list of the batch's rows (strings, per-row tensors) by its rows
+                return [b[j] for j in ranges(n, k)[i]]
         return b
     return [cut(batch, i) for i in range(k)]
+
+
+def shares(batch: Batch, k: int) -> list[tuple[Batch, float]]:
+    """`batch` as `k` micro-batches, each with its share of the batch's rows: a micro-batch's mean loss times
+    its share, summed over the micro-batches, is the batch's mean loss, and so are the gradients (what
+    `GuardedLoop.step` and the frameworks' in-step split backpropagate)."""
+    n = batch_size_of(batch)
+    return [(part, batch_size_of(part) / n) for part in split(batch, k)]
+
+
+def chunks(n: int, micro: int | None) -> int:
+    """How many micro-batches of at most `micro` rows a batch of `n` rows runs as (1 without a ceiling)."""
+    return max(1, -(-int(n) // int(micro))) if micro else 1
 
 
 def ranges(n: int, k: int) -> list[range]:

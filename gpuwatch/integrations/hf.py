@@ -7,14 +7,18 @@
 
 What the Trainer allows: its data loader's batch size is fixed for a whole `train()` call, and
 `on_step_begin` comes after the step's micro-batches were fetched. So the callback decides at the end of
-each optimizer step (before the next one), for the next step: when the guard lowers the micro-batch
-ceiling under `per_device_train_batch_size`, the callback asks the Trainer to save a checkpoint and stop
-(`control.should_save`, `should_training_stop`); `train()` then resumes from that checkpoint with the
-per-device batch down and `gradient_accumulation_steps` up by the same factor, so the effective batch
-(per-device x accumulation x devices) holds, and the data order with it (the sampler's order does not
-depend on the batch size). When the risk has stayed low the batch is given back the same way. A leak
-stop saves a checkpoint and ends training cleanly. Each restart costs a checkpoint save and load: on
-the H200 benchmark (benchmarks/guard_library.py) they are counted.
+each optimizer step (before the next one), for the next step. In one process (the usual fine-tune) `train()`
+splits each of the Trainer's batches inside its own `training_step` into micro-batches under the guard's
+ceiling - each one's loss weighted by its share (or, where the Trainer normalises the loss by the batch's
+tokens, as it is), backpropagated, the optimizer stepping once as before - so a smaller micro-batch, and the
+batch given back, take effect at the next step with no restart: the effective batch, the data order and
+the update hold (tested against an unguarded run). With several processes (DDP, DeepSpeed), or
+`GpuwatchCallback(split=False)`, the per-device batch itself changes instead: the callback asks the
+Trainer to save a checkpoint and stop (`control.should_save`, `should_training_stop`), and `train()`
+resumes from that checkpoint with the per-device batch down and `gradient_accumulation_steps` up by the
+same factor, so the effective batch (per-device x accumulation x devices) holds; each such restart costs a
+checkpoint save and load, measured and counted. An OOM the guard did not prevent always resumes from
+the last checkpoint. A leak stop saves a checkpoint and ends training cleanly.
 
 The planner (gpuwatch/control/planner.py) weighs, before each step, the per-device batches that keep
 the effective batch and activation checkpointing - the model's own `gradient_checkpointing_enable` /
@@ -41,18 +45,23 @@ from transformers import TrainerCallback  # noqa: E402
 
 from gpuwatch.contract import Action
 from gpuwatch.control.policy import GuardConfig
-from gpuwatch.integrations.batches import per_device_batch
+from gpuwatch.integrations.batches import batch_size_of, chunks, per_device_batch, shares
 from gpuwatch.integrations.loop import GuardedLoop
 
 
 class GpuwatchCallback(TrainerCallback):
     def __init__(self, record_dir: str | Path | None = "recordings", name: str | None = None, guard: str = "on",
                  guard_config: GuardConfig | None = None, seq_len: int | None = None, restart: bool = True,
-                 **loop_kwargs: Any) -> None:
-        """`loop_kwargs` go to `GuardedLoop` (memory_limit, risk_model, threshold, source, gpu_index...)."""
+                 split: bool = True, **loop_kwargs: Any) -> None:
+        """`loop_kwargs` go to `GuardedLoop` (memory_limit, risk_model, threshold, source, gpu_index...).
+        `split`: run a smaller micro-batch inside the Trainer's step (one process only; `train()` installs it)
+        rather than restart the Trainer with a smaller per-device batch; `restart`: allow those restarts."""
         self.record_dir, self.name, self.guard, self.guard_config = record_dir, name, guard, guard_config
         self.seq_len = seq_len
         self.restart = restart
+        self.split = split
+        self.splitting = False  # `train()` split the Trainer's step: micro-batch changes need no restart
+        self.micro: int | None = None  # the micro-batch each of the Trainer's batches runs as (None: whole)
         self.loop_kwargs = loop_kwargs
         self.loop: GuardedLoop | None = None
         self.pending: tuple[int, int] | None = None  # (per-device batch, accumulation) for the resumed run
@@ -77,7 +86,8 @@ class GpuwatchCallback(TrainerCallback):
                                     device=args.device, precision=trainer_precision(args), **kw)
             self.base_batch = args.per_device_train_batch_size
             self.loop.largest = self.base_batch
-            self.loop.restart_cost_s = 0.0 if self.restart else None  # 0.0: a restart's cost not measured yet
+            # 0.0: a restart's cost not measured yet; None: the micro-batch changes with no restart (or not at all)
+            self.loop.restart_cost_s = 0.0 if self.restart and not self.splitting else None
             self.loop.start()
         self.loop.precision = trainer_precision(args)
         self._tokens = state.num_input_tokens_seen or 0
@@ -90,7 +100,8 @@ class GpuwatchCallback(TrainerCallback):
         if self._restart_t0 is not None:  # the first step after a restart: what the restart cost
             self.restart_costs.append(self._t0 - self._restart_t0)
             self._restart_t0 = None
-            self.loop.restart_cost_s = sum(self.restart_costs) / len(self.restart_costs)
+            if not self.splitting:  # split in the step, the planner's changes restart nothing (an OOM's resume did)
+                self.loop.restart_cost_s = sum(self.restart_costs) / len(self.restart_costs)
         return control
 
     def on_step_end(self, args, state, control, **kw):
@@ -99,7 +110,8 @@ class GpuwatchCallback(TrainerCallback):
         self._t0 = now  # the next step's time runs from here (it includes fetching its batches)
         e = self._effective(args)
         self.effective.append(e)
-        self.loop.record_step(e, self._seq(args, state, e), args.gradient_accumulation_steps, dt,
+        self.loop.record_step(e, self._seq(args, state, e),
+                              args.gradient_accumulation_steps * chunks(args.per_device_train_batch_size, self.micro), dt,
                               loss=_last_loss(state))
         self._decide(args, state, control)
         self.step_overhead_s = (self.step_overhead_s + [time.perf_counter() - now])[-1000:]
@@ -148,8 +160,21 @@ class GpuwatchCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
             return
+        per_dev = args.per_device_train_batch_size
+        if self.splitting:  # the next step's batches run as micro-batches of the plan's size, no restart
+            micro = min(per_dev, plan.batch)
+            micro = None if micro >= per_dev else micro
+            if micro != self.micro:
+                k = chunks(per_dev, micro)
+                self.loop.bus.emit("control", f"Trainer: each per-device batch of {per_dev} runs as {k} micro-batch"
+                                   f"{'es' if k > 1 else ''} of at most {micro or per_dev} in the step (effective batch "
+                                   f"{e} kept; no restart)", gpu=self.loop.gpu_index, control="split",
+                                   value=[micro or per_dev, k], who="guard", why="the guard's micro-batch ceiling",
+                                   step=state.global_step)
+            self.micro = micro
+            return
         want = per_device_batch(e, min(self.base_batch or e, plan.batch))
-        if self.restart and want != args.per_device_train_batch_size:
+        if self.restart and want != per_dev:
             self.restart_asked()
             self.pending = (want, e // want)
             control.should_save = True
@@ -193,17 +218,20 @@ def trainer_precision(args) -> str:
 
 
 def train(trainer, max_restarts: int = 16, **train_kwargs):
-    """`trainer.train(**train_kwargs)`, resumed from its last checkpoint with the per-device batch and
-    gradient accumulation the guard asked for, as often as it asks (at most `max_restarts`). An OOM the
-    guard did not prevent is recorded and the run resumed the same way at half the per-device batch
-    (from the last checkpoint; without one, from the start: those steps are run again); at a per-device
-    batch of 1 it is raised."""
+    """`trainer.train(**train_kwargs)` with the guard. In one process the Trainer's step is split in place
+    (`split_steps`): the guard's micro-batch applies from the next step, with no restart. Otherwise the run
+    is resumed from its last checkpoint with the per-device batch and gradient accumulation the guard asked
+    for, as often as it asks (at most `max_restarts`). An OOM the guard did not prevent is recorded and the
+    run resumed from the last checkpoint (without one, from the start: those steps are run again) at half
+    the micro-batch; at a micro-batch of 1 it is raised."""
     import torch
     from transformers.trainer_utils import get_last_checkpoint
 
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, GpuwatchCallback)), None)
     if cb is None:
         raise ValueError("add GpuwatchCallback() to the Trainer's callbacks first")
+    if cb.split and not cb.splitting and can_split(trainer):
+        split_steps(trainer, cb)
     kw = dict(train_kwargs)
     try:
         while True:
@@ -225,12 +253,17 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
                                      guard_decision=None if g is None else g.last_decision.get(cb.loop.gpu_index))
                     if cb.loop.guard is not None:
                         cb.loop.guard.after_oom(cb.loop, b * k, b)
-                if b <= 1 or cb.restarts >= max_restarts:
+                micro = cb.micro or b
+                if micro <= 1 or cb.restarts >= max_restarts:
                     raise torch.OutOfMemoryError(failed)
-                nb = per_device_batch(b * k, b // 2)
-                cb.pending = (nb, b * k // nb)
+                if cb.splitting:  # the same per-device batch, resumed with its micro-batch halved in the step
+                    nb, cb.pending = micro // 2, (b, k)
+                    cb.micro = nb
+                else:
+                    nb = per_device_batch(b * k, b // 2)
+                    cb.pending = (nb, b * k // nb)
                 if cb.loop is not None:  # the guard's ceiling follows, so the resumed run is not talked back up
-                    cb.loop.apply(Action("lower_ceiling", nb, f"OOM at per-device batch {b}"), who="recovery")
+                    cb.loop.apply(Action("lower_ceiling", nb, f"OOM at micro-batch {micro}"), who="recovery")
                 _free(trainer)
             if cb.pending is None or cb.restarts >= max_restarts or (cb.loop is not None and cb.loop.should_stop):
                 return out
@@ -249,6 +282,78 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
     finally:
         cb.pending = None
         cb.close()
+
+
+def can_split(trainer) -> bool:
+    """The Trainer's step can be split in place: one process and no DeepSpeed (whose engine counts the
+    backward passes of an accumulation itself)."""
+    args = trainer.args
+    return int(getattr(args, "world_size", 1) or 1) == 1 and not getattr(trainer, "is_deepspeed_enabled", False)
+
+
+def split_steps(trainer, cb: GpuwatchCallback) -> None:
+    """Run each batch of the Trainer's `training_step` as micro-batches of at most `cb.micro` rows: the
+    Trainer's own step per micro-batch (its autocast, loss scaling and backward), the loss weighted by the
+    micro-batch's share unless the Trainer already normalises it by the batch's item count, the losses
+    summed as the Trainer sums its accumulation's. The optimizer still steps once per step."""
+    step = trainer.training_step  # the bound method (a subclass's override included)
+
+    def training_step(model, inputs, num_items_in_batch=None, *a, **kw):
+        try:
+            k = chunks(batch_size_of(inputs), cb.micro)
+        except TypeError:  # no batch dimension to split
+            k = 1
+        if k <= 1:
+            return step(model, inputs, num_items_in_batch, *a, **kw)
+        whole = _normalised_by_items(trainer, num_items_in_batch)
+        total = None
+        for part, w in shares(inputs, k):
+            with _loss_scaled(trainer, 1.0 if whole else w):
+                out = step(model, part, num_items_in_batch, *a, **kw)
+            total = out if total is None else total + out
+        return total
+
+    trainer.training_step = training_step
+    cb.splitting = True
+
+
+def _normalised_by_items(trainer, num_items_in_batch) -> bool:
+    """Whether the Trainer's loss is already the sum over the batch's items divided by their count (then a
+    micro-batch's losses add up as they are), by the Trainer's own test."""
+    flag = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if flag is not None:
+        return bool(flag)
+    return bool((getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+                or getattr(trainer, "compute_loss_func", None) is not None)
+
+
+class _loss_scaled:
+    """`trainer.compute_loss` times `w` while it is entered (the instance's own attribute, restored after)."""
+
+    def __init__(self, trainer, w: float) -> None:
+        self.trainer, self.w = trainer, w
+
+    def __enter__(self):
+        if self.w == 1.0:
+            return self
+        t, w = self.trainer, self.w
+        self.had = "compute_loss" in t.__dict__
+        self.prev = t.__dict__.get("compute_loss")
+        inner = t.compute_loss
+
+        def compute_loss(*a, **kw):
+            out = inner(*a, **kw)
+            return (out[0] * w, *out[1:]) if isinstance(out, tuple) else out * w
+        t.compute_loss = compute_loss
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.w == 1.0:
+            return
+        if self.had:
+            self.trainer.compute_loss = self.prev
+        else:
+            del self.trainer.compute_loss
 
 
 def _free(trainer) -> None:

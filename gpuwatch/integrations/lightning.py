@@ -4,7 +4,20 @@
     trainer = L.Trainer(callbacks=[gw], reload_dataloaders_every_n_epochs=1)
     trainer.fit(model, train_dataloaders=gw.dataloader(dataset, batch_size=8, shuffle=True))
 
-What Lightning allows: `trainer.accumulate_grad_batches` may change between epochs (that is what its
+and, for a micro-batch that changes at any step, one line in your module:
+
+    def training_step(self, batch, i):
+        return gw.step(self, batch, lambda b: self.loss_of(b))   # b: a micro-batch; its mean loss
+
+`gw.step` runs the batch as micro-batches under the guard's ceiling inside the step (one process,
+automatic optimization): each micro-batch's mean loss times its share, all but the last backpropagated
+through Lightning's own `strategy.backward` (its precision plugin and loss scaling; its backward hooks see
+each micro-batch), the last returned for Lightning to backpropagate; the optimizer steps once, so the
+effective batch and the update hold (tested against an unguarded run). The guard then plans the
+micro-batch, given back as well as taken, at every optimizer step, with no restart and no wait for the
+epoch's end.
+
+Without `gw.step` - what Lightning allows: `trainer.accumulate_grad_batches` may change between epochs (that is what its
 GradientAccumulationScheduler does), and a data loader is re-read each epoch with
 `reload_dataloaders_every_n_epochs=1`; mid-epoch neither can change without breaking the accumulation's
 alignment (it counts batches from the epoch's start) and the loader prefetches a batch ahead. So the
@@ -31,7 +44,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from gpuwatch.control.policy import GuardConfig
-from gpuwatch.integrations.batches import batch_size_of, per_device_batch, seq_len_of
+from gpuwatch.integrations.batches import batch_size_of, chunks, per_device_batch, seq_len_of, shares
 from gpuwatch.integrations.loop import GuardedLoop
 
 
@@ -87,6 +100,58 @@ class GpuwatchLightningCallback(L.Callback):
         self._seq = 1
         self._batch_n = 1
         self._can_resize = False
+        self.splitting = False  # `step()` runs the batches: the micro-batch changes at any step
+        self.micro: int | None = None  # the micro-batch `step()` runs a batch as (None: whole)
+        self._said_whole = False
+        self._batch_idx = 0
+        self._held: list = []  # (parameter, gradient) set aside over Lightning's zeroing (`step`)
+
+    def step(self, module, batch, loss_fn) -> torch.Tensor:
+        """Your `training_step`'s loss, with the batch run as micro-batches under the guard's ceiling:
+        `loss_fn(micro_batch)` returns a micro-batch's mean loss. Returns what `training_step` returns."""
+        trainer = module.trainer
+        n = batch_size_of(batch)
+        if not (trainer.world_size == 1 and module.automatic_optimization):
+            if not self._said_whole and self.loop is not None:
+                self._said_whole = True
+                self.loop.bus.emit("guard_unable", "Lightning: gw.step runs the batch whole with several processes "
+                                   "or manual optimization; the micro-batch changes between epochs only", "warning",
+                                   gpu=self.loop.gpu_index, state="no in-step split")
+            return loss_fn(batch)
+        self.splitting = True
+        k = chunks(n, self.micro)
+        if k <= 1:
+            return loss_fn(batch)
+        parts = shares(batch, k)
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        # Lightning zeroes the gradients after training_step returns, before its backward, on the first batch of
+        # an accumulation: there the micro-batches' gradients are set aside (no copy) and put back just before
+        # that backward (`on_before_backward`); the stale ones of the last step are dropped first, as Lightning
+        # would drop them, so nothing is held twice
+        first = self._batch_idx % acc == 0
+        params = [p for p in module.parameters() if p.requires_grad]
+        if first:
+            for p in params:
+                p.grad = None
+        done = None
+        for part, w in parts[:-1]:
+            loss = loss_fn(part) * w
+            trainer.strategy.backward(loss / acc, None)  # as Lightning scales the returned loss
+            d = loss.detach()
+            done = d if done is None else done + d
+            del loss
+        if first:
+            self._held = [(p, p.grad) for p in params if p.grad is not None]
+            for p, _g in self._held:
+                p.grad = None
+        part, w = parts[-1]
+        return loss_fn(part) * w + done
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back."""
+        held, self._held = self._held, []
+        for p, g in held:
+            p.grad = g if p.grad is None else p.grad.add_(g)
 
     def dataloader(self, dataset, batch_size: int, shuffle: bool = False, drop_last: bool = False,
                    generator: torch.Generator | None = None, **kw) -> torch.utils.data.DataLoader:
@@ -120,6 +185,7 @@ class GpuwatchLightningCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        self._batch_idx = batch_idx
         try:
             self._seq, self._batch_n = seq_len_of(batch), batch_size_of(batch)
         except TypeError:
@@ -135,16 +201,22 @@ class GpuwatchLightningCallback(L.Callback):
         e = self._per_device(trainer) * k
         self.effective.append(e)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self.loop.record_step(e, self._seq, k, dt, loss=None if loss is None else float(loss.detach()))
-        self.loop.micro_batch_fixed = self._per_device(trainer)  # mid-epoch: only checkpointing can change now
+        per_dev = self._per_device(trainer)
+        self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt,
+                              loss=None if loss is None else float(loss.detach()))
+        # mid-epoch without `step()`: only checkpointing can change now
+        self.loop.micro_batch_fixed = None if self.splitting else per_dev
         self.loop.steps_left = _steps_left(trainer)
-        if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
+        plan = self.loop.decide(e, self._seq)
+        if plan is None:  # a leak: checkpoint saved by the hook, stop after this step
             trainer.should_stop = True
+        elif self.splitting:
+            self._split_at(min(per_dev, plan.batch), per_dev, e, trainer.global_step)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Between epochs: the guard's ceiling becomes the next epoch's per-device batch."""
-        if not self._can_resize or self.loop.should_stop:
-            return
+        if not self._can_resize or self.loop.should_stop or self.splitting:
+            return  # with `step()` the micro-batch has changed in the step already
         k = trainer.accumulate_grad_batches
         e = self._per_device(trainer) * k
         self.loop.micro_batch_fixed = None  # between epochs: the next epoch's per-device batch is open
@@ -160,6 +232,18 @@ class GpuwatchLightningCallback(L.Callback):
                                who="guard", why="the guard's micro-batch ceiling")
             self.sampler.batch_size = want
             trainer.accumulate_grad_batches = e // want
+
+    def _split_at(self, micro: int, per_dev: int, e: int, step: int) -> None:
+        """The micro-batch `step()` runs from the next batch on (said when it changes)."""
+        micro_or_none = None if micro >= per_dev else micro
+        if micro_or_none != self.micro:
+            k = chunks(per_dev, micro_or_none)
+            self.loop.bus.emit("control", f"Lightning: each batch of {per_dev} runs as {k} micro-batch"
+                               f"{'es' if k > 1 else ''} of at most {min(micro, per_dev)} in the step (effective batch "
+                               f"{e} kept; no wait for the epoch's end)", gpu=self.loop.gpu_index, control="split",
+                               value=[min(micro, per_dev), k], who="guard", why="the guard's micro-batch ceiling",
+                               step=step)
+        self.micro = micro_or_none
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.loop is not None:

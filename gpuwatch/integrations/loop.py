@@ -43,7 +43,7 @@ require("GuardedLoop (gpuwatch.integrations)", modules=("torch",))  # one line: 
 import torch  # noqa: E402
 
 from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
-from gpuwatch.integrations.batches import Batch, batch_size_of, first_tensor, seq_len_of, split
+from gpuwatch.integrations.batches import Batch, batch_size_of, first_tensor, seq_len_of, shares
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
@@ -308,11 +308,9 @@ class GuardedLoop:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _run(self, batch: Batch, n: int, k: int, loss_fn) -> float | None:
-        parts = split(batch, k)
         total = None
         amp = self.precision in ("bf16", "fp16")
-        for part in parts:
-            w = batch_size_of(part) / n
+        for part, w in shares(batch, k):
             if amp:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16):
                     loss = loss_fn(part)
