@@ -20,7 +20,8 @@ def test_per_device_batch_keeps_the_effective_batch_exact():
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------------
-def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = True, items: bool = True):
+def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = True, items: bool = True,
+            pad: bool = False, trainer_cls=None):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -33,6 +34,9 @@ def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = Tru
     model = GPT2LMHeadModel(cfg)
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (96, 16), generator=gen)]
+    if pad:  # rows of 4 to 16 label tokens (the rest -100): a mean over tokens weighs rows unequally
+        data = [{"input_ids": d["input_ids"], "labels": torch.where(torch.arange(16) < 4 + i % 13, d["labels"], -100)}
+                for i, d in enumerate(data)]
     args = TrainingArguments(output_dir=str(tmp_path / f"out-{name}"), per_device_train_batch_size=8,
                              gradient_accumulation_steps=1, max_steps=8, learning_rate=0.1, optim="sgd",
                              lr_scheduler_type="constant", train_sampling_strategy="sequential", report_to=[],
@@ -51,7 +55,7 @@ def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = Tru
             seen.append(-1)  # an optimizer step ends here
 
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(int(kw["input_ids"].shape[0])), with_kwargs=True)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Inject(), Count(), gw])
+    trainer = (trainer_cls or Trainer)(model=model, args=args, train_dataset=data, callbacks=[Inject(), Count(), gw])
     if not items:  # the Trainer divides a micro-batch's mean loss itself (no item count reaches the model)
         trainer.model_accepts_loss_kwargs = False
     train(trainer)
@@ -88,6 +92,38 @@ def test_hf_trainer_splits_its_step_with_no_restart_and_keeps_the_update(tmp_pat
     assert any("3 micro-batches of at most 3 in the step" in m and "no restart" in m for m in ev), ev
 
 
+def test_hf_split_weighs_padded_rows_by_their_label_tokens(tmp_path):
+    """Where the Trainer divides a micro-batch's mean loss itself, a micro-batch counts by its share of the
+    batch's label tokens, not of its rows: with padding the update still equals an unguarded run's."""
+    plain, _, _ = _hf_run(tmp_path, "plain", None, items=False, pad=True)
+    guarded, gw, _ = _hf_run(tmp_path, "guarded", {1: Action("lower_ceiling", 3, "test")}, items=False, pad=True)
+    assert gw.splitting and gw.restarts == 0
+    for a, b in zip(plain.model.parameters(), guarded.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_hf_trainer_with_its_own_loss_is_not_split_and_restarts_instead(tmp_path):
+    """A Trainer subclass's compute_loss may ignore the item count the split relies on (the documented
+    custom-loss pattern returns a mean): its step is not split; the guard restarts it, and says why. (Such a
+    loss is not divided by the accumulation under the Trainer's own rule either, so any accumulation - the
+    restart's included - changes its update: transformers' semantics, not the guard's.)"""
+    from transformers import Trainer
+
+    from gpuwatch.recording.reader import open_recording
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(**inputs)
+            return (out.loss, out) if return_outputs else out.loss
+
+    guarded, gw, steps = _hf_run(tmp_path, "guarded", {2: Action("lower_ceiling", 3, "test")}, trainer_cls=OwnLoss)
+    assert not gw.splitting and gw.restarts == 1 and "overrides compute_loss" in gw.split_refused
+    assert steps == [8] * 8  # (the update is the Trainer's own under accumulation: a mean loss it does not divide)
+    ev = open_recording(tmp_path / "guarded").events
+    assert any("cannot be split in place (OwnLoss overrides compute_loss)" in m
+               for m in ev.filter(ev["kind"] == "guard_unable")["message"].to_list())
+
+
 def test_hf_trainer_split_off_restarts_with_a_smaller_per_device_batch(tmp_path):
     from gpuwatch.recording.reader import open_recording
 
@@ -114,7 +150,7 @@ def test_hf_trainer_stops_cleanly_with_a_checkpoint_when_the_guard_stops(tmp_pat
 
 
 # -- Lightning --------------------------------------------------------------------------------------------
-def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accumulate=1):
+def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accumulate=1, validate=False):
     L = pytest.importorskip("lightning")
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
@@ -134,6 +170,9 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
 
         def training_step(self, batch, i):
             return gw.step(self, batch, self.loss_of) if split else self.loss_of(batch)
+
+        def validation_step(self, batch, i):  # a common pattern: the same step, under no_grad / inference mode
+            return self.training_step(batch, i)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -159,8 +198,9 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
     trainer = L.Trainer(max_epochs=4, accelerator="cpu", logger=False, default_root_dir=str(tmp_path / f"pl-{name}"), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Inject(), gw],
                         reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=accumulate)
-    trainer.fit(model, train_dataloaders=gw.dataloader(ds, batch_size=8))
-    model.rows = rows
+    val = torch.utils.data.DataLoader(ds, batch_size=8) if validate else None
+    trainer.fit(model, train_dataloaders=gw.dataloader(ds, batch_size=8), val_dataloaders=val)
+    model.rows = [r for r in rows if r]
     return model, gw, seen, trainer
 
 
@@ -208,3 +248,14 @@ def test_lightning_step_splits_mid_epoch_with_the_same_update(tmp_path, accumula
     assert k == [accumulate] * (n // 8) + [3 * accumulate] * (n // 2) + [accumulate] * (n - n // 8 - n // 2), k
     ev = rec.events.filter(rec.events["kind"] == "control")["message"].to_list()
     assert any("3 micro-batches of at most 3 in the step" in m for m in ev), ev
+
+
+def test_lightning_step_in_validation_runs_whole_and_the_update_holds(tmp_path):
+    """validation_step calling training_step (through gw.step) runs the batch whole under no_grad: no backward
+    there, no gradients set aside, and the training update still equals an unguarded run's."""
+    plain, _, _, _ = _lightning_run(tmp_path, "plain", None, split=True, validate=True)
+    guarded, gw, _, t = _lightning_run(tmp_path, "guarded", None, split=True, validate=True,
+                                       step_actions={4: Action("lower_ceiling", 3, "test")})
+    assert t.global_step == 32 and gw.splitting and not gw._held
+    for a, b in zip(plain.parameters(), guarded.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

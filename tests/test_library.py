@@ -141,6 +141,13 @@ def test_split_cuts_a_list_of_batched_tensors_element_by_element():
     rows = [torch.tensor([i, i]) for i in range(5)]  # per-row tensors: a list of the rows
     parts = _split({"x": torch.zeros(5, 1), "rows": rows}, 2)
     assert [len(p["rows"]) for p in parts] == [3, 2] and parts[1]["rows"][0] is rows[3]
+    # per-row dicts (object detection's labels) and per-row strings in a tuple: by rows, the dicts untouched
+    labels = [{"boxes": torch.zeros(i + 1, 4), "class_labels": torch.arange(4)} for i in range(4)]
+    parts = _split({"pixel_values": torch.zeros(4, 3), "labels": labels, "ids": ("a", "b", "c", "d")}, 2)
+    assert [len(p["labels"]) for p in parts] == [2, 2] and parts[1]["labels"][0] is labels[2]
+    assert parts[1]["ids"] == ("c", "d")
+    # a 0-d setting first is not the batch
+    assert [p["x"].shape[0] for p in _split({"temperature": torch.tensor(0.7), "x": torch.zeros(5, 2)}, 2)] == [3, 2]
 
 
 def test_an_oom_retries_at_half_then_stops_cleanly_at_the_floor_with_the_checkpoint():

@@ -26,8 +26,9 @@ def first_tensor(batch: Batch, min_dim: int = 0) -> torch.Tensor | None:
 
 
 def batch_size_of(batch: Batch) -> int:
-    t = first_tensor(batch)
-    if t is None or t.dim() == 0:
+    """The first dimension of the first tensor that has one (a 0-d tensor beside the batch is a setting)."""
+    t = first_tensor(batch, min_dim=1)
+    if t is None:
         raise TypeError("a batch must hold a tensor whose first dimension is the batch")
     return int(t.shape[0])
 
@@ -49,15 +50,23 @@ def split(batch: Batch, k: int) -> list[Batch]:
             return b.tensor_split(k)[i] if b.dim() and b.shape[0] == n else b
         if isinstance(b, Mapping):
             d = {key: cut(v, i) for key, v in b.items()}
-            return d if type(b) is dict else type(b)(d)
-        if isinstance(b, tuple):
-            return tuple(cut(v, i) for v in b)
-        if isinstance(b, list):  # a list of batched tensors (a TensorDataset's batch) is cut element by element,
-            if any(isinstance(v, (Mapping, tuple, list)) or (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n)
-                   for v in b):
-                return [cut(v, i) for v in b]
-            if len(b) == n:  # a list of the batch's rows (strings, per-row tensors) by its rows
-                return [b[j] for j in ranges(n, k)[i]]
+            if type(b) is dict:
+                return d
+            try:
+                return type(b)(d)
+            except TypeError:  # a mapping type that is not built from a dict (defaultdict)
+                return d
+        if isinstance(b, (list, tuple)):
+            # a structure holding the batch's tensors (a TensorDataset's [ids], an (inputs, targets) tuple) is cut
+            # element by element; a sequence of the batch's n rows (strings, per-row dicts or tensors) by its rows
+            batched = any(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n for v in b)
+            nested = any(isinstance(v, (Mapping, list, tuple)) for v in b)
+            if batched or (nested and len(b) != n) or (isinstance(b, tuple) and len(b) != n):
+                parts = [cut(v, i) for v in b]
+                return parts if isinstance(b, list) else type(b)(*parts) if hasattr(b, "_fields") else tuple(parts)
+            if len(b) == n:
+                rows = [b[j] for j in ranges(n, k)[i]]
+                return rows if isinstance(b, list) else tuple(rows)
         return b
     return [cut(batch, i) for i in range(k)]
 

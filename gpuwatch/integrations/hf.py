@@ -61,6 +61,7 @@ class GpuwatchCallback(TrainerCallback):
         self.restart = restart
         self.split = split
         self.splitting = False  # `train()` split the Trainer's step: micro-batch changes need no restart
+        self.split_refused: str | None = None  # why `train()` could not split the step (then it restarts)
         self.micro: int | None = None  # the micro-batch each of the Trainer's batches runs as (None: whole)
         self.loop_kwargs = loop_kwargs
         self.loop: GuardedLoop | None = None
@@ -89,6 +90,10 @@ class GpuwatchCallback(TrainerCallback):
             # 0.0: a restart's cost not measured yet; None: the micro-batch changes with no restart (or not at all)
             self.loop.restart_cost_s = 0.0 if self.restart and not self.splitting else None
             self.loop.start()
+            if self.split_refused:
+                self.loop.bus.emit("guard_unable", f"Hugging Face Trainer: the step cannot be split in place "
+                                   f"({self.split_refused}); a smaller micro-batch restarts the Trainer from a "
+                                   "checkpoint instead", "warning", gpu=self.loop.gpu_index, state="no in-step split")
         self.loop.precision = trainer_precision(args)
         self._tokens = state.num_input_tokens_seen or 0
         self._decide(args, state, control)
@@ -230,8 +235,11 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, GpuwatchCallback)), None)
     if cb is None:
         raise ValueError("add GpuwatchCallback() to the Trainer's callbacks first")
-    if cb.split and not cb.splitting and can_split(trainer):
+    why_not = can_split(trainer) if cb.split and not cb.splitting else None
+    if cb.split and not cb.splitting and why_not is None:
         split_steps(trainer, cb)
+    elif cb.split and why_not is not None:
+        cb.split_refused = why_not  # said once the session is up (on_train_begin)
     kw = dict(train_kwargs)
     try:
         while True:
@@ -284,19 +292,34 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
         cb.close()
 
 
-def can_split(trainer) -> bool:
-    """The Trainer's step can be split in place: one process and no DeepSpeed (whose engine counts the
-    backward passes of an accumulation itself)."""
+def can_split(trainer) -> str | None:
+    """Why the Trainer's step cannot be split in place (None: it can). It can with one process, the Trainer's
+    own `training_step` and `compute_loss` (a subclass's may compute its loss or step in ways the split cannot
+    weigh), and an optimizer that steps once per optimizer step (layer-wise optimizers step inside the
+    backward hooks, LOMO inside the backward, DeepSpeed's engine counts an accumulation's backwards itself)."""
+    from transformers import Trainer
+
     args = trainer.args
-    return int(getattr(args, "world_size", 1) or 1) == 1 and not getattr(trainer, "is_deepspeed_enabled", False)
+    if int(getattr(args, "world_size", 1) or 1) > 1 or int(getattr(args, "n_gpu", 1) or 1) > 1:
+        return "several processes or GPUs"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed"
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "")))
+    if optim.endswith("_layerwise") or optim in ("lomo", "adalomo"):
+        return f"optimizer {optim} steps inside the backward"
+    for name in ("training_step", "compute_loss"):
+        if getattr(type(trainer), name) is not getattr(Trainer, name):
+            return f"{type(trainer).__name__} overrides {name}"
+    return None
 
 
 def split_steps(trainer, cb: GpuwatchCallback) -> None:
     """Run each batch of the Trainer's `training_step` as micro-batches of at most `cb.micro` rows: the
     Trainer's own step per micro-batch (its autocast, loss scaling and backward), the loss weighted by the
-    micro-batch's share unless the Trainer already normalises it by the batch's item count, the losses
-    summed as the Trainer sums its accumulation's. The optimizer still steps once per step."""
-    step = trainer.training_step  # the bound method (a subclass's override included)
+    micro-batch's share of the batch's label tokens (counted as the Trainer counts them) unless the Trainer
+    already normalises it by the batch's item count, the losses summed as the Trainer sums its
+    accumulation's. The optimizer still steps once per step."""
+    step = trainer.training_step  # the bound method
 
     def training_step(model, inputs, num_items_in_batch=None, *a, **kw):
         try:
@@ -306,15 +329,51 @@ def split_steps(trainer, cb: GpuwatchCallback) -> None:
         if k <= 1:
             return step(model, inputs, num_items_in_batch, *a, **kw)
         whole = _normalised_by_items(trainer, num_items_in_batch)
+        parts = shares(inputs, k)
+        weights = [1.0] * k if whole else _token_shares(trainer, [p for p, _w in parts]) or [w for _p, w in parts]
         total = None
-        for part, w in shares(inputs, k):
-            with _loss_scaled(trainer, 1.0 if whole else w):
+        for (part, _w), w in zip(parts, weights):
+            with _loss_scaled(trainer, w):
                 out = step(model, part, num_items_in_batch, *a, **kw)
             total = out if total is None else total + out
         return total
 
     trainer.training_step = training_step
     cb.splitting = True
+
+
+def _token_shares(trainer, parts: list) -> list[float] | None:
+    """Each micro-batch's share of the batch's label tokens, counted as the Trainer counts items
+    (`shift_labels`, else `labels[..., 1:]` for a causal LM loss, else `labels`; -100 ignored): a model's mean
+    loss is over those tokens, so with padding a row share would weigh short rows wrong. None without 2-D
+    labels (the row share then)."""
+    counts = []
+    for p in parts:
+        lab = p.get("shift_labels") if hasattr(p, "get") else None
+        if lab is None:
+            lab = p.get("labels") if hasattr(p, "get") else None
+            if lab is not None and getattr(lab, "dim", lambda: 0)() >= 2 and _shifts_labels(trainer):
+                lab = lab[..., 1:]
+        if lab is None or getattr(lab, "dim", lambda: 0)() < 2:
+            return None
+        counts.append(int(lab.ne(-100).sum()))
+    total = sum(counts)
+    return [c / total for c in counts] if total > 0 else None
+
+
+def _shifts_labels(trainer) -> bool:
+    """The model's loss is over `labels[..., 1:]` (a causal LM's): the Trainer's own flag, or the model's loss
+    function (the Trainer reads a `loss_type` the config may not set; GPT-2 falls back to the causal loss)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        m = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+        return (getattr(m, "loss_function", None) is ForCausalLMLoss
+                and not getattr(getattr(m, "config", None), "is_encoder_decoder", False))
+    except Exception:  # noqa: BLE001 - an older transformers or a model without one: the Trainer's flag stands
+        return False
 
 
 def _normalised_by_items(trainer, num_items_in_batch) -> bool:

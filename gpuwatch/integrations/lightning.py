@@ -110,14 +110,19 @@ class GpuwatchLightningCallback(L.Callback):
         """Your `training_step`'s loss, with the batch run as micro-batches under the guard's ceiling:
         `loss_fn(micro_batch)` returns a micro-batch's mean loss. Returns what `training_step` returns."""
         trainer = module.trainer
-        n = batch_size_of(batch)
-        if not (trainer.world_size == 1 and module.automatic_optimization):
+        if not (trainer.training and module.training and torch.is_grad_enabled()):
+            return loss_fn(batch)  # validation or prediction through the same step: nothing to split
+        why = ("several processes" if trainer.world_size != 1 else "manual optimization"
+               if not module.automatic_optimization else None if self in trainer.callbacks
+               else "this callback is not among the Trainer's callbacks")
+        if why is not None:
             if not self._said_whole and self.loop is not None:
                 self._said_whole = True
-                self.loop.bus.emit("guard_unable", "Lightning: gw.step runs the batch whole with several processes "
-                                   "or manual optimization; the micro-batch changes between epochs only", "warning",
-                                   gpu=self.loop.gpu_index, state="no in-step split")
+                self.loop.bus.emit("guard_unable", f"Lightning: gw.step runs the batch whole ({why}); the micro-batch "
+                                   "changes between epochs only", "warning", gpu=self.loop.gpu_index,
+                                   state="no in-step split")
             return loss_fn(batch)
+        n = batch_size_of(batch)
         self.splitting = True
         k = chunks(n, self.micro)
         if k <= 1:
