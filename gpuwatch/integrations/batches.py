@@ -63,12 +63,22 @@ def split(batch: Batch, k: int) -> list[Batch]:
             nested = any(isinstance(v, (Mapping, list, tuple)) for v in b)
             if batched or (nested and len(b) != n) or (isinstance(b, tuple) and len(b) != n):
                 parts = [cut(v, i) for v in b]
-                return parts if isinstance(b, list) else type(b)(*parts) if hasattr(b, "_fields") else tuple(parts)
+                return parts if isinstance(b, list) else _same_tuple(b, parts)
             if len(b) == n:
                 rows = [b[j] for j in ranges(n, k)[i]]
                 return rows if isinstance(b, list) else tuple(rows)
         return b
     return [cut(batch, i) for i in range(k)]
+
+
+def _same_tuple(b: tuple, parts: list) -> tuple:
+    """`parts` as a tuple of `b`'s type (a named tuple takes its fields by position)."""
+    if type(b) is tuple:
+        return tuple(parts)
+    try:
+        return type(b)(*parts)
+    except TypeError:
+        return tuple(parts)
 
 
 def shares(batch: Batch, k: int) -> list[tuple[Batch, float]]:

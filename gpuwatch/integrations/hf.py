@@ -362,10 +362,9 @@ def _token_shares(trainer, parts: list) -> list[float] | None:
 
 
 def _shifts_labels(trainer) -> bool:
-    """The model's loss is over `labels[..., 1:]` (a causal LM's): the Trainer's own flag, or the model's loss
-    function (the Trainer reads a `loss_type` the config may not set; GPT-2 falls back to the causal loss)."""
-    if getattr(trainer, "_loss_shifts_labels", False):
-        return True
+    """The model's loss is over `labels[..., 1:]` (a causal LM's): the model's loss function (what the Trainer
+    counts items by as well, read from the model itself: the config may not name a `loss_type`, and GPT-2 then
+    falls back to the causal loss)."""
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
