@@ -5,6 +5,8 @@
 #      the static 8 x 2 that beat the epoch-only planner (s38c: 63,993 vs 55,261 tok/s), then the HF curriculum
 #      (256 -> 4,096) planner against the static 4 x 4, then repeats while TOTAL lasts (the arms interleaved)
 #   a: issue 29's tenth blind set and issue 30's owed H200 sweep: `SEED=2910 bash benchmarks/gpu_session43.sh a`
+#   pa: (when refusals left time for one call) p's Lightning and HF pairs once each, then blind set 2910 in what is
+#      left of TOTAL (no sweep)
 #   run (repo root, carry .dev and REV):  TOTAL=560 bash benchmarks/gpu_session46.sh p
 set -u
 . benchmarks/session_env.sh "${1:?the part: p}"
@@ -27,6 +29,11 @@ p)
   curriculum hf 4 planner,static
   curriculum lightning2 8 lightning-static#2,lightning-planner#2
   curriculum hf2 4 static#2,planner#2
+  ;;
+pa)
+  curriculum lightning 8 lightning-planner,lightning-static
+  curriculum hf 4 planner,static
+  SEED=${SEED:-2910} blind_set $(( $(left) - 45 )) 20
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
