@@ -115,9 +115,12 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
     steps_seen, deadline, cut = [0], time.perf_counter() + a.arm_timeout - 25.0, [False]
+    ends: list[tuple[int, float]] = []  # (optimizer step, when it ended): the steady rate, as the HF arms'
 
     class Count(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != steps_seen[0]:
+                ends.append((trainer.global_step, time.perf_counter()))
             steps_seen[0] = trainer.global_step
             if time.perf_counter() > deadline:
                 cut[0] = True
@@ -158,7 +161,11 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
            "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None, "cut_at_deadline": cut[0],
            "cap_gib": None if cap is None else a.cap_gib, "max_seq": a.lightning_max_seq, "epochs": a.epochs,
            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None,
-           "ooms": 1 if died and "memory" in died.lower() else 0, "restarts": 0}
+           "ooms": 1 if died and "memory" in died.lower() else 0, "restarts": 0,
+           # from the first optimizer step's end to the last's: the one-time costs (CUDA's warm-up, a guarded arm's
+           # session start in on_train_start) left out, as the HF arms' tokens_per_s_after_first
+           "tokens_per_s_after_first": (round(sum(B * lens[(g - 1) % per_epoch] for g, _t in ends[1:])
+                                             / (ends[-1][1] - ends[0][1]), 1) if len(ends) >= 2 else None)}
     if gw is not None:
         res.update(effective_batch_min=min(gw.effective), effective_batch_max=max(gw.effective))
         res.update(_guard_events(Path(a.out) / "sessions" / label.replace("#", "-")))
