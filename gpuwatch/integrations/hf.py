@@ -167,16 +167,8 @@ class GpuwatchCallback(TrainerCallback):
             return
         per_dev = args.per_device_train_batch_size
         if self.splitting:  # the next step's batches run as micro-batches of the plan's size, no restart
-            micro = min(per_dev, plan.batch)
-            micro = None if micro >= per_dev else micro
-            if micro != self.micro:
-                k = chunks(per_dev, micro)
-                self.loop.bus.emit("control", f"Trainer: each per-device batch of {per_dev} runs as {k} micro-batch"
-                                   f"{'es' if k > 1 else ''} of at most {micro or per_dev} in the step (effective batch "
-                                   f"{e} kept; no restart)", gpu=self.loop.gpu_index, control="split",
-                                   value=[micro or per_dev, k], who="guard", why="the guard's micro-batch ceiling",
-                                   step=state.global_step)
-            self.micro = micro
+            self.micro = self.loop.in_step_split(self.micro, plan.batch, per_dev, e, state.global_step,
+                                                 "Trainer: each per-device batch", "no restart")
             return
         want = per_device_batch(e, min(self.base_batch or e, plan.batch))
         if self.restart and want != per_dev:

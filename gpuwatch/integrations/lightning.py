@@ -216,7 +216,8 @@ class GpuwatchLightningCallback(L.Callback):
         if plan is None:  # a leak: checkpoint saved by the hook, stop after this step
             trainer.should_stop = True
         elif self.splitting:
-            self._split_at(min(per_dev, plan.batch), per_dev, e, trainer.global_step)
+            self.micro = self.loop.in_step_split(self.micro, plan.batch, per_dev, e, trainer.global_step,
+                                                 "Lightning: each batch", "no wait for the epoch's end")
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Between epochs: the guard's ceiling becomes the next epoch's per-device batch."""
@@ -237,18 +238,6 @@ class GpuwatchLightningCallback(L.Callback):
                                who="guard", why="the guard's micro-batch ceiling")
             self.sampler.batch_size = want
             trainer.accumulate_grad_batches = e // want
-
-    def _split_at(self, micro: int, per_dev: int, e: int, step: int) -> None:
-        """The micro-batch `step()` runs from the next batch on (said when it changes)."""
-        micro_or_none = None if micro >= per_dev else micro
-        if micro_or_none != self.micro:
-            k = chunks(per_dev, micro_or_none)
-            self.loop.bus.emit("control", f"Lightning: each batch of {per_dev} runs as {k} micro-batch"
-                               f"{'es' if k > 1 else ''} of at most {min(micro, per_dev)} in the step (effective batch "
-                               f"{e} kept; no wait for the epoch's end)", gpu=self.loop.gpu_index, control="split",
-                               value=[min(micro, per_dev), k], who="guard", why="the guard's micro-batch ceiling",
-                               step=step)
-        self.micro = micro_or_none
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.loop is not None:

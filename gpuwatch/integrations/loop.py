@@ -43,7 +43,7 @@ require("GuardedLoop (gpuwatch.integrations)", modules=("torch",))  # one line: 
 import torch  # noqa: E402
 
 from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
-from gpuwatch.integrations.batches import Batch, batch_size_of, first_tensor, seq_len_of, shares
+from gpuwatch.integrations.batches import Batch, batch_size_of, chunks, first_tensor, seq_len_of, shares
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
@@ -279,6 +279,20 @@ class GuardedLoop:
             self._stop(self._stop_why)
             return None
         return self.next_plan()
+
+    def in_step_split(self, current: int | None, micro: int, per_device: int, effective: int, step: int,
+                      what: str, note: str) -> int | None:
+        """The micro-batch a framework's own step runs its per-device batch as (None: whole), given the plan's
+        `micro`; a change from `current` is a `control` event ("split") naming `what` runs split and `note`
+        (what the change did not need). For frameworks that split their step in place (hf.py, lightning.py)."""
+        new = None if micro >= per_device else int(micro)
+        if new != current:
+            k = chunks(per_device, new)
+            self.bus.emit("control", f"{what} of {per_device} runs as {k} micro-batch{'es' if k > 1 else ''} of at most "
+                          f"{new or per_device} in the step (effective batch {effective} kept; {note})",
+                          gpu=self.gpu_index, control="split", value=[new or per_device, k], who="guard",
+                          why="the guard's micro-batch ceiling", step=step)
+        return new
 
     def _rescore_smaller_plan(self) -> None:
         """An alarm scored for a larger plan than this step's is not this step's risk: the scorer scores the
