@@ -6,7 +6,8 @@ where that (micro-batch, length, checkpointing, precision, accumulating) had not
 the errors are spread - a spread narrower than the estimate's sigma would let the margin shrink.
 
     python3 benchmarks/estimate_errors.py [SESSION_OR_FOLDER ...]   (default: every session under recordings/)
-Prints a JSON line per group (new, seen; all modes, then each mode) and one per underestimate beyond 1.645 sigma.
+Prints a JSON line per group (new, seen, and - session 46 - longer: a length beyond any that had run in the session,
+where the estimate extrapolates in length; all modes, then each mode) and one per underestimate beyond 1.645 sigma.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def errors(path: Path) -> list[dict]:
     for g in src.gpus:
         idx = [i for i in range(st.height) if st["gpu"][i] == g.index]
         seen: set = set()
+        longest = 0  # the longest length run so far: a step beyond it extrapolates in length
         for prev, i in zip(idx, idx[1:]):
             pk, b, s = st["torch_peak_bytes"][i], st["batch"][i], st["seq_len"][i]
             if pk is None or not b or not s:
@@ -64,9 +66,13 @@ def errors(path: Path) -> list[dict]:
             if e is not None:
                 real = float(pk) / usable_limit(lim)
                 rows.append({"session": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
-                             "step": int(st["step"][i]), "mode": col("mode", i, "?"), "new": key not in seen, "mean": e[0], "sigma": e[1],
+                             "step": int(st["step"][i]), "mode": col("mode", i, "?"), "new": key not in seen,
+                             "longer": longest > 0 and int(s) > longest,
+                             "length_ratio": int(s) / longest if longest else None, "mean": e[0], "sigma": e[1],
                              "real": real, "err": real - e[0], "z": (real - e[0]) / max(e[1], 1e-6)})
             seen.add(key)
+            if s:
+                longest = max(longest, int(s))
     return rows
 
 
@@ -75,18 +81,28 @@ def main() -> int:
     if not rows:
         print("no steps with torch figures", file=sys.stderr)
         return 1
-    groups = [(m, new) for m in ("all", *sorted({r["mode"] for r in rows})) for new in (True, False)]
+    groups = [(m, new) for m in ("all", *sorted({r["mode"] for r in rows})) for new in (True, False, "longer")]
     for mode, new in groups:
-        g = [r for r in rows if r["new"] is new and mode in ("all", r["mode"])]
+        g = [r for r in rows if (r["longer"] if new == "longer" else r["new"] is new) and mode in ("all", r["mode"])]
         if not g:
             continue
         err, z, sig = (np.array([r[k] for r in g]) for k in ("err", "z", "sigma"))
         q = lambda a, p: round(float(np.quantile(a, p)), 4)  # noqa: E731
-        print(json.dumps({"mode": mode, "group": "new" if new else "seen", "steps": len(g),
+        name = "longer than any run before" if new == "longer" else "new" if new else "seen"
+        print(json.dumps({"mode": mode, "group": name, "steps": len(g),
                           "sessions": len({r["session"] for r in g}),
                           "sigma_median": q(sig, 0.5), "err_q50_q95_q99_max": [q(err, .5), q(err, .95), q(err, .99), round(float(err.max()), 4)],
                           "z_q95_q99": [q(z, .95), q(z, .99)], "p_z_over_1.645": round(float((z > 1.645).mean()), 4),
                           "p_err_over_0.02": round(float((err > 0.02).mean()), 4)}))
+    longer = [r for r in rows if r["longer"]]
+    for lo, hi in ((1.0, 1.05), (1.05, 1.15), (1.15, 1.5), (1.5, 1e9)):  # how far beyond: the size of the length jump
+        g = [r for r in longer if lo < r["length_ratio"] <= hi]
+        if g:
+            z = np.array([r["z"] for r in g])
+            err = np.array([r["err"] for r in g])
+            print(json.dumps({"group": "longer", "length_ratio": [lo, hi if hi < 1e9 else None], "steps": len(g),
+                              "p_z_over_1.645": round(float((z > 1.645).mean()), 4),
+                              "err_max": round(float(err.max()), 4), "err_median": round(float(np.median(err)), 4)}))
     for r in rows:
         if r["z"] > 1.645:
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))
