@@ -227,11 +227,10 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, GpuwatchCallback)), None)
     if cb is None:
         raise ValueError("add GpuwatchCallback() to the Trainer's callbacks first")
-    why_not = can_split(trainer) if cb.split and not cb.splitting else None
-    if cb.split and not cb.splitting and why_not is None:
-        split_steps(trainer, cb)
-    elif cb.split and why_not is not None:
-        cb.split_refused = why_not  # said once the session is up (on_train_begin)
+    if cb.split and not cb.splitting:
+        cb.split_refused = split_refusal(trainer)  # said once the session is up (on_train_begin)
+        if cb.split_refused is None:
+            split_steps(trainer, cb)
     kw = dict(train_kwargs)
     try:
         while True:
@@ -284,7 +283,7 @@ def train(trainer, max_restarts: int = 16, **train_kwargs):
         cb.close()
 
 
-def can_split(trainer) -> str | None:
+def split_refusal(trainer) -> str | None:
     """Why the Trainer's step cannot be split in place (None: it can). It can with one process, the Trainer's
     own `training_step` and `compute_loss` (a subclass's may compute its loss or step in ways the split cannot
     weigh), and an optimizer that steps once per optimizer step (layer-wise optimizers step inside the
@@ -340,12 +339,14 @@ def _token_shares(trainer, parts: list) -> list[float] | None:
     loss is over those tokens, so with padding a row share would weigh short rows wrong. None without 2-D
     labels (the row share then)."""
     counts = []
+    shifts = None  # read once, at the first micro-batch that needs it
     for p in parts:
         lab = p.get("shift_labels") if hasattr(p, "get") else None
         if lab is None:
             lab = p.get("labels") if hasattr(p, "get") else None
-            if lab is not None and getattr(lab, "dim", lambda: 0)() >= 2 and _shifts_labels(trainer):
-                lab = lab[..., 1:]
+            if lab is not None and getattr(lab, "dim", lambda: 0)() >= 2:
+                shifts = _shifts_labels(trainer) if shifts is None else shifts
+                lab = lab[..., 1:] if shifts else lab
         if lab is None or getattr(lab, "dim", lambda: 0)() < 2:
             return None
         counts.append(int(lab.ne(-100).sum()))

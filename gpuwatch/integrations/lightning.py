@@ -112,9 +112,13 @@ class GpuwatchLightningCallback(L.Callback):
         trainer = module.trainer
         if not (trainer.training and module.training and torch.is_grad_enabled()):
             return loss_fn(batch)  # validation or prediction through the same step: nothing to split
-        why = ("several processes" if trainer.world_size != 1 else "manual optimization"
-               if not module.automatic_optimization else None if self in trainer.callbacks
-               else "this callback is not among the Trainer's callbacks")
+        why = None
+        if trainer.world_size != 1:
+            why = "several processes"
+        elif not module.automatic_optimization:
+            why = "manual optimization"
+        elif self not in trainer.callbacks:
+            why = "this callback is not among the Trainer's callbacks"
         if why is not None:
             if not self._said_whole and self.loop is not None:
                 self._said_whole = True

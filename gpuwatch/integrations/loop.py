@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import math
 import sys
 import threading
 import time
@@ -224,14 +223,14 @@ class GuardedLoop:
         overhead = time.perf_counter() - t_in
         for _attempt in range(64):
             micro = min(n, self.ceiling) if self.ceiling else n
-            k = math.ceil(n / micro)
+            k = chunks(n, micro)
             before = self._mem().get("torch_allocated_bytes")
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             t0 = time.perf_counter()
             failure = None
             try:
-                loss = self._run(batch, n, k, loss_fn)
+                loss = self._run(batch, k, loss_fn)
             except Exception as e:  # noqa: BLE001 - classified below, outside the handler
                 if not X.is_oom(e):
                     self.fail(e)
@@ -321,7 +320,7 @@ class GuardedLoop:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _run(self, batch: Batch, n: int, k: int, loss_fn) -> float | None:
+    def _run(self, batch: Batch, k: int, loss_fn) -> float | None:
         total = None
         amp = self.precision in ("bf16", "fp16")
         for part, w in shares(batch, k):
@@ -440,7 +439,7 @@ class GuardedLoop:
         micro = min(n, self.ceiling) if self.ceiling else n
         ah = A.capped(A.pick(self._shapes), self.ceiling)  # this step first
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
-                        micro_batches=math.ceil(n / micro), effective_batch=n, wanted_batch=n,
+                        micro_batches=chunks(n, micro), effective_batch=n, wanted_batch=n,
                         ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"],
                         checkpointing=self.checkpointing)
 
