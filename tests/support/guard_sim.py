@@ -99,9 +99,10 @@ class SimLoop(GuardedLoop):
     def _record(self, n, s, micro, k, loss, dt):
         super()._record(n, s, micro, k, loss, n * s / self.tps if self.tps else dt)
 
-    def _run(self, batch, n, k, loss_fn):
+    def _run(self, batch, k, loss_fn):
         if self.before_run is not None:
             self.before_run()
+        n = batch.shape[0]  # what GuardedLoop.step reads as the batch's rows
         micro = -(-n // k)
         s = batch.shape[1]
         if self.held is not None and self._attempt_step != self.steps:  # once per step, not per retry
