@@ -122,6 +122,55 @@ def test_a_larger_plan_extrapolates_from_the_two_largest_shapes():
     assert 63.5 < between.mean / GiB < 70.4
 
 
+def _curved(seqs, a, b, c, batch=8, alloc=4.0, plan_seq=None):
+    """Steps of `batch` x each length whose activations are a + b T + c T S (GiB, T = tokens), planned at plan_seq."""
+    acts = [a + b * batch * s + c * batch * s * s for s in seqs]
+    n = len(seqs)
+    return forecast(np.full(n, float(batch)), np.array(seqs, float), np.ones(n), ["bf16"] * n,
+                    np.full(n, alloc * GiB), np.array([(alloc + x) * GiB for x in acts]), np.full(n, 0.5),
+                    batch, plan_seq, None, 80 * GiB)
+
+
+def test_a_plan_longer_than_any_length_seen_follows_the_sessions_own_curvature():
+    # attention that keeps its scores grows with tokens x length: with three lengths seen the session's own
+    # curvature is fitted, where the slope in tokens of the two longest came out short (2910's loop, 588 -> 675)
+    a, b, c = 0.5, 2e-4, 3e-7
+    fc = _curved([256, 384, 512], a, b, c, plan_seq=768)
+    exact = a + b * 8 * 768 + c * 8 * 768 * 768
+    linear = (a + b * 8 * 512 + c * 8 * 512 ** 2) + (b + c * (512 + 384)) * 8 * 256  # the tokens' slope, carried on
+    assert fc.mean / GiB - 4.0 == pytest.approx(exact, rel=1e-6)
+    assert linear < exact - 0.05
+    # no curvature in the session (SDPA keeps no scores): the slope in tokens, as before
+    flat = _curved([256, 384, 512], a, b, 0.0, plan_seq=768)
+    assert flat.mean / GiB - 4.0 == pytest.approx(a + b * 8 * 768, rel=1e-6)
+    # a plan within the lengths seen is not touched
+    inside = _curved([256, 384, 512], a, b, c, plan_seq=448)
+    act = lambda s: a + b * 8 * s + c * 8 * s * s  # noqa: E731
+    assert inside.mean / GiB - 4.0 == pytest.approx((act(384) + act(512)) / 2, rel=1e-6)  # the chord, as before
+
+
+def test_with_two_lengths_seen_a_longer_plan_leans_toward_tokens_times_length():
+    # nothing to learn the curvature from: a quarter of the way to all activations growing as T x S, that
+    # bound at 1.645 sigma
+    fc = _curved([512, 588], 1.0, 5e-4, 0.0, plan_seq=675)
+    a512, a588 = 1.0 + 5e-4 * 8 * 512, 1.0 + 5e-4 * 8 * 588
+    lin = a588 + (a588 - a512) / 76 * 87
+    bound = a588 * 675 / 588 * 675 / 588
+    assert fc.mean / GiB - 4.0 == pytest.approx(lin + 0.25 * (bound - lin), rel=1e-6)
+    assert fc.mean + 1.645 * fc.sigma >= bound * GiB + 4.0 * GiB - 1
+
+
+def test_blind_2910s_length_jump_is_warned_before_its_oom():
+    # the miss read after scoring set 2910 (now seen): 12 x 588 -> 12 x 675 under a 9.14 GiB cap, two lengths
+    # seen; the lookahead saw the longer step coming, its estimate in tokens alone said 0.99 of the limit (p 0.36)
+    src = ReplaySource(ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2910" / "ho-01-loop-curriculum-b12-s512-1024")
+    g = src.gpus[0].index
+    oom = src.events_df.filter(pl.col("kind") == "oom")["ts"].dt.epoch("us").to_numpy()[0]
+    steps = src.steps_df["ts"].dt.epoch("us").to_numpy()
+    f = F.features(src.window_at(g, int(steps[steps < oom][-3])))
+    assert f["ahead_peak_est_frac"] > 1.0 and f["ahead_cross_p"] > 0.5
+
+
 def test_a_leak_is_carried_over_the_horizon():
     allocs = [20 * GiB + i * 0.5 * GiB for i in range(12)]
     peaks = [a + 2 * GiB for a in allocs]
