@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 47's GPU calls (each part dry-run on the CPU with DRY=1 before it is spent):
+#   p: issue 28 - after the estimator's curvature beyond the longest length seen (a3be43c) and the guard's start
+#      taken off the training thread: the Lightning pairs (planner with gw.step against the static 8 x 2; both arms
+#      now print their steady rate) and the HF curriculum pairs (planner against the static 4 x 4), twice each,
+#      interleaved; then the no-cap Trainer pairs (planner and unguarded, 256 -> 2,048, 60 steps) with what is left
+#   b: issue 29's eleventh blind set (seed 2911), whole, recorded after a3be43c; then issue 30's owed sweep where
+#      the card is an H200 and time is left
+#   run (repo root, carry .dev and REV):  TOTAL=585 bash benchmarks/gpu_session47.sh p|b
+set -u
+. benchmarks/session_env.sh "${1:?the part: p or b}"
+. benchmarks/session_fns.sh
+curriculum() {  # NAME STATIC ARMS: planner_curriculum's arms in one call, each in its own process
+  local name=$1 sb=$2 arms=$3 t
+  t=$(( $(left) - 10 ))
+  [ "$t" -lt 90 ] && { echo "== $name skipped: $t s left"; return 0; }
+  local PL="--arm-timeout ${AT:-115} --static-batch $sb"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
+  echo "== planner_curriculum $name: $arms ($t s left) $(date +%T)"
+  # shellcheck disable=SC2086  # PL is a list of arguments
+  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner-$name" --work /tmp/gw-s47 $PL --arms "$arms" \
+    > "$R/$name.jsonl" 2> "$R/$name.err"
+  echo "rc=$? $(date +%T)"; cut -c1-700 "$R/$name.jsonl"; grep -v "Warning\|warn" "$R/$name.err" | tail -n 3
+  tar czf "$R/$name-sessions.tgz" -C "$R/planner-$name" sessions 2>/dev/null; rm -rf /tmp/gw-s47 "$R/planner-$name/sessions"
+}
+on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
+case "$1" in
+p)
+  curriculum lightning 8 lightning-planner,lightning-static,lightning-static#2,lightning-planner#2
+  curriculum hf 4 planner,static,static#2,planner#2
+  if [ "$(left)" -gt 100 ]; then
+    PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
+    PARMS=${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3,unguarded-nocap#4,planner-nocap#4} \
+      nocap_pairs $(( $(left) - 10 )) nocap $PL
+  else echo "no-cap pairs skipped: $(left) s left"; fi
+  ;;
+b)
+  if on_h200; then BT=${BT:-255}; else BT=${BT:-$(( $(left) - 45 ))}; fi
+  SEED=${SEED:-2911} blind_set "$BT" 20
+  if on_h200 && [ "$(left)" -gt 200 ]; then
+    SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  else echo "sweep skipped: $(cat "$R/gpu.txt" 2>/dev/null), $(left) s left"; fi
+  ;;
+esac
+echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"
