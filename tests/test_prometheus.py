@@ -10,7 +10,6 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import polars as pl
 import pytest

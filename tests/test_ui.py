@@ -324,7 +324,7 @@ async def test_notifications_never_cover_the_header_at_80x24():
 async def test_mark_is_a_live_key_only():
     """Issue 17 (14): `m mark` was offered in replay, where it does nothing."""
     app = make_app(ReplaySource(RAMP))
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(80, 24)):
         assert "mark" not in {b.description for b in app.screen.active_bindings.values() if hasattr(b, "description")} \
             and all(b.binding.key != "m" for b in app.screen.active_bindings.values())
 
@@ -463,7 +463,6 @@ def test_process_table_sorts_by_each_key():
 
 async def test_t_shows_every_process_of_the_live_gpus_and_o_sorts_them(monkeypatch):
     """Issue 17 (b): a process panel (PID, user, command, GPU memory), sortable by a key."""
-    import os
 
     from gpuwatch.recording.source import LiveSource
     from gpuwatch.recording.window import GpuMeta
@@ -541,7 +540,6 @@ def test_replay_with_a_named_model_checks_it_and_says_when_the_recorded_risk_is_
     dashboard as if nothing were wrong (the named model was only read for sessions without risk). A named model
     is always read - a missing one is the one-line error it is elsewhere - and where the session's own risk is
     shown instead, that is said."""
-    from pathlib import Path
 
     from gpuwatch.predict.model import ModelError
     from gpuwatch.ui import launch

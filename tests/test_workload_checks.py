@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gpuwatch.errors import UsageError
-from gpuwatch.workload import presets, sizing
+from gpuwatch.workload import sizing
 from gpuwatch.workload.presets import PRESETS, check_config, config_fields
 
 GiB = 2**30

@@ -75,11 +75,12 @@ def cmd_stress(args) -> int:
     require("the workload", "workload")  # before torchrun is started or torch imported
     factory, dist = None, None
     if args.nproc or args.collectives or args.dp or os.environ.get("WORLD_SIZE", "1") != "1":
+        from gpuwatch.workload import dist_init
         from gpuwatch.workload import distributed as dist
 
         if args.nproc:  # this command again, under torchrun
-            return dist.relaunch(sys.argv[1:], args.nproc, args.dp, args.mode)
-        ctx = dist.join(args.device, args.resume, args.collectives, args.dp, args.mode)
+            return dist_init.relaunch(sys.argv[1:], args.nproc, args.dp, args.mode)
+        ctx = dist_init.join(args.device, args.resume, args.collectives, args.dp, args.mode)
         if not ctx.leader:  # the workload only: its steps and events go to rank 0's session
             return dist.run_rank(ctx, workload_spec(args), args.collectives, args.peak_gbps, args.dp)
         factory = dist.make_rank_workloads(ctx, args.collectives, args.peak_gbps, args.dp)

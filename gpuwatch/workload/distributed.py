@@ -41,7 +41,7 @@ from gpuwatch.workload import mechanics as X
 from gpuwatch.workload import model as M
 from gpuwatch.workload.allocator import release_cache
 from gpuwatch.workload.comm import CommMeter
-from gpuwatch.workload.dist_init import ENV_TIMEOUT, DistContext, init_from_env, join, launched, relaunch, shutdown
+from gpuwatch.workload.dist_init import DistContext, shutdown
 from gpuwatch.workload.runner import Workload, WorkloadConfig
 
 ENV_SIM_OOM = "GPUWATCH_SIM_OOM"  # tests: "RANK:STEP[:backward]" - a simulated OOM on that rank at that step

@@ -15,6 +15,7 @@ import sys
 
 from gpuwatch.contract import Action
 from gpuwatch.telemetry.bus import Bus
+from gpuwatch.workload import dist_init
 from gpuwatch.workload import distributed as D
 from gpuwatch.workload.factory import WorkloadSpec
 
@@ -35,7 +36,7 @@ class ScriptedGuard:
 
 
 def main() -> int:
-    ctx = D.init_from_env("cpu")
+    ctx = dist_init.init_from_env("cpu")
     spec = WorkloadSpec(preset="tiny", mode="train", batch=4, seq_len=32, max_steps=4, device="cpu",
                         overrides={"num_hidden_layers": 1})
     bus = Bus()
