@@ -308,3 +308,56 @@ def test_a_round_with_nothing_new_publishes_no_second_risk_row():
     tick(1)
     ls.score_once()
     assert len(bus.risk.latest(10)) == 2
+
+
+def test_a_background_load_checks_first_and_scores_as_a_loaded_model(small_model, tmp_path):
+    """load_model(background=True) (the library's session start): every check is made before it returns, only
+    the unpickling runs on a thread; the scores are a plain load's, and a LiveScorer waits for the model."""
+    import shutil
+
+    from gpuwatch.predict.scorer import LiveScorer, Scorer
+
+    src = small_model.model_path
+    bad = tmp_path / "bad.joblib"
+    shutil.copy(src, bad)
+    shutil.copy(manifest_path(src), manifest_path(bad))
+    with open(bad, "ab") as fh:
+        fh.write(b"\0")
+    with pytest.raises(ModelError, match="does not match its manifest"):  # at once, not on the thread
+        load_model(bad, background=True)
+    lazy, plain = load_model(src, background=True), load_model(src)
+    assert lazy.threshold == plain.threshold and lazy.label == plain.label  # the manifest's, with no wait
+    X = np.random.default_rng(0).random((4, len(F.NAMES)))
+    assert np.allclose(Scorer(lazy).proba(X), Scorer(plain).proba(X)) and lazy.loaded
+    bus = Bus()
+    rec = ReplaySource(CAPPED)
+    g = rec.gpus[0].index
+    row = rec._by_gpu[g].row(100, named=True)
+    row["ts"] = int(row["ts"].timestamp() * 1e6)
+    bus.ticks.append(Tick(0, row["ts"], [row]))
+    ls = LiveScorer(LiveSource(bus, rec.gpus, interval_s=0.1), load_model(src, background=True), bus, lambda _g: None)
+    ls.score_once()  # waits for the unpickling, then scores
+    assert len(bus.risk.latest(10)) == 1
+
+
+def test_a_model_that_fails_to_unpickle_in_the_background_ends_scoring_said(small_model, tmp_path):
+    """A file that passes the checks but does not unpickle (only with trust, as the hash binds the file):
+    the scorer says so once and stops; rescoring raises the same one-line ModelError."""
+    import shutil
+
+    from gpuwatch.predict.scorer import LiveScorer
+
+    bad = tmp_path / "junk.joblib"
+    bad.write_bytes(b"not a pickle")
+    shutil.copy(manifest_path(small_model.model_path), manifest_path(bad))
+    model = load_model(bad, trust=True, background=True)
+    with pytest.raises(ModelError, match="cannot load"):
+        model.loaded_estimator()
+    bus = Bus()
+    rec = ReplaySource(CAPPED)
+    ls = LiveScorer(LiveSource(bus, rec.gpus, interval_s=0.1), model, bus, lambda _g: None, hz=50)
+    ls.start()
+    time.sleep(0.3)
+    ls.stop()
+    said = [e for e in bus.events.latest(10) if e.kind == "risk_clear"]
+    assert len(said) == 1 and "did not load" in said[0].message and not bus.risk.latest(10)
