@@ -61,11 +61,6 @@ class ModelChoice:
     enabled: bool = True
     trust: bool = False  # load a model whose hash does not match its manifest (runs its code!)
     threshold: float | None = None  # override the model's alarm threshold (more or less sensitive)
-    # unpickle the model (import scikit-learn: 1-2 s) on a thread while the session starts and the run's first
-    # steps go on; every check is still made first, and the scorer's first round and the guard's first decision
-    # wait for it (predict/model.load_model). Only with the process sampler: a thread sampler's ticks would wait
-    # on the import's GIL. The library loop asks for it (integrations/loop.py); the CLI loads before it starts.
-    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,7 @@ class Session:
 
     # -- assembly ---------------------------------------------------------------------------------------
     def _assemble(self, cfg: SessionConfig) -> None:
-        model = self._load_model(cfg)  # before the sampler starts (or while it does: ModelChoice.background)
+        model = self._load_model(cfg)  # before the sampler starts: loading scikit-learn takes a second
         first_tick = cfg.resume.next_tick if cfg.resume is not None else 0  # ticks stay unique per session
         self.host = HostSampler()
         if cfg.sampler == "process":
@@ -197,8 +192,7 @@ class Session:
         from gpuwatch.predict.model import ModelError, load_model
 
         try:
-            return load_model(cfg.model.path, trust=cfg.model.trust, threshold=cfg.model.threshold,
-                              background=cfg.model.background and cfg.sampler == "process")
+            return load_model(cfg.model.path, trust=cfg.model.trust, threshold=cfg.model.threshold)
         except ModelError as e:
             if cfg.model.path is not None:
                 raise  # the user asked for this model: a one-line fatal error

@@ -519,33 +519,3 @@ def test_a_cpu_loop_in_a_session_that_watches_gpus_says_so_once():
             g.step(torch.randint(0, 64, (4, 8)), lm_loss(model))
         msgs = [e.message for e in events(g.bus, "guard_unable")]
     assert len(msgs) == 1 and "runs on cpu" in msgs[0] and "CUDA device" in msgs[0]
-
-
-def test_the_model_loads_while_the_session_starts_and_the_guard_waits_for_it(tmp_path):
-    """The library's session starts with the risk model still unpickling (ModelChoice.background, the process
-    sampler): the first step's decision waits for it and is made on a scored risk, the scorer scores once it is
-    in, and the close still flushes every steps row and the events."""
-    import time
-
-    from gpuwatch.recording.reader import open_recording
-
-    model = tiny_lm()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with GuardedLoop(model, opt, record_dir=tmp_path, name="bg", source=str(RAMP), gpu_index=0) as g:
-        assert g.session_config.model.background and g.session_config.sampler == "process"
-        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-        g.step(ids, lm_loss(model))
-        first = dict(g.guard.last_decision[0])
-        assert g.session.scorer.model.loaded
-        for _ in range(5):
-            g.step(ids, lm_loss(model))
-        time.sleep(0.5)  # a few of the scorer's own rounds
-        folder = g.session_dir
-    assert first["risk"] is not None and first.get("why_none") is None  # decided on the model's risk
-    rec = open_recording(folder)
-    assert rec.steps.height == 6 and rec.steps["step"].to_list() == list(range(6))
-    kinds = rec.events["kind"].to_list()
-    for k in ("session_start", "workload_start", "workload_stop", "session_end"):
-        assert k in kinds, k
-    assert rec.risk.height >= 2  # the first step's own scoring, and the scorer's rounds
-    assert json.loads((folder / "meta.json").read_text())["complete"]

@@ -123,8 +123,7 @@ class GuardedLoop:
         self.session_config = SessionConfig(
             record_dir=Path(record_dir) if record_dir is not None else None, name=name, source=source,
             sampler=sampler, interval_s=interval_s, guard=cfg, score_hz=score_hz,
-            model=ModelChoice(path=Path(risk_model) if risk_model else None, enabled=use_model, threshold=threshold,
-                              background=True))
+            model=ModelChoice(path=Path(risk_model) if risk_model else None, enabled=use_model, threshold=threshold))
         self.session: Session | None = None
 
     # -- the session --------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import threading
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +23,6 @@ from typing import Any
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.predict.features import NAMES
 from gpuwatch.recording import schema
-from gpuwatch.threads import start_thread
 
 MANIFEST_FORMAT = 1
 # The shipped model: models/ in a checkout (where `gpuwatch train -o models/risk.joblib` writes it), else
@@ -99,18 +97,6 @@ class RiskModel:
     path: Path | None = None
     reference: list[float] = field(default_factory=list)
     prior: Any = None  # predict/prior.ShapeLibrary from the manifest's "first_step" (None: older models)
-
-    def loaded_estimator(self) -> Any:
-        """The estimator, once its background unpickling (`load_model(background=True)`) has ended: waits for
-        it; ModelError where it failed. What scores reads; the manifest's figures never wait."""
-        if isinstance(self.estimator, EstimatorLoad):
-            self.estimator = self.estimator.result()
-        return self.estimator
-
-    @property
-    def loaded(self) -> bool:
-        """The estimator is here (or its load has failed: `loaded_estimator` then raises at once)."""
-        return not isinstance(self.estimator, EstimatorLoad) or self.estimator.done
 
     @property
     def threshold(self) -> float:
@@ -197,30 +183,15 @@ def check_manifest(path: Path, man: dict[str, Any], trust: bool) -> None:
                              "(a joblib file runs code when loaded; --trust-model overrides)")
 
 
-def load_model(path: Path | str | None = None, trust: bool = False, threshold: float | None = None,
-               background: bool = False) -> RiskModel:
+def load_model(path: Path | str | None = None, trust: bool = False, threshold: float | None = None) -> RiskModel:
     """Load and check a model (default: models/risk.joblib). Raises ModelError (one line).
-    `threshold` replaces the manifest's alarm threshold (`--risk-threshold`). `background`: every check
-    (file, manifest, features, scikit-learn's version, sha256: a few ms) is made here, and only the
-    unpickling - importing scikit-learn, most of a load's 1-2 s - runs on a thread (`EstimatorLoad`);
-    `RiskModel.loaded_estimator()` waits for it."""
+    `threshold` replaces the manifest's alarm threshold (`--risk-threshold`)."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     if not path.exists():
         raise ModelError(f"{path}: no such model file" + (" (train one with `gpuwatch train`)" if path == DEFAULT_MODEL else ""))
     check_file(path)
     man = read_manifest(path)
     check_manifest(path, man, trust)
-    est = EstimatorLoad(path) if background else unpickle(path)
-    if threshold is not None:
-        man = {**man, "threshold": threshold}
-    from gpuwatch.predict.prior import ShapeLibrary
-
-    return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)),
-                     ShapeLibrary.from_json(man.get("first_step")))
-
-
-def unpickle(path: Path) -> Any:
-    """The estimator of a checked model file (joblib: imports scikit-learn). ModelError (one line) if not."""
     try:
         import joblib
 
@@ -229,33 +200,9 @@ def unpickle(path: Path) -> Any:
         raise ModelError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
     if not hasattr(est, "predict_proba"):
         raise ModelError(f"{path}: not a classifier with predict_proba")
-    return est
+    if threshold is not None:
+        man = {**man, "threshold": threshold}
+    from gpuwatch.predict.prior import ShapeLibrary
 
-
-class EstimatorLoad:
-    """`unpickle(path)` on its own thread, started at once; `result()` waits for it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._done = threading.Event()
-        self._est: Any = None
-        self._error: BaseException | None = None
-        start_thread(self._run, "gpuwatch-model-load")
-
-    def _run(self) -> None:
-        try:
-            self._est = unpickle(self.path)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits (ModelError, one line)
-            self._error = e if isinstance(e, ModelError) else ModelError(f"{self.path}: cannot load ({type(e).__name__})")
-        finally:
-            self._done.set()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self) -> Any:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._est
+    return RiskModel(est, man, path, list(man.get("reference") or [0.0] * len(NAMES)),
+                     ShapeLibrary.from_json(man.get("first_step")))

@@ -21,7 +21,7 @@ from gpuwatch.predict.ahead import FEATURES as LOOKAHEAD_FEATURES, RISK_NEXT
 from gpuwatch.predict.dataset import plan_changes
 from gpuwatch.predict.evaluate import CLEAR_RATIO, alarm_next, alarm_state
 from gpuwatch.predict.features import NAMES, features, vector
-from gpuwatch.predict.model import ModelError, RiskModel
+from gpuwatch.predict.model import RiskModel
 from gpuwatch.recording import schema
 from gpuwatch.recording.recorded import event_detail
 from gpuwatch.recording.source import ReplaySource
@@ -37,7 +37,7 @@ class Scorer:
     def __init__(self, model: RiskModel) -> None:
         self.model = model
         self.ref = np.array([np.nan if v is None else v for v in model.reference], dtype=np.float64)
-        est = model.loaded_estimator()  # waits for a background load (model.load_model)
+        est = model.estimator
         proba = _fast_proba(est)
         # One OpenMP thread: a single row costs ~30x more with spinning threads (`one_openmp_thread`).
 
@@ -181,11 +181,8 @@ class LiveScorer:
 
     def __init__(self, source, model: RiskModel, bus, plan: Callable[[int | None], dict | None],
                  hz: float = 10.0, on_risk: Callable | None = None) -> None:
-        """`model` may still be unpickling (`load_model(background=True)`): the first scoring - this thread's
-        first round, or the guard's `rescore` before the first step - waits for it; nothing is scored without it."""
         self.source, self.model, self.bus, self.plan = source, model, bus, plan
-        self._scorer: Scorer | None = None
-        self._scorer_lock = threading.Lock()
+        self.scorer = Scorer(model)
         self.period = 1.0 / hz
         self.on_risk = on_risk
         self._alarm: dict[int | None, bool] = {}
@@ -195,17 +192,6 @@ class LiveScorer:
         self._why: dict[int | None, tuple[float, list]] = {}  # reasons, recomputed at most once a second
         self._publish_lock = threading.Lock()  # the scorer thread and the workload thread (rescore) both publish
         self._seen: dict[int | None, tuple] = {}  # per GPU: the window and plan last scored
-
-    @property
-    def scorer(self) -> Scorer:
-        """The model's scorer, built on first use (waiting for the model where it is still loading)."""
-        return self._ready_scorer()
-
-    def _ready_scorer(self) -> Scorer:
-        with self._scorer_lock:
-            if self._scorer is None:
-                self._scorer = Scorer(self.model)
-            return self._scorer
 
     def rescore(self, gpu: int | None, plan: dict) -> tuple[float, list, dict]:
         """Score a plan that stepped up since the last round (the guard asks, between steps); the result
@@ -280,16 +266,7 @@ class LiveScorer:
 
     def _run(self) -> None:
         """Score until stopped. A round that fails (a workload's plan read mid-change, say) is skipped
-        and said once a minute at most; ten failures in a row stop scoring, and that is said too. A model
-        still loading is waited for here, a stop honoured meanwhile; one that fails to load ends scoring, said."""
-        while not self.model.loaded:
-            if self._stop.wait(0.05):
-                return
-        try:
-            self._ready_scorer()
-        except ModelError as e:
-            self.bus.emit("risk_clear", f"no risk scoring: the risk model did not load ({e})", "error")
-            return
+        and said once a minute at most; ten failures in a row stop scoring, and that is said too."""
         nxt = time.monotonic()
         failed, said = 0, -1e9
         while not self._stop.is_set():
