@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 47's GPU calls (each part dry-run on the CPU with DRY=1 before it is spent):
-#   p: issue 28 - after the estimator's curvature beyond the longest length seen (a3be43c) and the guard's start
+#   p: issue 28 - the guard's start/first-step/close cost on the host's cores (guard_start_cost.py); after the estimator's curvature beyond the longest length seen (a3be43c) and the guard's start
 #      taken off the training thread: the Lightning pairs (planner with gw.step against the static 8 x 2; both arms
 #      now print their steady rate) and the HF curriculum pairs (planner against the static 4 x 4), twice each,
 #      interleaved; then the no-cap Trainer pairs (planner and unguarded, 256 -> 2,048, 60 steps) with what is left
@@ -25,6 +25,10 @@ curriculum() {  # NAME STATIC ARMS: planner_curriculum's arms in one call, each 
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 case "$1" in
 p)
+  echo "== guard_start_cost (the host's 16 cores, CPU) $(date +%T)"
+  GR=3; [ -n "${DRY:-}" ] && GR=1
+  timeout 100 $PY benchmarks/guard_start_cost.py --repeats $GR --json "$R/guard_start_cost.json" > "$R/guard_start_cost.txt" 2>&1
+  echo "rc=$? $(date +%T)"; tail -n 8 "$R/guard_start_cost.txt"
   curriculum lightning 8 lightning-planner,lightning-static,lightning-static#2,lightning-planner#2
   curriculum hf 4 planner,static,static#2,planner#2
   if [ "$(left)" -gt 100 ]; then
