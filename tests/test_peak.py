@@ -160,6 +160,21 @@ def test_with_two_lengths_seen_a_longer_plan_leans_toward_tokens_times_length():
     assert fc.mean + 1.645 * fc.sigma >= bound * GiB + 4.0 * GiB - 1
 
 
+def test_a_longer_plan_after_a_split_leans_on_the_longest_shape_not_its_neighbour_in_tokens():
+    # call s47p: a Trainer curriculum split 16 -> 8 as lengths grew; with two lengths seen, the shape the
+    # estimate in tokens leaned on was the largest in tokens - 16 x 600, not the longest, 8 x 1,140 - whose
+    # tokens x length bound doubled a 8 x 1,268 step (+-22 % in the call, the planner fell to 3 then 2).
+    # Linear activations (SDPA): the lean is the longest shape's, a few per cent.
+    batches, seqs = [16, 16, 16, 8, 8, 8], [600, 600, 600, 1140, 1140, 1140]
+    acts = [1e-4 * b * s for b, s in zip(batches, seqs)]  # GiB, in proportion to tokens
+    n = len(seqs)
+    fc = forecast(np.array(batches, float), np.array(seqs, float), np.ones(n), ["bf16"] * n, np.full(n, 4.0 * GiB),
+                  np.array([(4.0 + a) * GiB for a in acts]), np.full(n, 0.5), 8, 1268, None, 40 * GiB)
+    act, exact = fc.mean / GiB - 4.0, 1e-4 * 8 * 1268
+    assert exact <= act < 1.05 * exact  # leaning up by a quarter of 1,268 / 1,140, not of 1,268 / 600
+    assert fc.sigma / GiB < 0.08 * exact  # the lean's own and the floor's; 0.55 x leaning on 16 x 600
+
+
 def test_blind_2910s_length_jump_is_warned_before_its_oom():
     # the miss read after scoring set 2910 (now seen): 12 x 588 -> 12 x 675 under a 9.14 GiB cap, two lengths
     # seen; the lookahead saw the longer step coming, its estimate in tokens alone said 0.99 of the limit (p 0.36)

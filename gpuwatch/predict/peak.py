@@ -70,7 +70,7 @@ MARGIN_MIN_BYTES = 256 * 2**20
 FLOOR_REL, FLOOR_BYTES = 0.01, 32 * 2**20
 EXTRAPOLATION_REL = 0.25
 INTERPOLATION_REL = 0.10
-LONGER_FIT = 3  # the longest shapes whose curvature in length a plan longer than all of them is fitted to
+LONGER_FIT = 3  # the longest lengths whose shapes' curvature a plan longer than all of them is fitted to
 LONGER_PRIOR_W = 0.25  # before 3 lengths: how far toward activations growing as tokens x length (`longer_than_seen`)
 PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
 GROWTH_STEPS = 10
@@ -401,7 +401,6 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
         a_hat = max(m0 * Tp / float(ut[0]), min(m0, max(0.0, floor)))
         return a_hat, resid, INTERPOLATION_REL * (m0 - a_hat)
     if Tp >= ut[-1]:
-        ref = ut.size - 1
         if ut.size >= 2 and ut[-1] > ut[-2] and med[-1] > med[-2]:
             a_hat = float(med[-1] + (med[-1] - med[-2]) / (ut[-1] - ut[-2]) * (Tp - ut[-1]))
         else:
@@ -410,17 +409,16 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
     else:
         j = int(np.searchsorted(ut, Tp))
         lo, hi = j - 1, j
-        ref = hi
         f = (Tp - ut[lo]) / (ut[hi] - ut[lo]) if ut[hi] > ut[lo] else 0.0
         a_hat = float(med[lo] + f * (med[hi] - med[lo]))
         extrap = INTERPOLATION_REL * abs(float(med[hi] - med[lo]))
     lengths = uk - np.floor(uk / 1e6) * 1e6
     if Sp > float(lengths.max()):
-        a_hat, extrap = longer_than_seen(lengths, med, ut, Tp, Sp, ref, a_hat, extrap)
+        a_hat, extrap = longer_than_seen(lengths, med, ut, Tp, Sp, a_hat, extrap)
     return a_hat, resid, extrap
 
 
-def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: float, Sp: float, ref: int,
+def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: float, Sp: float,
                      a_hat: float, extrap: float) -> tuple[float, float]:
     """(activation, extrapolation spread) of a plan longer than any length seen, from its estimate in tokens
     (`activation_at`): a step's activations grow with its tokens and, where attention keeps its scores (eager,
@@ -428,19 +426,20 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
     sessions (benchmarks/estimate_errors.py, group "longer": 134 steps in 44 sessions, session 46) it came out
     short beyond 1.645 sigma on 13.4 % of such steps, up to 17.9 % of the usable limit (user-like loops with a
     cache or a graph pool, at jumps of x1.1-x2.8); on a Trainer's curriculum with SDPA the estimate in tokens was
-    exact. So:
-    - three lengths or more among the longest shapes seen: a + b T + c T S fitted to them (least squares, the
-      longest LONGER_FIT shapes); where c > 0 the plan's activation is no less than the fit's (the session's
-      own curvature; none where its attention keeps no scores);
-    - fewer: nothing to learn the curvature from, so the estimate is bounded by all of the reference shape's
-      activation growing as T x S (`ref`: the shape the estimate leans on, the largest or the next larger in
-      tokens): the mean moves LONGER_PRIOR_W of the way to that bound and the bound sits at 1.645 sigma.
-    Chosen on the recorded sessions (blind sets 2901-2910 among them, all seen since): the share beyond 1.645
-    sigma 11.6 % -> 5.3 % on the 95 of those steps that extrapolate in tokens, the estimate's median excess
-    +0.1 % -> +1.5 % of the usable limit; the s46 Trainer and Lightning curricula unchanged (their fit finds
-    no curvature)."""
-    top = np.argsort(lengths, kind="stable")[-LONGER_FIT:]
-    if np.unique(lengths[top]).size >= 3:
+    exact. So, from the shapes at the LONGER_FIT longest lengths seen (every micro-batch run at them):
+    - three lengths: a + b T + c T S fitted to those shapes (least squares); where c > 0 the plan's activation is
+      no less than the fit's (the session's own curvature; none where its attention keeps no scores);
+    - fewer: nothing to learn the curvature from, so the estimate is bounded by all of the longest shape's
+      activations growing as T x S: the mean moves LONGER_PRIOR_W of the way to that bound and the bound sits at
+      1.645 sigma.
+    The reference is the longest shape seen, never the estimate's neighbour in tokens: after a planner's change of
+    micro-batch that neighbour can be a much shorter shape of the larger micro-batch, whose T x S bound is twice
+    the step (call s47p, before this: a Trainer's curriculum split 8 -> 3 -> 2 on a +-22 % spread).
+    Chosen on the recorded sessions (blind sets 2901-2910 among them, all seen since): docs/BENCHMARKS.md, issue
+    29, session 47."""
+    distinct = np.unique(lengths)[-LONGER_FIT:]
+    top = np.nonzero(np.isin(lengths, distinct))[0]
+    if distinct.size >= LONGER_FIT:
         X = np.column_stack((np.ones(top.size), ut[top], ut[top] * lengths[top]))
         coef = np.linalg.lstsq(X, med[top], rcond=None)[0]
         if coef[2] > 0:
@@ -448,6 +447,8 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
             if a_fit > a_hat:
                 return a_fit, max(extrap, EXTRAPOLATION_REL * (a_fit - a_hat))
         return a_hat, extrap
+    longest = top[lengths[top] == distinct[-1]]
+    ref = int(longest[np.argmax(ut[longest])])
     s_ref = float(lengths[ref])
     if not (s_ref > 0 and ut[ref] > 0):
         return a_hat, extrap
