@@ -220,10 +220,12 @@ def main() -> None:
             print(json.dumps(RUNS[a.one](d)))
         return
     out: dict[str, list[dict]] = {}
+    # this tree's gpuwatch (an old commit's) first, then whatever was on the path (a device's carried wheels)
+    PYPATH = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     for name in a.only.split(","):
         for _ in range(a.repeats):
             r = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})  # this tree's gpuwatch (an old commit's)
+                               env={**os.environ, "PYTHONPATH": PYPATH})
             if r.returncode != 0:
                 sys.exit(f"{name}: {r.stderr[-3000:]}")
             out.setdefault(name, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
