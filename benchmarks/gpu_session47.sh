@@ -26,11 +26,11 @@ on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 case "$1" in
 p)
   echo "== guard_start_cost (the host's 16 cores, CPU) $(date +%T)"
-  GR=3; [ -n "${DRY:-}" ] && GR=1
+  GR=${GR:-3}; [ -n "${DRY:-}" ] && GR=1
   timeout 100 $PY benchmarks/guard_start_cost.py --repeats $GR --json "$R/guard_start_cost.json" > "$R/guard_start_cost.txt" 2>&1
   echo "rc=$? $(date +%T)"; tail -n 8 "$R/guard_start_cost.txt"
-  curriculum lightning 8 lightning-planner,lightning-static,lightning-static#2,lightning-planner#2
-  curriculum hf 4 planner,static,static#2,planner#2
+  curriculum lightning 8 "${LARMS:-lightning-planner,lightning-static,lightning-static#2,lightning-planner#2}"
+  curriculum hf 4 "${HARMS:-planner,static,static#2,planner#2}"
   if [ "$(left)" -gt 100 ]; then
     PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
     PARMS=${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3,unguarded-nocap#4,planner-nocap#4} \
