@@ -699,4 +699,24 @@ def test_a_ramp_under_a_ceiling_does_not_measure_a_per_micro_batch_cost():
     assert t.per_micro_s() == pytest.approx(PER_MICRO_PRIOR * sorted(every)[len(every) // 2], rel=0.05)
     t.add(False, "bf16", 1, 8 * 512, 512, 0.1 + 0.05 + 8 * 512 * 2e-5)  # 8 whole: another micro-batch size
     t.add(False, "bf16", 1, 16 * 512, 512, 0.1 + 0.05 + 16 * 512 * 2e-5)
+    assert t.per_micro_s() == pytest.approx(PER_MICRO_PRIOR * sorted(every)[len(every) // 2], rel=0.15)  # 2 steps
+    t.add(False, "bf16", 1, 12 * 512, 512, 0.1 + 0.05 + 12 * 512 * 2e-5)  # a third at the lengths k > 1 ran at
     assert 0.02 < t.per_micro_s() < 0.1
+
+
+def test_a_curriculum_whose_micro_batch_count_rises_with_the_length_keeps_the_prior():
+    """Call s47b, the HF curriculum's own steps: k went 1 -> 2 -> 3 as the lengths grew, so k and the length's
+    cost moved together; the fit across lengths read 0.154 s a micro-batch (4 x 4 predicted at 0.83x of 6 x 3,
+    where it ran as fast), and the planner bought checkpointing (6 + checkpointing at 57k tokens/s, 4 x 4 in the
+    other run at 84k). Compared only at lengths two counts both ran, nothing is measured: the prior."""
+    from gpuwatch.control.pace import PER_MICRO_PRIOR, StepTimes
+
+    t = StepTimes()
+    for seq in range(1024, 3400, 64):  # 16 rows, work in tokens and tokens x length, 1.3 % of a row-16 micro-batch
+        k = 2 if seq < 2368 else 3
+        tok = 16 * seq
+        t.add(False, "bf16", k, tok, seq, 0.02 + tok * 1.1e-5 + tok * seq * 1.2e-9 + k * 0.004)
+    every = [o.dt / o.k for d in t.obs.values() for o in d]
+    assert t.per_micro_s() == pytest.approx(PER_MICRO_PRIOR * sorted(every)[len(every) // 2], rel=0.05)
+    four, six = (t.step_time(False, "bf16", k, 16 * 3264, 3264) for k in (4, 3))
+    assert four < 1.03 * six

@@ -10,7 +10,8 @@ checkpointing's recompute adds:
   seq (attention grows with the length), non-negative coefficients, the constant and the length term kept
   only where the observations spread enough to say them;
 - the per-micro-batch cost is measured where one group ran at two micro-batch counts with micro-batches of
-  two sizes (a least-squares coefficient on k, over the terms the steps' shapes can tell apart:
+  two sizes, at the same lengths (`_at_shared_lengths`: in a curriculum k rises with the length, and a fit
+  across lengths reads the length's cost as k's) (a least-squares coefficient on k, over the terms the steps' shapes can tell apart:
   `_micro_design`; where k only moved with the tokens - a ramp under a ceiling - nothing tells the two
   apart); until then, or where the fit gives none, a prior: 2 % of a micro-batch's time. Measured on the H200 (issue 28, calls
   4 and 7): a 0.32 B Llama's static 4 x 4 ran at 96 % of the tokens/s of 16 x 1 on the same curriculum,
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 CKPT_TIME_PRIOR = 4.0 / 3.0  # a recomputed forward: ~1/3 of a training step more, until measured
 PER_MICRO_PRIOR = 0.02  # of a micro-batch's time paid again by every extra micro-batch, until measured
 MAX_OBS = 48  # steps kept per group (the recent ones: a curriculum's pace changes with its length)
+SHARED_LEN_REL, SHARED_MIN = 0.02, 3  # lengths "the same" within 2 %; a count's steps there before it is compared
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,14 @@ class StepTimes:
 
     def _per_micro_s(self) -> float | None:
         for d in sorted(self.obs.values(), key=len, reverse=True):
-            per = [o.tokens / o.k for o in d]
-            # k is told from the work only where the micro-batch's own size changed too: in a ramp under a
-            # ceiling the micro-batch stays and k grows with the tokens, and any split between the two fits
-            if len({o.k for o in d}) >= 2 and max(per) > 1.2 * min(per):
-                coef = _nnls(*_micro_design(list(d)))
+            # k is told from the work only where the micro-batch's own size changed too (in a ramp under a
+            # ceiling the micro-batch stays and k grows with the tokens, and any split between the two fits)
+            # and at lengths both counts ran (in a curriculum k grows with the length, and the length's own
+            # cost is read as k's: call s47b, 0.154 s a micro-batch where 4 x 4 ran as fast as 6 x 3)
+            shared = _at_shared_lengths(list(d))
+            per = [o.tokens / o.k for o in shared]
+            if len({o.k for o in shared}) >= 2 and max(per) > 1.2 * min(per):
+                coef = _nnls(*_micro_design(shared))
                 if coef is not None and coef[0] > 0:  # none measured (clipped at 0): the prior, not "free"
                     return coef[0]
         every = [o.dt / o.k for d in self.obs.values() for o in d]
@@ -105,6 +110,16 @@ class StepTimes:
             return None
         w = _eval(line, tokens, seq)
         return w * CKPT_TIME_PRIOR if ckpt else w / CKPT_TIME_PRIOR
+
+
+def _at_shared_lengths(d: list[Obs]) -> list[Obs]:
+    """The steps whose length another micro-batch count also ran at (within SHARED_LEN_REL), where a count
+    has at least SHARED_MIN of them: what can tell a micro-batch's own cost from the length's."""
+    shared = [o for o in d if any(q.k != o.k and abs(q.seq - o.seq) <= SHARED_LEN_REL * o.seq for q in d)]
+    counts: dict[int, int] = {}
+    for o in shared:
+        counts[o.k] = counts.get(o.k, 0) + 1
+    return [o for o in shared if counts[o.k] >= SHARED_MIN]
 
 
 def _micro_design(d: list[Obs]) -> tuple[list[list[float]], list[float]]:
