@@ -161,7 +161,7 @@ def test_with_two_lengths_seen_a_longer_plan_leans_toward_tokens_times_length():
 
 
 def test_a_longer_plan_after_a_split_leans_on_the_longest_shape_not_its_neighbour_in_tokens():
-    # call s47p: a Trainer curriculum split 16 -> 8 as lengths grew; with two lengths seen, the shape the
+    # call s47a: a Trainer curriculum split 16 -> 8 as lengths grew; with two lengths seen, the shape the
     # estimate in tokens leaned on was the largest in tokens - 16 x 600, not the longest, 8 x 1,140 - whose
     # tokens x length bound doubled a 8 x 1,268 step (+-22 % in the call, the planner fell to 3 then 2).
     # Linear activations (SDPA): the lean is the longest shape's, a few per cent.

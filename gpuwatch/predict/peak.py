@@ -434,7 +434,7 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
       1.645 sigma.
     The reference is the longest shape seen, never the estimate's neighbour in tokens: after a planner's change of
     micro-batch that neighbour can be a much shorter shape of the larger micro-batch, whose T x S bound is twice
-    the step (call s47p, before this: a Trainer's curriculum split 8 -> 3 -> 2 on a +-22 % spread).
+    the step (call s47a, before this: a Trainer's curriculum split 8 -> 3 -> 2 on a +-22 % spread).
     Chosen on the recorded sessions (blind sets 2901-2910 among them, all seen since): docs/BENCHMARKS.md, issue
     29, session 47."""
     distinct = np.unique(lengths)[-LONGER_FIT:]
