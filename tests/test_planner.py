@@ -493,6 +493,33 @@ def test_the_largest_free_block_and_segment_are_read_from_the_allocators_snapsho
     assert all(v is None for v in row.values())
 
 
+def test_with_expandable_segments_the_blocks_are_not_read_again_for_minutes(monkeypatch):
+    """A snapshot walks every block; with expandable segments the figures say nothing, so the next read waits
+    BLOCKS_EXPANDABLE_S, not BLOCKS_EVERY_S (s47: the guarded runs turned them on at their first cache release)."""
+    torch = pytest.importorskip("torch")
+    from gpuwatch.workload import mechanics as X
+
+    reads = []
+    monkeypatch.setattr(X, "_segments", lambda: reads.append(1) or [{"device": 0, "is_expandable": True, "blocks": []}])
+    monkeypatch.setattr(X, "_NEXT_BLOCKS", {})
+    t = [1000.0]
+    monkeypatch.setattr(X.time, "monotonic", lambda: t[0])
+    dev = torch.device("cuda", 0)
+    assert X.blocks(dev) == X.NO_BLOCKS and len(reads) == 1
+    t[0] += 2 * X.BLOCKS_EVERY_S
+    assert X.blocks(dev) == X.NO_BLOCKS and len(reads) == 1  # not read: it would say nothing again
+    t[0] += X.BLOCKS_EXPANDABLE_S
+    X.blocks(dev)
+    assert len(reads) == 2
+    fixed = [{"device": 0, "total_size": 64, "blocks": [{"state": "inactive", "size": 16}]}]
+    monkeypatch.setattr(X, "_segments", lambda: reads.append(1) or fixed)
+    t[0] += X.BLOCKS_EXPANDABLE_S
+    assert X.blocks(dev) == {"torch_largest_free_bytes": 16, "torch_largest_segment_bytes": 64}
+    t[0] += 2 * X.BLOCKS_EVERY_S
+    X.blocks(dev)
+    assert len(reads) == 4  # fixed segments: read again after BLOCKS_EVERY_S, as before
+
+
 def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carried_past_its_data():
     """H200 call 4: a Trainer's per-device batch flapped 2 <-> 1 at each resumed run's first decision (16
     restarts in 44 steps), the curriculum's trend carried over 60 s to twice the run's longest length."""

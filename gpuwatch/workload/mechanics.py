@@ -51,6 +51,8 @@ BLOCKS_EVERY_S = 0.5  # the allocator's blocks are read at most this often per d
 BLOCKS_COST_SHARE = 0.02  # ...and at most this share of the time (a snapshot walks every block: history makes it slow)
 _NEXT_BLOCKS: dict[int, float] = {}  # device index -> when its blocks may be read next (time.monotonic)
 NO_BLOCKS = {"torch_largest_free_bytes": None, "torch_largest_segment_bytes": None}
+BLOCKS_EXPANDABLE_S = 600.0  # with expandable segments the next read waits this long (calls s47: every guarded run
+# switched to them at its first cache release, and went on reading snapshots at up to BLOCKS_COST_SHARE of its time)
 
 
 def largest_blocks(segments: list[dict[str, Any]], device_index: int) -> tuple[int, int] | None:
@@ -96,7 +98,8 @@ def blocks(device: torch.device) -> dict[str, int | None]:
         _NEXT_BLOCKS[idx] = now + 60.0
         return dict(NO_BLOCKS)
     _NEXT_BLOCKS[idx] = now + max(BLOCKS_EVERY_S, (time.perf_counter() - t0) / BLOCKS_COST_SHARE)
-    if got is None:
+    if got is None:  # expandable segments (the guard's release turns them on, for good): the figures say nothing
+        _NEXT_BLOCKS[idx] = now + BLOCKS_EXPANDABLE_S  # and a snapshot still walks every block - do not pay for it
         return dict(NO_BLOCKS)
     return {"torch_largest_free_bytes": got[0], "torch_largest_segment_bytes": got[1]}
 
