@@ -6,7 +6,8 @@ where that (micro-batch, length, checkpointing, precision, accumulating) had not
 the errors are spread - a spread narrower than the estimate's sigma would let the margin shrink.
 
     python3 benchmarks/estimate_errors.py [SESSION_OR_FOLDER ...]   (default: every session under recordings/)
-Prints a JSON line per group (new, seen, and - session 46 - longer: a length beyond any that had run in the session,
+Prints a JSON line per group (its underestimates, and since session 47 its overestimates: err_min and the steps whose
+upper 1.645 sigma crossed the usable limit while they ran under 0.9 of it; new, seen, and - session 46 - longer: a length beyond any that had run in the session,
 where the estimate extrapolates in length; all modes, then each mode) and one per underestimate beyond 1.645 sigma.
 """
 
@@ -93,7 +94,12 @@ def main() -> int:
                           "sessions": len({r["session"] for r in g}),
                           "sigma_median": q(sig, 0.5), "err_q50_q95_q99_max": [q(err, .5), q(err, .95), q(err, .99), round(float(err.max()), 4)],
                           "z_q95_q99": [q(z, .95), q(z, .99)], "p_z_over_1.645": round(float((z > 1.645).mean()), 4),
-                          "p_err_over_0.02": round(float((err > 0.02).mean()), 4)}))
+                          "p_err_over_0.02": round(float((err > 0.02).mean()), 4),
+                          # the other side (review of 9c8a55e): how far over, and how often the estimate's upper
+                          # 1.645 sigma crossed the usable limit on a step that ran under 0.9 of it
+                          "err_min": round(float(err.min()), 4),
+                          "n_alarm_under_0.9": int(sum(r["mean"] + 1.645 * r["sigma"] > 1.0 and r["real"] < 0.9
+                                                       for r in g))}))
     longer = [r for r in rows if r["longer"]]
     for lo, hi in ((1.0, 1.05), (1.05, 1.15), (1.15, 1.5), (1.5, 1e9)):  # how far beyond: the size of the length jump
         g = [r for r in longer if lo < r["length_ratio"] <= hi]

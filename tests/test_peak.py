@@ -175,6 +175,34 @@ def test_a_longer_plan_after_a_split_leans_on_the_longest_shape_not_its_neighbou
     assert fc.sigma / GiB < 0.08 * exact  # the lean's own and the floor's; 0.55 x leaning on 16 x 600
 
 
+def test_the_length_rule_is_bounded_by_tokens_times_length_and_reaches_below_the_smallest_tokens():
+    """Review of 9c8a55e: three noisy shapes fitted exactly extrapolated to 44.6 GiB for a 2.5 GiB step (blind set
+    2908's graph pool); one shape at 128 and a plan at 4,096 leaned toward 169 GiB; and a plan at or below the
+    smallest tokens seen (a split, token-budget batching) skipped the rule."""
+    from gpuwatch.predict.peak import LONGER_RATIO_MAX, activation_at, shapes
+
+    def est(batches, seqs, acts, b, s, longer=True):
+        T = np.array(batches, float) * np.array(seqs, float)
+        uk, med, ut, resid = shapes(T, np.array(seqs, float), np.array(acts, float))
+        return activation_at(uk, med, ut, resid, float(b * s), float(s), longer=longer)
+
+    rnd = np.random.default_rng(3)
+    seqs = [1000, 1004, 1010] * 3
+    acts = [(0.5 + 1e-4 * 8 * s) * (1 + 0.005 * rnd.standard_normal()) for s in seqs]
+    a, _, _ = est([8] * 9, seqs, acts, 8, 2000)
+    longest = np.median([x for x, s in zip(acts, seqs) if s == 1010])
+    assert a <= longest * 2000 / 1010 * 2.0 + 1e-9  # tokens x length from the longest shape, no more
+    one, _, spread = est([8], [128], [0.1], 8, 4096)
+    assert one <= 0.1 * 32 * LONGER_RATIO_MAX and spread <= one  # in proportion (32x), leaning to at most 3x that
+    # token-budget batching, eager (activations 0.5 + 5e-5 T + 2e-8 T S): 16 x 512, 8 x 1,024, 4 x 2,048 -> 2 x 4,096
+    tb = [(16, 512), (8, 1024), (4, 2048)]
+    act = lambda b, s: 0.5 + 5e-5 * b * s + 2e-8 * b * s * s  # noqa: E731
+    a_tb, _, _ = est([b for b, _ in tb], [s for _, s in tb], [act(b, s) for b, s in tb], 2, 4096)
+    assert a_tb >= act(4, 2048) and a_tb == pytest.approx(act(2, 4096), rel=0.15)
+    # the shape library's first-step prior keeps the estimate in tokens
+    assert est([8], [128], [0.1], 8, 4096, longer=False)[0] == pytest.approx(0.1 * 32)
+
+
 def test_blind_2910s_length_jump_is_warned_before_its_oom():
     # the miss read after scoring set 2910 (now seen): 12 x 588 -> 12 x 675 under a 9.14 GiB cap, two lengths
     # seen; the lookahead saw the longer step coming, its estimate in tokens alone said 0.99 of the limit (p 0.36)

@@ -518,6 +518,14 @@ def test_with_expandable_segments_the_blocks_are_not_read_again_for_minutes(monk
     t[0] += 2 * X.BLOCKS_EVERY_S
     X.blocks(dev)
     assert len(reads) == 4  # fixed segments: read again after BLOCKS_EVERY_S, as before
+    # "cuda" without an index: rate-limited under the current device's index, as with one (review of dfcbd24)
+    monkeypatch.setattr(X.torch.cuda, "current_device", lambda: 0)
+    X.blocks(torch.device("cuda"))
+    assert len(reads) == 4  # within BLOCKS_EVERY_S of the last read on device 0
+    t[0] += 2 * X.BLOCKS_EVERY_S
+    for _ in range(3):
+        X.blocks(torch.device("cuda"))
+    assert len(reads) == 5
 
 
 def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carried_past_its_data():

@@ -114,12 +114,31 @@ class StepTimes:
 
 def _at_shared_lengths(d: list[Obs]) -> list[Obs]:
     """The steps whose length another micro-batch count also ran at (within SHARED_LEN_REL), where a count
-    has at least SHARED_MIN of them: what can tell a micro-batch's own cost from the length's."""
-    shared = [o for o in d if any(q.k != o.k and abs(q.seq - o.seq) <= SHARED_LEN_REL * o.seq for q in d)]
-    counts: dict[int, int] = {}
-    for o in shared:
-        counts[o.k] = counts.get(o.k, 0) + 1
-    return [o for o in shared if counts[o.k] >= SHARED_MIN]
+    has at least SHARED_MIN of them: what can tell a micro-batch's own cost from the length's. Repeated until
+    it holds for every step kept (a step whose only partner's count fell short goes too - review of 0283073);
+    by length order, each step against its neighbours within the tolerance."""
+    keep = sorted(d, key=lambda o: o.seq)
+    while True:
+        shared = []
+        lo = 0
+        for o in keep:
+            while keep[lo].seq < o.seq * (1.0 - SHARED_LEN_REL):
+                lo += 1
+            hi = lo
+            while hi < len(keep) and keep[hi].seq <= o.seq * (1.0 + SHARED_LEN_REL):
+                if keep[hi].k != o.k:
+                    shared.append(o)
+                    break
+                hi += 1
+        counts: dict[int, int] = {}
+        for o in shared:
+            counts[o.k] = counts.get(o.k, 0) + 1
+        kept = [o for o in shared if counts[o.k] >= SHARED_MIN]
+        if len(kept) == len(keep):
+            return kept
+        keep = kept
+        if not keep:
+            return []
 
 
 def _micro_design(d: list[Obs]) -> tuple[list[list[float]], list[float]]:

@@ -71,6 +71,7 @@ FLOOR_REL, FLOOR_BYTES = 0.01, 32 * 2**20
 EXTRAPOLATION_REL = 0.25
 INTERPOLATION_REL = 0.10
 LONGER_FIT = 3  # the longest lengths whose shapes' curvature a plan longer than all of them is fitted to
+LONGER_RATIO_MAX = 3.0  # the length's ratio the tokens x length bound grows by, at most
 LONGER_PRIOR_W = 0.25  # before 3 lengths: how far toward activations growing as tokens x length (`longer_than_seen`)
 PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
 GROWTH_STEPS = 10
@@ -270,7 +271,7 @@ def _held(T: np.ndarray, S: np.ndarray, act: np.ndarray, acc: np.ndarray, alloc_
         fit = whole_by_len[s]
         if fit is None:
             continue
-        d.append(a - activation_at(*fit, t, s, floor=0.0)[0])  # below the smallest: in proportion, no floor
+        d.append(a - activation_at(*fit, t, s, floor=0.0, longer=False)[0])  # below the smallest: in proportion, no floor
     if not d:
         return float("nan")
     return float(min(max(median(np.array(d)), 0.0), max(alloc_now, 0.0)))
@@ -378,7 +379,7 @@ def shapes_np(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray
 
 
 def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float, Tp: float, Sp: float,
-                  floor: float | None = None) -> tuple[float, float, float]:
+                  floor: float | None = None, longer: bool = True) -> tuple[float, float, float]:
     """(activation estimate, residual scale, extrapolation spread) at the planned shape, from `shapes`.
 
     Each shape seen gives the median of its activations (robust to a stray step); the spread within
@@ -390,17 +391,20 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
     smallest shape's (a smaller step does not need more); with a `floor` (the planner's estimate): in
     proportion to tokens but no less than min(floor, the smallest shape's), widened by a tenth of what
     that saves - on 3,452 pairs of shapes in the recorded sessions (benchmarks/peak_below_range.py), the
-    smaller shape never came out above this estimate by more than 1.645 of its spread."""
+    smaller shape never came out above this estimate by more than 1.645 of its spread. Longer than any length
+    seen (`longer`: the live estimate's rule; the shape library's first-step prior was not tuned with it):
+    `longer_than_seen`."""
     hit = np.where(uk == Tp * 1e6 + Sp)[0]
     if hit.size:
         return float(med[hit[0]]), resid, 0.0
     if Tp <= ut[0]:
         m0 = float(med[0])
         if floor is None or not (ut[0] > 0):
-            return m0, resid, 0.0
-        a_hat = max(m0 * Tp / float(ut[0]), min(m0, max(0.0, floor)))
-        return a_hat, resid, INTERPOLATION_REL * (m0 - a_hat)
-    if Tp >= ut[-1]:
+            a_hat, extrap = m0, 0.0
+        else:
+            a_hat = max(m0 * Tp / float(ut[0]), min(m0, max(0.0, floor)))
+            extrap = INTERPOLATION_REL * (m0 - a_hat)
+    elif Tp >= ut[-1]:
         if ut.size >= 2 and ut[-1] > ut[-2] and med[-1] > med[-2]:
             a_hat = float(med[-1] + (med[-1] - med[-2]) / (ut[-1] - ut[-2]) * (Tp - ut[-1]))
         else:
@@ -412,9 +416,10 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
         f = (Tp - ut[lo]) / (ut[hi] - ut[lo]) if ut[hi] > ut[lo] else 0.0
         a_hat = float(med[lo] + f * (med[hi] - med[lo]))
         extrap = INTERPOLATION_REL * abs(float(med[hi] - med[lo]))
-    lengths = uk - np.floor(uk / 1e6) * 1e6
-    if Sp > float(lengths.max()):
-        a_hat, extrap = longer_than_seen(lengths, med, ut, Tp, Sp, a_hat, extrap)
+    if longer:  # below the smallest tokens too: a split or token-budget batching at a new length (review of 9c8a55e)
+        lengths = uk - np.floor(uk / 1e6) * 1e6
+        if Sp > float(lengths.max()):
+            a_hat, extrap = longer_than_seen(lengths, med, ut, Tp, Sp, a_hat, extrap)
     return a_hat, resid, extrap
 
 
@@ -439,19 +444,22 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
     29, session 47."""
     distinct = np.unique(lengths)[-LONGER_FIT:]
     top = np.nonzero(np.isin(lengths, distinct))[0]
-    if distinct.size >= LONGER_FIT:
-        X = np.column_stack((np.ones(top.size), ut[top], ut[top] * lengths[top]))
-        coef = np.linalg.lstsq(X, med[top], rcond=None)[0]
-        if coef[2] > 0:
-            a_fit = float(coef[0] + coef[1] * Tp + coef[2] * Tp * Sp)
-            if a_fit > a_hat:
-                return a_fit, max(extrap, EXTRAPOLATION_REL * (a_fit - a_hat))
-        return a_hat, extrap
     longest = top[lengths[top] == distinct[-1]]
     ref = int(longest[np.argmax(ut[longest])])
     s_ref = float(lengths[ref])
     if not (s_ref > 0 and ut[ref] > 0):
         return a_hat, extrap
-    bound = max(a_hat, float(med[ref]) * Tp / float(ut[ref]) * Sp / s_ref)
+    # all of the longest shape's activations growing as tokens x length: what no step can exceed, the length's
+    # ratio clamped to what the rule was chosen on (jumps up to x2.8; review of 9c8a55e: one shape at 128 and a
+    # plan at 4,096 gave 169 GiB)
+    bound = max(a_hat, float(med[ref]) * Tp / float(ut[ref]) * min(Sp / s_ref, LONGER_RATIO_MAX))
+    if distinct.size >= LONGER_FIT:
+        X = np.column_stack((np.ones(top.size), ut[top], ut[top] * lengths[top]))
+        coef = np.linalg.lstsq(X, med[top], rcond=None)[0]
+        if coef[2] > 0:  # capped at the bound: three noisy shapes fit exactly can extrapolate to anything
+            a_fit = min(float(coef[0] + coef[1] * Tp + coef[2] * Tp * Sp), bound)  # (review: 44.6 GiB for 2.5)
+            if a_fit > a_hat:
+                return a_fit, max(extrap, EXTRAPOLATION_REL * (a_fit - a_hat))
+        return a_hat, extrap
     a = a_hat + LONGER_PRIOR_W * (bound - a_hat)
     return a, max(extrap, (bound - a) / 1.645)

@@ -89,7 +89,7 @@ class ShapeLibrary:
         if e is None:
             return None
         tp, sp = float(batch) * float(seq), float(seq)
-        a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp)
+        a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp, longer=False)
         a_hat = max(a_hat, 0.0)
         mean = e.weights + FIRST_STEP_OVERHEAD * a_hat
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)

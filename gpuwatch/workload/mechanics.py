@@ -86,13 +86,14 @@ def blocks(device: torch.device) -> dict[str, int | None]:
     if device.type != "cuda":
         return dict(NO_BLOCKS)
     now = time.monotonic()
-    idx = device.index if device.index is not None else -1
+    try:  # resolved before the rate check: "cuda" without an index was checked under -1 and written under 0, so
+        idx = device.index if device.index is not None else torch.cuda.current_device()  # read every step
+    except Exception:  # noqa: BLE001 - a figure of a steps row never stops the step (review of dfcbd24)
+        return dict(NO_BLOCKS)
     if now < _NEXT_BLOCKS.get(idx, 0.0):
         return dict(NO_BLOCKS)
     t0 = time.perf_counter()
     try:
-        if idx < 0:
-            idx = torch.cuda.current_device()
         got = largest_blocks(_segments(), idx)
     except Exception:  # noqa: BLE001 - a figure of a steps row never stops the step
         _NEXT_BLOCKS[idx] = now + 60.0
