@@ -6,6 +6,9 @@
 #      interleaved; then the no-cap Trainer pairs (planner and unguarded, 256 -> 2,048, 60 steps) with what is left
 #   b: issue 29's eleventh blind set (seed 2911), whole, recorded after a3be43c; then issue 30's owed sweep where
 #      the card is an H200 and time is left
+#   next (session 48): TOTAL=585 bash benchmarks/gpu_session47.sh b (blind set 2911, whole), then on the warm machine
+#      TOTAL=585 bash benchmarks/gpu_session47.sh p (the HF pairs twice, then a Lightning pair: the pace fix 0283073/b58ef72
+#      and the blocks change dfcbd24 on a GPU); GR=N adds guard_start_cost.py's N repeats first
 #   run (repo root, carry .dev and REV):  TOTAL=585 bash benchmarks/gpu_session47.sh p|b
 set -u
 . benchmarks/session_env.sh "${1:?the part: p or b}"
@@ -24,17 +27,18 @@ curriculum() {  # NAME STATIC ARMS: planner_curriculum's arms in one call, each 
 }
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 case "$1" in
-p)
-  echo "== guard_start_cost (the host's 16 cores, CPU) $(date +%T)"
-  GR=${GR:-3}; [ -n "${DRY:-}" ] && GR=1
-  timeout 100 $PY benchmarks/guard_start_cost.py --repeats $GR --json "$R/guard_start_cost.json" > "$R/guard_start_cost.txt" 2>&1
-  echo "rc=$? $(date +%T)"; tail -n 8 "$R/guard_start_cost.txt"
-  curriculum lightning 8 "${LARMS:-lightning-planner,lightning-static,lightning-static#2,lightning-planner#2}"
+p)  # on s47's H100 host: an HF arm ~105 s, a Lightning arm ~66 s, guard_start_cost ~50 s a repeat
+  if [ "${GR:-0}" -gt 0 ] || [ -n "${DRY:-}" ]; then
+    echo "== guard_start_cost (the host's 16 cores, CPU) $(date +%T)"
+    GR=${GR:-1}; [ -n "${DRY:-}" ] && GR=1
+    timeout 100 $PY benchmarks/guard_start_cost.py --repeats "$GR" --json "$R/guard_start_cost.json" > "$R/guard_start_cost.txt" 2>&1
+    echo "rc=$? $(date +%T)"; tail -n 8 "$R/guard_start_cost.txt"
+  fi
   curriculum hf 4 "${HARMS:-planner,static,static#2,planner#2}"
+  curriculum lightning 8 "${LARMS:-lightning-planner,lightning-static}"
   if [ "$(left)" -gt 100 ]; then
     PL="--arm-timeout 70 --nocap-steps 60 --max-seq 2048"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
-    PARMS=${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2,planner-nocap#3,unguarded-nocap#3,unguarded-nocap#4,planner-nocap#4} \
-      nocap_pairs $(( $(left) - 10 )) nocap $PL
+    PARMS=${PARMS:-planner-nocap,unguarded-nocap,unguarded-nocap#2,planner-nocap#2} nocap_pairs $(( $(left) - 10 )) nocap $PL
   else echo "no-cap pairs skipped: $(left) s left"; fi
   ;;
 b)
