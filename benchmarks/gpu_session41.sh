@@ -14,7 +14,6 @@
 set -u
 . benchmarks/session_env.sh "${1:?the part: a, b, c or d}"
 . benchmarks/session_fns.sh
-on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 
 case "$1" in
 a)

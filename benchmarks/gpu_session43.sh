@@ -22,7 +22,6 @@ gpu_tests() {
   timeout ${GT_S:-150} $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA > "$R/gpu_tests.txt" 2>&1
   echo "rc=$? $(date +%T)"; tail -n 12 "$R/gpu_tests.txt"
 }
-on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }
 owed_sweep() { SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"; }
 sweep_if_h200() { if on_h200; then owed_sweep; else echo "sweep skipped: not an H200 ($(cat "$R/gpu.txt" 2>/dev/null))"; fi; }
 

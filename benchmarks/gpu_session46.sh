@@ -11,18 +11,6 @@
 set -u
 . benchmarks/session_env.sh "${1:?the part: p}"
 . benchmarks/session_fns.sh
-curriculum() {  # NAME STATIC ARMS: planner_curriculum's arms in one call, each in its own process
-  local name=$1 sb=$2 arms=$3 t
-  t=$(( $(left) - 10 ))
-  [ "$t" -lt 90 ] && { echo "== $name skipped: $t s left"; return 0; }
-  local PL="--arm-timeout ${AT:-115} --static-batch $sb"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
-  echo "== planner_curriculum $name: $arms ($t s left) $(date +%T)"
-  # shellcheck disable=SC2086  # PL is a list of arguments
-  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner-$name" --work /tmp/gw-s46 $PL --arms "$arms" \
-    > "$R/$name.jsonl" 2> "$R/$name.err"
-  echo "rc=$? $(date +%T)"; cut -c1-700 "$R/$name.jsonl"; grep -v "Warning\|warn" "$R/$name.err" | tail -n 3
-  tar czf "$R/$name-sessions.tgz" -C "$R/planner-$name" sessions 2>/dev/null; rm -rf /tmp/gw-s46 "$R/planner-$name/sessions"
-}
 case "$1" in
 p)
   curriculum lightning 8 lightning-planner,lightning-static

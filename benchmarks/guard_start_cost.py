@@ -60,29 +60,39 @@ class Timer:
         return "first" if self.step == 0 else None
 
 
+def tiny_lm(gw=None, on_batch=None):
+    """A tiny Lightning language model over ids of 64 tokens (also benchmarks/guard_step_cost.py's): its step through
+    `gw.step` when guarded (`gw`: the callback), whole otherwise; `on_batch(ids)` sees each (micro-)batch."""
+    import lightning as L
+    import torch
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 64), torch.nn.Linear(64, 64))
+
+        def loss_of(self, batch):
+            ids = batch[0]
+            if on_batch is not None:
+                on_batch(ids)
+            logits = self.net(ids[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+        def training_step(self, batch, i):
+            return gw.step(self, batch, self.loss_of) if gw is not None else self.loss_of(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return LM()
+
+
 def run_lightning(record_dir: str) -> dict[str, float]:
     import lightning as L
     import torch
 
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
-
-    class LM(L.LightningModule):
-        def __init__(self, gw=None):
-            super().__init__()
-            torch.manual_seed(0)
-            self.gw = gw
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 64), torch.nn.Linear(64, 64))
-
-        def loss_of(self, batch):
-            ids = batch[0]
-            logits = self.net(ids[:, :-1])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
-
-        def training_step(self, batch, i):
-            return self.gw.step(self, batch, self.loss_of) if self.gw is not None else self.loss_of(batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     ds = torch.utils.data.TensorDataset(torch.randint(0, 64, (8 * STEPS, 64), generator=torch.Generator().manual_seed(1)))
 
@@ -92,7 +102,7 @@ def run_lightning(record_dir: str) -> dict[str, float]:
                             callbacks=[gw] if gw is not None else [], reload_dataloaders_every_n_epochs=1)
         dl = gw.dataloader(ds, batch_size=8) if gw is not None else torch.utils.data.DataLoader(ds, batch_size=8)
         t = time.perf_counter()
-        trainer.fit(LM(gw), train_dataloaders=dl)
+        trainer.fit(tiny_lm(gw), train_dataloaders=dl)
         return time.perf_counter() - t
 
     fit(None)

@@ -35,8 +35,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "recordings" / "sample-h200-ramp-train"  # replayed as the live GPU (tests/conftest.py's RAMP)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or by path: its neighbour's model
+from guard_start_cost import ROOT, SOURCE, tiny_lm  # noqa: E402 - the recording replayed as the live GPU, the model
+
 BATCH = 8
 SEQ0, SEQ1 = 16, 128
 GiB = 1 << 30
@@ -179,25 +180,6 @@ def run_lightning(record_dir: str, steps: int, profile: bool, phases: Phases | N
     mechanics.memory = lambda _device: sim.read()  # what GuardedLoop's steps row reads
     batches = _curriculum(steps)
 
-    class LM(L.LightningModule):
-        def __init__(self, gw):
-            super().__init__()
-            torch.manual_seed(0)
-            self.gw = gw
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 64), torch.nn.Linear(64, 64))
-
-        def loss_of(self, batch):
-            ids = batch[0]
-            sim.tokens = max(sim.tokens, int(ids.numel()))
-            logits = self.net(ids[:, :-1])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
-
-        def training_step(self, batch, i):
-            return self.gw.step(self, batch, self.loss_of)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     class DS(torch.utils.data.Dataset):  # one item a step: the step's batch, of its length
         def __len__(self):
             return steps
@@ -220,7 +202,10 @@ def run_lightning(record_dir: str, steps: int, profile: bool, phases: Phases | N
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=record_dir, callbacks=[gw])
     t = time.perf_counter()
-    trainer.fit(LM(gw), train_dataloaders=dl)
+    def seen(ids) -> None:
+        sim.tokens = max(sim.tokens, int(ids.numel()))
+
+    trainer.fit(tiny_lm(gw, seen), train_dataloaders=dl)
     wall = time.perf_counter() - t
     return _done(gw.loop, over, wall, prof)
 

@@ -1,4 +1,4 @@
-# Sourced by the session scripts (benchmarks/gpu_session40.sh, gpu_session41.sh) after session_env.sh: the steps
+# Sourced by the session scripts (benchmarks/gpu_session40.sh ... gpu_session47.sh) after session_env.sh: the steps
 # their parts share, each writing under $R and printing its exit code and the tail of its output; DRY=1 runs
 # each as its CPU dry run.
 decode_tests() {  # issue 30's decode GPU tests (the CPU dry run: the moved-batch test alone)
@@ -56,3 +56,16 @@ prefill_sweep() {  # "BATCHES": issue 30's v3-slice prefill, the baseline and co
   PRESETS=$P MODES=prefill VARIANTS=$V BUDGET_S=$(( t - 40 )) LIMIT_S=$t \
     EXTRA="--profile-steps 0 --sweep-variants --variant-steps ${VSTEPS:-3} $B" bash benchmarks/gpu_stress_speed.sh
 }
+curriculum() {  # NAME STATIC ARMS: issue 28's planner_curriculum arms in one call, each in its own process (AT: arm timeout)
+  local name=$1 sb=$2 arms=$3 t
+  t=$(( $(left) - 10 ))
+  [ "$t" -lt 90 ] && { echo "== $name skipped: $t s left"; return 0; }
+  local PL="--arm-timeout ${AT:-115} --static-batch $sb"; [ -n "${DRY:-}" ] && PL="--dry-run --arm-timeout 120"
+  echo "== planner_curriculum $name: $arms ($t s left) $(date +%T)"
+  # shellcheck disable=SC2086  # PL is a list of arguments
+  timeout "$t" $PY benchmarks/planner_curriculum.py --out "$R/planner-$name" --work /tmp/gw-curriculum $PL --arms "$arms" \
+    > "$R/$name.jsonl" 2> "$R/$name.err"
+  echo "rc=$? $(date +%T)"; cut -c1-700 "$R/$name.jsonl"; grep -v "Warning\|warn" "$R/$name.err" | tail -n 3
+  tar czf "$R/$name-sessions.tgz" -C "$R/planner-$name" sessions 2>/dev/null; rm -rf /tmp/gw-curriculum "$R/planner-$name/sessions"
+}
+on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }  # the card session_env.sh wrote down
