@@ -134,11 +134,9 @@ def _at_shared_lengths(d: list[Obs]) -> list[Obs]:
         for o in shared:
             counts[o.k] = counts.get(o.k, 0) + 1
         kept = [o for o in shared if counts[o.k] >= SHARED_MIN]
-        if len(kept) == len(keep):
+        if len(kept) == len(keep):  # nothing dropped (an empty list included): it holds for every step
             return kept
         keep = kept
-        if not keep:
-            return []
 
 
 def _micro_design(d: list[Obs]) -> tuple[list[list[float]], list[float]]:

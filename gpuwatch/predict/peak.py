@@ -433,9 +433,10 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
     cache or a graph pool, at jumps of x1.1-x2.8); on a Trainer's curriculum with SDPA the estimate in tokens was
     exact. So, from the shapes at the LONGER_FIT longest lengths seen (every micro-batch run at them):
     - three lengths: a + b T + c T S fitted to those shapes (least squares); where c > 0 the plan's activation is
-      no less than the fit's (the session's own curvature; none where its attention keeps no scores);
+      no less than the fit's (the session's own curvature; none where its attention keeps no scores), capped at
+      the bound below (three noisy shapes fitted exactly can extrapolate to anything);
     - fewer: nothing to learn the curvature from, so the estimate is bounded by all of the longest shape's
-      activations growing as T x S: the mean moves LONGER_PRIOR_W of the way to that bound and the bound sits at
+      activations growing as T x S (the length's ratio counted up to LONGER_RATIO_MAX): the mean moves LONGER_PRIOR_W of the way to that bound and the bound sits at
       1.645 sigma.
     The reference is the longest shape seen, never the estimate's neighbour in tokens: after a planner's change of
     micro-batch that neighbour can be a much shorter shape of the larger micro-batch, whose T x S bound is twice

@@ -98,9 +98,11 @@ def blocks(device: torch.device) -> dict[str, int | None]:
     except Exception:  # noqa: BLE001 - a figure of a steps row never stops the step
         _NEXT_BLOCKS[idx] = now + 60.0
         return dict(NO_BLOCKS)
-    _NEXT_BLOCKS[idx] = now + max(BLOCKS_EVERY_S, (time.perf_counter() - t0) / BLOCKS_COST_SHARE)
-    if got is None:  # expandable segments (the guard's release turns them on, for good): the figures say nothing
-        _NEXT_BLOCKS[idx] = now + BLOCKS_EXPANDABLE_S  # and a snapshot still walks every block - do not pay for it
+    # expandable segments (None; the guard's release turns them on, for good): the figures say nothing, and a
+    # snapshot still walks every block - not paid for again for minutes
+    _NEXT_BLOCKS[idx] = now + (BLOCKS_EXPANDABLE_S if got is None else
+                               max(BLOCKS_EVERY_S, (time.perf_counter() - t0) / BLOCKS_COST_SHARE))
+    if got is None:
         return dict(NO_BLOCKS)
     return {"torch_largest_free_bytes": got[0], "torch_largest_segment_bytes": got[1]}
 
