@@ -684,6 +684,31 @@ def test_with_the_planner_the_cache_is_released_only_where_the_coming_peak_nears
     assert Policy(GuardConfig()).decide(obs(None)).kind == "release_cache"  # no estimate: as before
 
 
+def test_with_the_planner_the_cache_is_released_once_to_switch_to_expandable_segments_and_not_again():
+    """Torch's caching allocator, short of memory, frees every cached segment no live block uses and retries
+    before it raises (what empty_cache does), so past the first release (the switch to expandable segments) a
+    release near the limit prevents nothing and costs the next step 0.3-0.4 s (H100 calls s47b/c: two or three
+    a run). Without the planner (the threshold rule) the release stays, at its period."""
+    from gpuwatch.control.planner import Decision, Weighed
+    from gpuwatch.control.policy import Observation, Policy
+
+    def obs(now, decided=True):
+        cur = Weighed(Config(16, False, "bf16"), 1, 2048, Estimate(0.9, 0.01), 0.0, True, 70_000.0, False, 1.0)
+        return Observation(now_s=now, risk=0.6, threshold=0.5, planned_batch=16, last_batch=16, ceiling=None,
+                           frag_frac=0.12, features={"mem_used_frac": 0.96},
+                           decision=Decision(cur, cur, (cur,), False, False, "kept") if decided else None)
+
+    p = Policy(GuardConfig(cooldown_s=0.0, frag_every_s=10.0))
+    a = p.decide(obs(0.0))
+    assert a.kind == "release_cache" and a.value is True  # the switch
+    assert [p.decide(obs(t)).kind for t in (11.0, 30.0, 300.0)] == ["none"] * 3
+    q = Policy(GuardConfig(cooldown_s=0.0, frag_every_s=10.0))
+    q.decide(obs(0.0, decided=False))
+    obs_late = obs(11.0, decided=False)
+    obs_late.risk = 0.1
+    assert q.decide(obs_late).kind == "release_cache"  # the threshold rule: at its period, as before
+
+
 def test_the_pace_learns_a_moes_per_micro_batch_cost_where_k_and_the_tokens_changed_together():
     """H200 call s40g, the planner's own recorded steps: 16 whole (0.51 s) then 3 x 7 of 20 (0.84 s). Each
     extra micro-batch of v2-lite cost 0.153 s there (the threshold arm's 2 x 10 and 20 whole beside it); the fit

@@ -105,7 +105,12 @@ def _coming_near(decision: Any, near: float) -> bool:
     or there is none. Only then is the cache released ahead of need: where the coming peak stays below, the
     caching allocator itself frees the cached segments no step uses before it would fail (a release then
     only makes the next steps allocate afresh - H100 call s40h: one release in every no-cap Trainer run,
-    with a coming peak of ~64 % of the card)."""
+    with a coming peak of ~64 % of the card). The same holds near the limit: torch's caching allocator, short
+    of memory (the card's or its per-process fraction), frees every cached segment no live block uses and
+    retries before it raises an OOM - what `empty_cache` does. What a release adds is the first one's switch
+    to expandable segments (new segments grow in place, so freed pieces merge); after it, with the planner
+    deciding, no release is made: each cost the step 0.3-0.4 s (gc.collect, empty_cache, the next step's
+    allocation afresh - H100 calls s47b/c, two or three in every guarded Trainer and Lightning run)."""
     est = getattr(getattr(decision, "current", None), "peak", None)
     return est is None or est.mean + 1.645 * est.sigma >= near
 
@@ -205,6 +210,8 @@ class Policy:
             self._low_since = None
             if obs.decision.change:
                 return Action("plan", obs.decision.chosen.config, obs.decision.why)
+            if self._expandable:  # see _coming_near: past the switch a release only re-allocates
+                return NONE
             return (self._fragmented(obs, alarm) if alarm or _coming_near(obs.decision, self.cfg.frag_used) else None) or NONE
         if alarm:  # a smaller micro-batch lowers the peak for sure; the cache's release comes after it
             self._low_since = None
