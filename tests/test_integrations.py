@@ -22,7 +22,7 @@ def test_per_device_batch_keeps_the_effective_batch_exact():
 # -- Hugging Face ---------------------------------------------------------------------------------------
 def _hf_run(tmp_path, name, actions: dict[int, Action] | None, split: bool = True, items: bool = True,
             pad: bool = False, trainer_cls=None):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 

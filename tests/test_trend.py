@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatch.predict import trend as T
 from gpuwatch.predict import vramtop as V
-from gpuwatch.predict.peak import usable_limit
+from gpuwatch.predict.peak import shape_key, usable_limit
 
 GiB = 2**30
 
@@ -24,7 +24,7 @@ def _ramp(cycles: int, kept_per_cycle: float, levels=(8, 10, 12, 16), per_level:
         for b in levels:
             for _ in range(per_level):
                 t.append(n * step_s)
-                key.append(b * 512 * 1e6 + 512)
+                key.append(shape_key(b * 512, 512))
                 alloc.append(2 * GiB + b * 0.05 * GiB + c * kept_per_cycle)
                 n += 1
     return np.array(t), np.array(key), np.array(alloc)
@@ -47,7 +47,7 @@ def test_memory_kept_across_restarts_is_its_rate_in_time():
 def test_a_steady_run_has_no_trend_and_a_leak_fills_within_the_horizon():
     limit = 10 * GiB
     t = np.arange(20) * 0.5
-    key = np.full(20, 8 * 512 * 1e6 + 512)
+    key = np.full(20, shape_key(8 * 512, 512))
     peak_step = 1.0 * GiB
     steady = np.full(20, 6 * GiB)
     out: dict = {}

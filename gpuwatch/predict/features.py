@@ -18,7 +18,7 @@ import polars as pl
 
 from gpuwatch.predict import trend as T
 from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
-                                   nanmedian, usable_limit)
+                                   nanmedian, shape_key, usable_limit)
 from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.window import Window
@@ -262,7 +262,7 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
     cut = _since_last_oom(oom_us, ts)  # the growth measured in the configuration that runs now
-    T.trend(out, ts[cut:] / 1e6, (tokens * 1e6 + seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
+    T.trend(out, ts[cut:] / 1e6, shape_key(tokens, seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
             out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None,
             col(SPLIT)[cut:] if SPLIT in st.columns else None)
     return last

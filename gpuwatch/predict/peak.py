@@ -81,6 +81,19 @@ FRAG_P = 0.9  # ...and more than the room left outside the allocator's segments:
 FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a model input): before a GPU's
 # first step, the shape library's weights / the usable limit (predict/prior.py), what the guard sizes that step with
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
+KEY_BASE = 1e6  # a shape's key: tokens x KEY_BASE + length (lengths stay below it; exact in a float64 up to
+# 2^53 / 1e6 ~ 9e9 tokens)
+
+
+def shape_key(tokens, length):
+    """A shape's key (a float, or an array of them): tokens x KEY_BASE + length - one number that sorts by
+    tokens and tells two shapes of the same tokens apart by their length."""
+    return tokens * KEY_BASE + length
+
+
+def key_length(keys: np.ndarray) -> np.ndarray:
+    """The sequence lengths back from `shape_key` keys."""
+    return keys - np.floor(keys / KEY_BASE) * KEY_BASE
 FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
 SCALED_BELOW_MIN_STEPS = 3  # the planner scales below the smallest shape only from this many steps (review of
 # ed76215: from a window of 1-2 steps - a loop's first steps, a graph pool's warm-up - whole steps came out up to
@@ -140,7 +153,7 @@ class StepFit:
     the plan's precision), their spread, what stays allocated and its growth, the pace. `at` forecasts
     one plan; a second plan (the lookahead's) costs only its own lookup."""
 
-    uk: np.ndarray  # the distinct shapes (tokens x 1e6 + length), in order of tokens (`shapes`)
+    uk: np.ndarray  # the distinct shapes (`shape_key`), in order of tokens (`shapes`)
     med: np.ndarray  # their median activations in the plan's precision
     ut: np.ndarray  # their tokens per (micro-)batch
     resid: float  # the pooled residual scale
@@ -327,7 +340,7 @@ def _group_medians(inv: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
 
 
 def shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """The distinct shapes (keys tokens x 1e6 + length), the median activation of each and its tokens,
+    """The distinct shapes (`shape_key`), the median activation of each and its tokens,
     in order of tokens, and the pooled residual scale of the shapes seen at least 3 times.
 
     In plain Python below SMALL_N steps (a live window holds at most 64): np.unique and a grouped sort
@@ -337,7 +350,7 @@ def shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, n
         return shapes_np(T, S, act)
     groups: dict[float, tuple[float, list[float]]] = {}
     for t, s, a in zip(T.tolist(), S.tolist(), act.tolist()):
-        k = t * 1e6 + s
+        k = shape_key(t, s)
         g = groups.get(k)
         if g is None:
             groups[k] = (t, [a])
@@ -367,7 +380,7 @@ def shapes(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, n
 def shapes_np(T: np.ndarray, S: np.ndarray, act: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """`shapes` in numpy (long windows: training's and `score`'s are no longer than live ones, but a
     caller may pass more)."""
-    keys = T * 1e6 + S
+    keys = shape_key(T, S)
     uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
     med = _group_medians(inv, act, uk.size)
     dev = np.abs(act - med[inv])
@@ -394,7 +407,7 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
     smaller shape never came out above this estimate by more than 1.645 of its spread. Longer than any length
     seen (`longer`: the live estimate's rule; the shape library's first-step prior was not tuned with it):
     `longer_than_seen`."""
-    hit = np.where(uk == Tp * 1e6 + Sp)[0]
+    hit = np.where(uk == shape_key(Tp, Sp))[0]
     if hit.size:
         return float(med[hit[0]]), resid, 0.0
     if Tp <= ut[0]:
@@ -417,7 +430,7 @@ def activation_at(uk: np.ndarray, med: np.ndarray, ut: np.ndarray, resid: float,
         a_hat = float(med[lo] + f * (med[hi] - med[lo]))
         extrap = INTERPOLATION_REL * abs(float(med[hi] - med[lo]))
     if longer:  # below the smallest tokens too: a split or token-budget batching at a new length (review of 9c8a55e)
-        lengths = uk - np.floor(uk / 1e6) * 1e6
+        lengths = key_length(uk)
         if Sp > float(lengths.max()):
             a_hat, extrap = longer_than_seen(lengths, med, ut, Tp, Sp, a_hat, extrap)
     return a_hat, resid, extrap
