@@ -176,3 +176,21 @@ def test_the_core_installs_alone_and_runs_replay_score_report_without_torch(tmp_
         assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     assert not (tmp_path / "recordings").exists()
     assert gpuwatch.__file__.startswith(str(ROOT))  # this process: still the checkout's
+
+
+def test_the_scikit_learn_pin_is_the_minor_the_shipped_model_was_trained_with():
+    """The shipped model loads only under the scikit-learn minor it was pickled with (model.check_manifest), so
+    the core's requirement admits that minor and no other: a fresh install then always loads it."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from gpuwatch.predict.model import DEFAULT_MODEL, read_manifest
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    req, = [Requirement(d) for d in deps if Requirement(d).name == "scikit-learn"]
+    trained = Version(read_manifest(DEFAULT_MODEL)["versions"]["scikit-learn"])
+    assert req.specifier.contains(trained)
+    assert not req.specifier.contains(Version(f"{trained.major}.{trained.minor + 1}.0"))
+    assert not req.specifier.contains(Version(f"{trained.major}.{trained.minor - 1}.99")) or trained.minor == 0
