@@ -194,3 +194,20 @@ def test_the_scikit_learn_pin_is_the_minor_the_shipped_model_was_trained_with():
     assert req.specifier.contains(trained)
     assert not req.specifier.contains(Version(f"{trained.major}.{trained.minor + 1}.0"))
     assert not req.specifier.contains(Version(f"{trained.major}.{trained.minor - 1}.99")) or trained.minor == 0
+
+
+def test_numpy_is_required_at_the_major_the_shipped_model_was_pickled_with():
+    """A numpy-2 pickle does not load under numpy 1.x (numpy 1.26.4 with scikit-learn 1.9.1: "PCG64 is not a
+    known BitGenerator module"), which scikit-learn alone would allow."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from gpuwatch.predict.model import DEFAULT_MODEL, read_manifest
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    req, = [Requirement(d) for d in deps if Requirement(d).name == "numpy"]
+    trained = Version(read_manifest(DEFAULT_MODEL)["versions"]["numpy"])
+    assert req.specifier.contains(trained)
+    assert not req.specifier.contains(Version(f"{trained.major - 1}.99.99"))
