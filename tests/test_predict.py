@@ -235,6 +235,10 @@ def test_tampered_or_mismatched_model_is_refused(small_model, tmp_path, py, env)
     manifest_path(bad).write_text(json.dumps(m2))
     with pytest.raises(ModelError, match="scikit-learn 0.1.0"):
         load_model(bad, trust=True)
+    m2["versions"] = {**json.loads(manifest_path(src).read_text())["versions"], "numpy": "99.0.0"}
+    manifest_path(bad).write_text(json.dumps(m2))  # a numpy-2 pickle under numpy 1 does not load: said, not a traceback
+    with pytest.raises(ModelError, match=r"numpy 99.0.0, this is .*pip install 'numpy>=99'"):
+        load_model(bad, trust=True)
 
 
 def test_scoring_one_window_is_cheap(small_model):

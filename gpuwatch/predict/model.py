@@ -90,6 +90,13 @@ def _minor(v: str | None) -> str:
     return ".".join((v or "").split(".")[:2])
 
 
+def _major(v: str | None) -> int | None:
+    try:
+        return int((v or "").split(".")[0])
+    except ValueError:
+        return None
+
+
 @dataclass
 class RiskModel:
     estimator: Any
@@ -176,6 +183,10 @@ def check_manifest(path: Path, man: dict[str, Any], trust: bool) -> None:
     want = (man.get("versions") or {}).get("scikit-learn")
     if _minor(have) != _minor(want):
         raise ModelError(f"{path}: trained with scikit-learn {want}, this is {have}; retrain with `gpuwatch train` (minutes)")
+    np_have, np_want = _major(lib_versions().get("numpy")), _major((man.get("versions") or {}).get("numpy"))
+    if np_have is not None and np_want is not None and np_have < np_want:  # a numpy-2 pickle under numpy 1
+        raise ModelError(f"{path}: pickled with numpy {man['versions']['numpy']}, this is {lib_versions().get('numpy')}, "
+                         f"which cannot load it; pip install 'numpy>={np_want}' (or retrain with `gpuwatch train`)")
     if not trust:
         digest = sha256(path)
         if digest != man.get("sha256"):
