@@ -202,6 +202,9 @@ def test_fragmentation_releases_the_cache_and_switches_to_expandable_segments_on
     assert a.kind == "release_cache" and a.value is True and "fragmentation" in a.why
     assert p.decide(obs(5, 0.3, torch_reserved_gap_frac=0.12, mem_used_frac=0.9)).kind == "none"
     a = p.decide(obs(11, 0.3, torch_reserved_gap_frac=0.12, mem_used_frac=0.9))
+    assert a.kind == "release_cache" and a.value is True  # the first was decided, not applied (observe mode)
+    p.applied(a)
+    a = p.decide(obs(22, 0.3, torch_reserved_gap_frac=0.12, mem_used_frac=0.9))
     assert a.kind == "release_cache" and a.value is False  # expandable segments only once
     assert Policy(GuardConfig()).decide(obs(0, 0.3, torch_reserved_gap_frac=0.12, mem_used_frac=0.5)).kind == "none"
     o = obs(0, 0.3, torch_reserved_gap_frac=0.12, mem_used_frac=0.9)

@@ -701,12 +701,59 @@ def test_with_the_planner_the_cache_is_released_once_to_switch_to_expandable_seg
     p = Policy(GuardConfig(cooldown_s=0.0, frag_every_s=10.0))
     a = p.decide(obs(0.0))
     assert a.kind == "release_cache" and a.value is True  # the switch
+    p.applied(a)
     assert [p.decide(obs(t)).kind for t in (11.0, 30.0, 300.0)] == ["none"] * 3
     q = Policy(GuardConfig(cooldown_s=0.0, frag_every_s=10.0))
-    q.decide(obs(0.0, decided=False))
-    obs_late = obs(11.0, decided=False)
-    obs_late.risk = 0.1
-    assert q.decide(obs_late).kind == "release_cache"  # the threshold rule: at its period, as before
+    early, late = obs(0.0, decided=False), obs(11.0, decided=False)
+    early.risk = late.risk = 0.1  # no alarm: the threshold rule's release, not its cut
+    a = q.decide(early)
+    assert a.kind == "release_cache" and a.value is True
+    q.applied(a)
+    a = q.decide(late)
+    assert a.kind == "release_cache" and a.value is False  # the threshold rule: at its period, as before
+
+
+def test_a_release_decided_in_observe_mode_leaves_the_switch_to_expandable_segments_for_the_first_applied_one():
+    """Observe mode decides and applies nothing: the policy must not count the switch as made (review of
+    ab5441a: observe, then G to on, and the planner's path would never have switched nor released)."""
+    gib = 2**30
+
+    class W:
+        gpu_index = 0
+
+        def __init__(self):
+            self.applied = []
+
+        def accepts(self):
+            return frozenset({"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "release_cache",
+                              "name_leak"})
+
+        def apply(self, a, who="guard"):
+            self.applied.append(a)
+
+        def request_snapshot(self, d, r):
+            pass
+
+        def next_plan(self):
+            return StepPlan(batch=16, seq_len=2048, precision="bf16", mode="train", effective_batch=16, wanted_batch=16)
+
+        def guard_view(self):  # 12.5 % of the limit reserved beyond the last step's peak, 96 % in use
+            return WorkloadView(gpu=0, ceiling=None, last_ok_batch=16, last_peak_bytes=60 * gib,
+                                last_allocated_bytes=30 * gib, last_reserved_bytes=70 * gib, device="cuda")
+
+    t = [0.0]
+    w = W()
+    g = Guard(Bus(), GuardConfig(mode="observe", cooldown_s=0.0, frag_every_s=10.0), {0: w}, threshold=0.5,
+              limits={0: 80 * gib}, clock=lambda: t[0])
+    g.on_risk(0, 0.1, [], {"mem_used_frac": 0.96}, None, False)
+    assert g.before_step(w).kind == "release_cache" and w.applied == []  # would release: nothing applied
+    g.set_mode("on")
+    t[0] = 11.0
+    a = g.before_step(w)
+    assert a.kind == "release_cache" and a.value is True and w.applied == [a]  # the switch, applied now
+    t[0] = 22.0
+    a = g.before_step(w)
+    assert a.kind == "release_cache" and a.value is False and len(w.applied) == 2
 
 
 def test_the_pace_learns_a_moes_per_micro_batch_cost_where_k_and_the_tokens_changed_together():

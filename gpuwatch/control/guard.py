@@ -300,6 +300,7 @@ class Guard:
         if act.kind == "stop":
             self.stopped[gpu] = act.why
         w.apply(act, who="guard")
+        self.policies[gpu].applied(act)
 
     def cannot_act(self, gpu: int | None, state: str, message: str, helps: str | None) -> None:
         """A workload's own reason the guard cannot act (a loop on the CPU, a framework that cannot change

@@ -137,6 +137,12 @@ class Policy:
         self._released = -1e18
         self._expandable = False
 
+    def applied(self, act: Action) -> None:
+        """The guard applied `act` to the workload (observe mode decides and applies nothing): after a release
+        that switched the allocator to expandable segments, the next releases only release."""
+        if act.kind == "release_cache" and act.value:
+            self._expandable = True
+
     def cooldown_left(self, now_s: float) -> float:
         """Seconds until the cooldown after the last action ends (0: none)."""
         return max(0.0, self.cfg.cooldown_s - (now_s - self._last_action))
@@ -193,8 +199,7 @@ class Policy:
         if obs.now_s - self._released < self.cfg.frag_every_s:
             return None
         self._released = obs.now_s
-        expand = not self._expandable
-        self._expandable = True
+        expand = not self._expandable  # set by `applied`: observe mode decides a release and applies nothing
         what = "reserved beyond the last step's peak" if obs.frag_frac is not None else "reserved but not allocated"
         return Action("release_cache", expand,
                       f"{gap:.0%} of the limit {what} (fragmentation) at {used:.0%} used: "
