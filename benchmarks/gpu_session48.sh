@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 48's GPU call (dry-run on the CPU with DRY=1 before it is spent). Not run: no device start succeeded in
-# session 48 (13 starts tried in 75 minutes, 1,471 of 1,800 s); one short call, owed:
+# session 48 (24 calls, 17:43-19:15, 1,576 of 1,800 s); one short call, owed:
 #   p: issue 28 - the fixes since s47b/c, none yet on a GPU: the pace model's shared-length cost (0283073/b58ef72),
 #      the snapshot's backoff under expandable segments (dfcbd24) and one cache release a run with the planner
 #      (ab5441a). The Lightning pair first (the arm below static in s47: 0.84x / 0.93x), then the HF curriculum pair.
