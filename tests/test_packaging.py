@@ -178,9 +178,9 @@ def test_the_core_installs_alone_and_runs_replay_score_report_without_torch(tmp_
     assert gpuwatch.__file__.startswith(str(ROOT))  # this process: still the checkout's
 
 
-def test_the_scikit_learn_pin_is_the_minor_the_shipped_model_was_trained_with():
-    """The shipped model loads only under the scikit-learn minor it was pickled with (model.check_manifest), so
-    the core's requirement admits that minor and no other: a fresh install then always loads it."""
+
+def _pin_and_trained(name: str):
+    """The core's requirement on `name` (pyproject) and the version the shipped model's manifest was made with."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -189,25 +189,26 @@ def test_the_scikit_learn_pin_is_the_minor_the_shipped_model_was_trained_with():
     from gpuwatch.predict.model import DEFAULT_MODEL, read_manifest
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    req, = [Requirement(d) for d in deps if Requirement(d).name == "scikit-learn"]
-    trained = Version(read_manifest(DEFAULT_MODEL)["versions"]["scikit-learn"])
-    assert req.specifier.contains(trained)
-    assert not req.specifier.contains(Version(f"{trained.major}.{trained.minor + 1}.0"))
-    assert trained.minor == 0 or not req.specifier.contains(Version(f"{trained.major}.{trained.minor - 1}.99"))
+    req, = [r for r in map(Requirement, deps) if r.name == name]
+    return req.specifier, Version(read_manifest(DEFAULT_MODEL)["versions"][name])
+
+
+def test_the_scikit_learn_pin_is_the_minor_the_shipped_model_was_trained_with():
+    """The shipped model loads only under the scikit-learn minor it was pickled with (model.check_manifest), so
+    the core's requirement admits that minor and no other: a fresh install then always loads it."""
+    from packaging.version import Version
+
+    pin, trained = _pin_and_trained("scikit-learn")
+    assert pin.contains(trained)
+    assert not pin.contains(Version(f"{trained.major}.{trained.minor + 1}.0"))
+    assert trained.minor == 0 or not pin.contains(Version(f"{trained.major}.{trained.minor - 1}.99"))
 
 
 def test_numpy_is_required_at_the_major_the_shipped_model_was_pickled_with():
     """A numpy-2 pickle does not load under numpy 1.x (numpy 1.26.4 with scikit-learn 1.9.1: "PCG64 is not a
     known BitGenerator module"), which scikit-learn alone would allow."""
-    import tomllib
-
-    from packaging.requirements import Requirement
     from packaging.version import Version
 
-    from gpuwatch.predict.model import DEFAULT_MODEL, read_manifest
-
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    req, = [Requirement(d) for d in deps if Requirement(d).name == "numpy"]
-    trained = Version(read_manifest(DEFAULT_MODEL)["versions"]["numpy"])
-    assert req.specifier.contains(trained)
-    assert not req.specifier.contains(Version(f"{trained.major - 1}.99.99"))
+    pin, trained = _pin_and_trained("numpy")
+    assert pin.contains(trained)
+    assert not pin.contains(Version(f"{trained.major - 1}.99.99"))

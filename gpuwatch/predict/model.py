@@ -179,14 +179,14 @@ def check_manifest(path: Path, man: dict[str, Any], trust: bool) -> None:
         raise ModelError(f"{path}: trained on other features than this gpuwatch computes; retrain with `gpuwatch train`")
     if man.get("schema_version") not in schema.READABLE_VERSIONS:
         raise ModelError(f"{path}: schema version {man.get('schema_version')!r} unknown to this gpuwatch")
-    have = lib_versions().get("scikit-learn")
-    want = (man.get("versions") or {}).get("scikit-learn")
-    if _minor(have) != _minor(want):
-        raise ModelError(f"{path}: trained with scikit-learn {want}, this is {have}; retrain with `gpuwatch train` (minutes)")
-    np_have, np_want = _major(lib_versions().get("numpy")), _major((man.get("versions") or {}).get("numpy"))
+    have, want = lib_versions(), man.get("versions") or {}
+    if _minor(have.get("scikit-learn")) != _minor(want.get("scikit-learn")):
+        raise ModelError(f"{path}: trained with scikit-learn {want.get('scikit-learn')}, this is {have.get('scikit-learn')}; "
+                         "retrain with `gpuwatch train` (minutes)")
+    np_have, np_want = _major(have.get("numpy")), _major(want.get("numpy"))
     if np_have is not None and np_want is not None and np_have < np_want:  # a numpy-2 pickle under numpy 1
-        raise ModelError(f"{path}: pickled with numpy {man['versions']['numpy']}, this is {lib_versions().get('numpy')}, "
-                         f"which cannot load it; pip install 'numpy>={np_want}' (or retrain with `gpuwatch train`)")
+        raise ModelError(f"{path}: pickled with numpy {want['numpy']}, this is {have['numpy']}, which cannot load it; "
+                         f"pip install 'numpy>={np_want}' (or retrain with `gpuwatch train`)")
     if not trust:
         digest = sha256(path)
         if digest != man.get("sha256"):

@@ -83,6 +83,11 @@ FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a m
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
 KEY_BASE = 1e6  # a shape's key: tokens x KEY_BASE + length (lengths stay below it; exact in a float64 up to
 # 2^53 / 1e6 ~ 9e9 tokens)
+FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
+SCALED_BELOW_MIN_STEPS = 3  # the planner scales below the smallest shape only from this many steps (review of
+# ed76215: from a window of 1-2 steps - a loop's first steps, a graph pool's warm-up - whole steps came out up to
+# 3.8 sigma short; the old rule there)
+HELD_SIGMA_MEASURED, HELD_SIGMA_PRIOR = 0.05, 0.15  # of the held bytes: their spread, learned / the prior
 
 
 def shape_key(tokens, length):
@@ -94,11 +99,6 @@ def shape_key(tokens, length):
 def key_length(keys: np.ndarray) -> np.ndarray:
     """The sequence lengths back from `shape_key` keys."""
     return keys - np.floor(keys / KEY_BASE) * KEY_BASE
-FAILED_ALLOC_TOL = 0.01  # of the limit: "no less allocated" within this
-SCALED_BELOW_MIN_STEPS = 3  # the planner scales below the smallest shape only from this many steps (review of
-# ed76215: from a window of 1-2 steps - a loop's first steps, a graph pool's warm-up - whole steps came out up to
-# 3.8 sigma short; the old rule there)
-HELD_SIGMA_MEASURED, HELD_SIGMA_PRIOR = 0.05, 0.15  # of the held bytes: their spread, learned / the prior
 
 
 @dataclass(frozen=True)
