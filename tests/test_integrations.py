@@ -155,6 +155,7 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     rows: list[int] = []  # rows of every forward
+    losses: list[tuple[int, float]] = []  # (rows, loss) of every forward, read after it (test only)
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -166,7 +167,10 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
             ids = batch[0]
             rows.append(ids.shape[0])
             logits = self.net(ids[:, :-1])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+            if torch.is_grad_enabled():
+                losses.append((ids.shape[0], float(loss.detach())))
+            return loss
 
         def training_step(self, batch, i):
             return gw.step(self, batch, self.loss_of) if split else self.loss_of(batch)
@@ -201,6 +205,7 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
     val = torch.utils.data.DataLoader(ds, batch_size=8) if validate else None
     trainer.fit(model, train_dataloaders=gw.dataloader(ds, batch_size=8), val_dataloaders=val)
     model.rows = [r for r in rows if r]
+    model.losses = losses
     return model, gw, seen, trainer
 
 
@@ -250,6 +255,41 @@ def test_lightning_step_splits_mid_epoch_with_the_same_update(tmp_path, accumula
     assert any("3 micro-batches of at most 3 in the step" in m for m in ev), ev
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_lightning_records_each_steps_mean_loss_over_its_accumulation_and_micro_batches(tmp_path, split):
+    """The steps row's loss is the optimizer step's mean over everything it ran: Lightning's accumulation of 2
+    batches and, with `gw.step`, the guard's micro-batches (8 rows as 3 + 3 + 2, weighted by their rows) - read
+    from the losses Lightning backpropagates (`StepLoss`), not the last batch's loss divided by the accumulation
+    as the step's output says (what the row held before)."""
+    from gpuwatch.recording.reader import open_recording
+
+    model, gw, _, t = _lightning_run(tmp_path, "acc", None, split=split, accumulate=2,
+                                     step_actions={3: Action("lower_ceiling", 3, "test")} if split else None)
+    per_step, cur, rows = [], 0.0, 0
+    for n, loss in model.losses:  # 16 rows a step: 2 batches of 8
+        cur, rows = cur + loss * n, rows + n
+        if rows == 16:
+            per_step.append(cur / 16)
+            cur, rows = 0.0, 0
+    got = open_recording(tmp_path / "acc").steps["loss"].to_list()
+    assert t.global_step == 16 and len(got) == 16 == len(per_step)
+    assert got == pytest.approx(per_step, rel=1e-5), (got, per_step)
+    if split:
+        assert any(n == 3 for n, _ in model.losses)  # the split ran
+
+
+def test_the_step_loss_sums_what_was_added_and_resets_on_the_cpu():
+    from gpuwatch.integrations.lightning import StepLoss
+
+    s = StepLoss()
+    assert s.take() is None
+    s.add(torch.tensor(1.25, requires_grad=True) * 2)
+    s.add(torch.tensor([0.5]))
+    s.add(torch.ones(3))  # not a scalar loss: ignored
+    s.add(None)
+    assert s.take() == pytest.approx(3.0) and s.take() is None
+
+
 def test_lightning_step_in_validation_runs_whole_and_the_update_holds(tmp_path):
     """validation_step calling training_step (through gw.step) runs the batch whole under no_grad: no backward
     there, no gradients set aside, and the training update still equals an unguarded run's."""
@@ -259,3 +299,61 @@ def test_lightning_step_in_validation_runs_whole_and_the_update_holds(tmp_path):
     assert t.global_step == 32 and gw.splitting and not gw._held
     for a, b in zip(plain.parameters(), guarded.parameters()):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.gpu
+def test_lightning_reads_the_steps_loss_on_a_gpu_without_a_host_sync(tmp_path):
+    """On CUDA the callback's step end makes no synchronizing call (torch's sync debug mode raises on one, as
+    `float(loss)` did there), and the row's loss is still the step's mean (bf16-mixed, accumulation 2)."""
+    L = pytest.importorskip("lightning")
+    from gpuwatch.integrations.lightning import GpuwatchLightningCallback, StepLoss
+    from gpuwatch.recording.reader import open_recording
+
+    s = StepLoss()
+    x = torch.tensor(2.0, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s.add(x * 1.5)
+        s.add(x)
+        got = s.take()
+        with pytest.raises(RuntimeError):
+            float(x)  # what the mode catches
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == pytest.approx(5.0)
+
+    losses: list[float] = []
+
+    class Strict(GpuwatchLightningCallback):
+        def on_train_batch_end(self, *a, **kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                super().on_train_batch_end(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+
+        def training_step(self, batch, i):
+            ids = batch[0]
+            loss = torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+            losses.append(float(loss.detach()))  # the test's own read, outside the callback
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    gen = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 12), generator=gen))
+    gw = Strict(record_dir=tmp_path, name="strict", sampler="thread")
+    trainer = L.Trainer(max_epochs=1, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[gw], reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(LM(), train_dataloaders=gw.dataloader(ds, batch_size=8))
+    got = open_recording(tmp_path / "strict").steps["loss"].to_list()
+    want = [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+    assert trainer.global_step == 2 and got == pytest.approx(want, rel=1e-3), (got, want)

@@ -54,6 +54,13 @@ def lightning_precision(trainer) -> str:
     return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "fp32"
 
 
+def _loss_unscaled(trainer, pl_module) -> bool:
+    """Whether the loss `on_before_backward` sees is the step's own: automatic optimization (the closure's loss,
+    divided by the accumulation) without a loss scaler (fp16-mixed passes the scaled loss; its scaler reads the
+    gradients' inf check on the host every step anyway)."""
+    return bool(pl_module.automatic_optimization) and getattr(trainer.precision_plugin, "scaler", None) is None
+
+
 def _steps_left(trainer) -> int | None:
     """Optimizer steps the fit still has: `max_steps` where set, else Lightning's own estimate."""
     try:
@@ -84,6 +91,47 @@ class ResizableBatchSampler(torch.utils.data.Sampler):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
+class StepLoss:
+    """An optimizer step's loss, read without waiting for the step. Each loss Lightning backpropagates (already
+    divided by the accumulation, so their sum is the step's mean) is summed on its device and copied,
+    non-blocking, into pinned host memory behind an event; `take()` waits for that event only - the step's
+    last forward - not for the backward and optimizer step queued after it. Reading the loss at the step's
+    end otherwise (`float(loss)`) is a host sync every step, which an unguarded Lightning loop without a
+    logged loss does not have: the GPU then idles while the guard records and decides and Lightning fetches
+    the next batch. On the CPU, or where pinned memory fails, `take()` reads the sum directly."""
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None
+        self._event = None
+        self._pinned = True  # False once pinned memory failed: read the sum directly
+
+    def add(self, loss: Any) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        d = loss.detach().float().reshape(())
+        self._sum = d if self._sum is None else self._sum + d
+        if not (d.is_cuda and self._pinned):
+            return
+        try:
+            if self._buf is None:
+                self._buf, self._event = torch.empty((), dtype=torch.float32, pin_memory=True), torch.cuda.Event()
+            self._buf.copy_(self._sum, non_blocking=True)
+            self._event.record()
+        except RuntimeError:  # no pinned memory here: take() reads the sum (a sync, as before)
+            self._pinned, self._buf, self._event = False, None, None
+
+    def take(self) -> float | None:
+        """The loss summed since the last take (None if none was added); resets the sum."""
+        s, self._sum = self._sum, None
+        if s is None:
+            return None
+        if self._event is not None and s.is_cuda and self._pinned:
+            self._event.synchronize()
+            return float(self._buf)  # pinned host memory: no device sync
+        return float(s)
+
+
 class GpuwatchLightningCallback(L.Callback):
     def __init__(self, record_dir: str | Path | None = "recordings", name: str | None = None, guard: str = "on",
                  guard_config: GuardConfig | None = None, checkpoint=None, **loop_kwargs: Any) -> None:
@@ -105,6 +153,8 @@ class GpuwatchLightningCallback(L.Callback):
         self._said_whole = False
         self._batch_idx = 0
         self._held: list = []  # (parameter, gradient) set aside over Lightning's zeroing (`step`)
+        self._loss = StepLoss()  # the step's loss, read without a host sync at the step's end
+        self._inner = False  # `step()`'s own backward of a micro-batch (its loss is in the one Lightning returns)
 
     def step(self, module, batch, loss_fn) -> torch.Tensor:
         """Your `training_step`'s loss, with the batch run as micro-batches under the guard's ceiling:
@@ -145,7 +195,11 @@ class GpuwatchLightningCallback(L.Callback):
         done = None
         for part, w in parts[:-1]:
             loss = loss_fn(part) * w
-            trainer.strategy.backward(loss / acc, None)  # as Lightning scales the returned loss
+            self._inner = True
+            try:
+                trainer.strategy.backward(loss / acc, None)  # as Lightning scales the returned loss
+            finally:
+                self._inner = False
             d = loss.detach()
             done = d if done is None else done + d
             del loss
@@ -157,10 +211,13 @@ class GpuwatchLightningCallback(L.Callback):
         return loss_fn(part) * w + done
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back."""
+        """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back, and its
+        loss (the batch's, over the accumulation) is added to the step's."""
         held, self._held = self._held, []
         for p, g in held:
             p.grad = g if p.grad is None else p.grad.add_(g)
+        if not self._inner and _loss_unscaled(trainer, pl_module):
+            self._loss.add(loss)
 
     def dataloader(self, dataset, batch_size: int, shuffle: bool = False, drop_last: bool = False,
                    generator: torch.Generator | None = None, **kw) -> torch.utils.data.DataLoader:
@@ -209,10 +266,12 @@ class GpuwatchLightningCallback(L.Callback):
         k = trainer.accumulate_grad_batches
         e = self._per_device(trainer) * k
         self.effective.append(e)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        got = self._loss.take()
+        if got is None:  # no backward seen (manual optimization, fp16's scaled loss): what the step returned
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            got = None if loss is None else float(loss.detach())
         per_dev = self._per_device(trainer)
-        self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt,
-                              loss=None if loss is None else float(loss.detach()))
+        self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt, loss=got)
         # mid-epoch without `step()`: only checkpointing can change now
         self.loop.micro_batch_fixed = None if self.splitting else per_dev
         self.loop.steps_left = _steps_left(trainer)
