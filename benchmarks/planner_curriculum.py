@@ -10,17 +10,23 @@ a length curriculum from 256 to 4,096 tokens in sequential order, under a memory
 - `threshold`: the same with `GuardConfig(plan=False)` (the risk threshold and the 15 s give-back timer);
 - `static`: a cautious static per-device batch (`--static-batch`, default 4) x accumulation, the same effective batch;
 - `autofind`: `TrainingArguments(auto_find_batch_size=True)` (accelerate's find_executable_batch_size);
+- `observe`: the static configuration with `GpuwatchCallback` in observe mode (it records and scores, never acts):
+  beside `static`, what watching alone costs a step at the same configuration;
 - `planner-nocap` / `unguarded-nocap`: no cap, fewer steps: what the guard costs where it need not act;
 - `lightning-planner` / `lightning-unguarded` / `lightning-static`: the same model in a Lightning `Trainer`,
   `--epochs` epochs, each a curriculum of `--steps`/`--epochs` steps from `--min-seq` to `--lightning-max-seq`
   (per-device batch `--batch`, bf16-mixed). The planner arm's training_step is `gw.step(...)`
   (integrations/lightning.py): the micro-batch changes in the step, at any optimizer step.
-  `lightning-planner-epoch`: without `gw.step` - Lightning changes the per-device batch only between epochs,
+  `lightning-observe`: the static configuration with the callback in observe mode (beside `lightning-static`,
+  what watching alone costs). `lightning-planner-epoch`: without `gw.step` - Lightning changes the per-device batch only between epochs,
   so inside the first epoch activation checkpointing is the one remedy the guard has (what
   `lightning-planner` was until session 46). Static: `--static-batch` x accumulation.
 Each arm runs in its own process (a fresh CUDA context and cap) with a time limit and prints one JSON line:
 steps done, OOMs (including any after a give-back), restarts, effective batches seen, tokens/s, the
-guard's actions by kind, the plans it chose.
+guard's actions by kind, the plans it chose, and every arm's `step_log` (`StepLog`): each optimizer step's
+wall time and length, and on CUDA the caching allocator's segment allocations and frees (cudaMalloc /
+cudaFree) and retries in it - so a guarded and a static arm compare step by step, at a new length and at a
+repeat, and what the allocator did differently shows.
 
     python benchmarks/planner_curriculum.py --out results/ [--arms planner,unguarded,...] [--steps 150]
     python benchmarks/planner_curriculum.py --dry-run   # CPU, tiny: the code paths only
@@ -46,6 +52,58 @@ LIGHTNING_ARMS = ("lightning-planner", "lightning-unguarded", "lightning-static"
 
 def lengths(steps: int, lo: int, hi: int) -> list[int]:
     return [int(round((lo + (hi - lo) * i / max(1, steps - 1)) / 64) * 64) or 64 for i in range(steps)]
+
+
+class StepLog:
+    """Each optimizer step's wall time (from the last step's end), its sequence length and, on CUDA, the
+    allocator's counters over it: segments allocated (cudaMalloc) and freed (cudaFree, which waits for the
+    device) and allocation retries (a malloc that failed, freed the cache and tried again). `summary()`: the
+    medians at a new length and at a repeat, and the totals. Every arm logs alike (one `memory_stats()` a
+    step, ~0.1 ms)."""
+
+    KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.t: float | None = None
+        self.rows: list[list] = []  # [step, dt_ms, seq_len, mallocs, frees, retries]
+        self.last = self._counters()
+
+    def _counters(self) -> tuple[int, ...]:
+        if not self.cuda:
+            return (0, 0, 0)
+        import torch
+
+        st = torch.cuda.memory_stats()
+        return tuple(int(st.get(k, 0)) for k in self.KEYS)
+
+    def start(self, now: float) -> None:
+        self.t = now
+
+    def end(self, step: int, seq_len: int, now: float) -> None:
+        c = self._counters()
+        if self.t is not None:
+            self.rows.append([step, round(1e3 * (now - self.t), 2), int(seq_len), *(x - y for x, y in zip(c, self.last))])
+        self.t, self.last = now, c
+
+    def summary(self) -> dict:
+        rows = self.rows[1:]  # the first step's time is the arm's warm-up
+        prev = {r[0]: r[2] for r in self.rows}
+        new = [r for r in rows if prev.get(r[0] - 1) not in (None, r[2])]
+        rep = [r for r in rows if prev.get(r[0] - 1) == r[2]]
+
+        def med(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2] if xs else None
+
+        return {"steps": len(rows), "new_length_steps": len(new), "new_length_ms_p50": med([r[1] for r in new]),
+                "repeat_ms_p50": med([r[1] for r in rep]), "ms_total": round(sum(r[1] for r in rows), 1),
+                "cuda_mallocs": sum(r[3] for r in rows), "cuda_frees": sum(r[4] for r in rows),
+                "alloc_retries": sum(r[5] for r in rows),
+                "cuda_frees_at_new_length": sum(r[4] for r in new), "cuda_mallocs_at_new_length": sum(r[3] for r in new)}
+
+    def result(self) -> dict:
+        return {"step_summary": self.summary(), "step_log": self.rows}
 
 
 def build(a: argparse.Namespace, max_seq: int):
@@ -92,6 +150,31 @@ def lightning_module(model, gw=None):
     return LM, collate
 
 
+def lightning_counter(lens: list[int], per_epoch: int, deadline: float, log: StepLog):
+    """A Lightning callback that logs each optimizer step's end (`log`, and `ends`: (step, when) for the steady
+    rate, as the HF arms') and stops the fit past `deadline` (`cut[0]`). Returns (callback, ends, cut)."""
+    import lightning as L
+
+    steps_seen, cut = [0], [False]
+    ends: list[tuple[int, float]] = []
+
+    class Count(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            log.start(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != steps_seen[0]:
+                now = time.perf_counter()
+                ends.append((trainer.global_step, now))
+                log.end(trainer.global_step, lens[(trainer.global_step - 1) % per_epoch], now)
+            steps_seen[0] = trainer.global_step
+            if time.perf_counter() > deadline:
+                cut[0] = True
+                trainer.should_stop = True
+
+    return Count(), ends, cut
+
+
 def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     arm = label.split("#")[0]  # "planner#2": a repeat of the planner arm
     import lightning as L
@@ -110,29 +193,20 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (s,), generator=gen) for s in lens for _ in range(B)]
     cap = int(a.cap_gib * 2**30) if dev_ok else None
-    guarded = arm.startswith("lightning-planner")
+    guarded = arm.startswith("lightning-planner") or arm == "lightning-observe"
     if cap and not guarded:
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
-    steps_seen, deadline, cut = [0], time.perf_counter() + a.arm_timeout - 25.0, [False]
-    ends: list[tuple[int, float]] = []  # (optimizer step, when it ended): the steady rate, as the HF arms'
-
-    class Count(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step != steps_seen[0]:
-                ends.append((trainer.global_step, time.perf_counter()))
-            steps_seen[0] = trainer.global_step
-            if time.perf_counter() > deadline:
-                cut[0] = True
-                trainer.should_stop = True
-
-    static = arm == "lightning-static"
+    log = StepLog(dev_ok)
+    count, ends, cut = lightning_counter(lens, per_epoch, time.perf_counter() + a.arm_timeout - 25.0, log)
+    static = arm in ("lightning-static", "lightning-observe")
     per_dev, accum = (a.static_batch, B // a.static_batch) if static else (B, 1)
     gw = None
-    cbs = [Count()]
+    cbs = [count]
     if guarded:
         gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"),
-                                       guard_config=GuardConfig(mode="on"), memory_limit=cap, sampler="thread" if dry else "process",
+                                       guard_config=GuardConfig(mode="observe" if static else "on"), memory_limit=cap,
+                                       sampler="thread" if dry else "process",
                                        **({"source": a.source} if dry and a.source else {}))
         cbs.append(gw)
     LM, collate = lightning_module(model, gw if arm == "lightning-planner" else None)
@@ -165,7 +239,8 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
            # from the first optimizer step's end to the last's: the one-time costs (CUDA's warm-up, a guarded arm's
            # session start in on_train_start) left out, as the HF arms' tokens_per_s_after_first
            "tokens_per_s_after_first": (round(sum(B * lens[(g - 1) % per_epoch] for g, _t in ends[1:])
-                                             / (ends[-1][1] - ends[0][1]), 1) if len(ends) >= 2 else None)}
+                                             / (ends[-1][1] - ends[0][1]), 1) if len(ends) >= 2 else None),
+           **log.result()}
     if gw is not None:
         res.update(effective_batch_min=min(gw.effective), effective_batch_max=max(gw.effective))
         res.update(_guard_events(Path(a.out) / "sessions" / label.replace("#", "-")))
@@ -202,10 +277,11 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     cap = None if "nocap" in arm or not dev_ok else int(a.cap_gib * 2**30)
-    if cap and not (arm.startswith("planner") or arm == "threshold"):
+    guarded = arm.startswith("planner") or arm in ("threshold", "observe")
+    if cap and not guarded:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    per_dev, accum = (a.static_batch, B // a.static_batch) if arm == "static" else (B, 1)
+    per_dev, accum = (a.static_batch, B // a.static_batch) if arm in ("static", "observe") else (B, 1)
     out_dir = Path(a.work) / f"trainer-{label}"  # checkpoints (GBs): never under --out
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=per_dev,
                              gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-4,
@@ -215,6 +291,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
                              auto_find_batch_size=(arm == "autofind"), save_only_model=False)
     eff: list[int] = []
     ends: list[float] = []  # each step's end (perf_counter)
+    log = StepLog(dev_ok)
     first_begin: list[float] = []
     begins = [0]
     deadline = time.perf_counter() + a.arm_timeout - 25.0  # the arm's own figures before the parent's limit
@@ -223,6 +300,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
     class Count(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             begins[0] += 1
+            log.start(time.perf_counter())
 
         def on_step_begin(self, args, state, control, **kw):
             if not first_begin:
@@ -230,6 +308,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
+            log.end(state.global_step, lens[min(state.global_step, steps) - 1], ends[-1])
             eff.append(args.per_device_train_batch_size * args.gradient_accumulation_steps)
             if time.perf_counter() > deadline:
                 cut[0] = True
@@ -237,8 +316,9 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
 
     cbs = [Count()]
     gw = None
-    if arm.startswith("planner") or arm == "threshold":
-        gc = GuardConfig(mode="on") if arm != "threshold" else GuardConfig(mode="on", plan=False)
+    if guarded:
+        gc = (GuardConfig(mode="on", plan=False) if arm == "threshold" else GuardConfig(mode="observe") if arm == "observe"
+              else GuardConfig(mode="on"))
         gw = GpuwatchCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"), guard_config=gc,
                               memory_limit=cap, sampler="thread" if dry else "process", split=arm != "planner-restart",
                               **({"score_hz": 1.0} if arm.endswith("-1hz") else {}),
@@ -267,7 +347,8 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
                                              / (ends[min(len(ends), steps) - 1] - ends[0]), 1)
                                         if min(len(ends), steps) >= 2 and ends[-1] > ends[0] else None),
            "first_step_begin_s": round(first_begin[0] - t0, 2) if first_begin else None,
-           "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None}
+           "max_seq": a.max_seq, "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev_ok else None,
+           **log.result()}
     if gw is not None:
         res.update(ooms=gw.ooms, restarts=gw.restarts, restart_costs_s=[round(x, 2) for x in gw.restart_costs])
         over = sorted(gw.step_overhead_s)

@@ -1,0 +1,83 @@
+"""Where a guarded curriculum arm's step time goes, read from its recorded session (CPU, seconds): each optimizer
+step's time by configuration (per-device batch x micro-batches) at a new sequence length and at a repeat of the
+last step's, beside the static arm's mean step from the same call's JSON lines (the static arm records no
+session; its steady rate is `tokens_per_s_after_first`). Session 49 read s47's Lightning pairs with it:
+
+    python3 benchmarks/step_costs.py benchmarks/results/s47/b/lightning-sessions.tgz benchmarks/results/s47/b/lightning.jsonl
+
+Arguments: a `*-sessions.tgz` (or a session folder) and, optionally, the call's JSON lines (the arms' results).
+From session 49 on every arm's JSON line carries its own `step_log` (planner_curriculum.StepLog), static included,
+which this script prints too: then the arms compare step by step, not through a mean."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+
+def sessions(arg: str, tmp: Path) -> list[Path]:
+    p = Path(arg)
+    if p.is_file() and p.name.endswith(".tgz"):
+        with tarfile.open(p) as t:
+            t.extractall(tmp, filter="data")
+        return sorted(x.parent for x in tmp.rglob("steps.parquet"))
+    return sorted(x.parent for x in p.rglob("steps.parquet"))
+
+
+def by_config(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
+    out: dict[tuple, dict[str, list[float]]] = {}
+    for prev, r in zip(rows, rows[1:]):  # the first step (the arm's warm-up) has no previous step
+        key = (r["batch"] // max(1, r["micro_batches"] or 1), r["micro_batches"] or 1)
+        kind = "new" if r["seq_len"] != prev["seq_len"] else "repeat"
+        out.setdefault(key, {"new": [], "repeat": []})[kind].append(r["step_time_s"])
+    return out
+
+
+def report_session(path: Path) -> dict:
+    import polars as pl
+
+    rows = pl.read_parquet(path / "steps.parquet").sort("step").to_dicts()
+    tokens = sum(r["batch"] * r["seq_len"] for r in rows[1:])
+    span = sum(r["step_time_s"] for r in rows[1:])
+    print(f"{path.name}: {len(rows)} steps; after the first: {span:.2f} s of steps, {tokens / span:,.0f} tokens/s")
+    print("  micro-batch x count | at a new length: n, p50 s, sum s | at a repeat: n, p50 s, sum s")
+    for (mb, k), d in sorted(by_config(rows).items()):
+        cells = [f"{len(v)}, {statistics.median(v):.3f}, {sum(v):.2f}" if v else "-" for v in (d["new"], d["repeat"])]
+        print(f"  {mb} x {k} | {cells[0]} | {cells[1]}")
+    return {"tokens": tokens, "seconds": span}
+
+
+def report_lines(path: Path) -> None:
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        rate = r.get("tokens_per_s_after_first")
+        print(f"{r['arm']}: {r.get('steps_done')} steps, wall {r.get('wall_s')} s, {r.get('tokens_per_s')} tokens/s, "
+              f"after the first {rate}")
+        if r.get("step_summary"):
+            print(f"  step log: {json.dumps(r['step_summary'])}")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    with tempfile.TemporaryDirectory() as tmp:
+        found = sessions(argv[0], Path(tmp))
+        if not found:
+            print(f"step_costs: no steps.parquet under {argv[0]}", file=sys.stderr)
+            return 2
+        for s in found:
+            report_session(s)
+    if len(argv) > 1:
+        report_lines(Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
