@@ -278,6 +278,24 @@ def test_lightning_records_each_steps_mean_loss_over_its_accumulation_and_micro_
         assert any(n == 3 for n, _ in model.losses)  # the split ran
 
 
+def test_lightning_step_decides_each_optimizer_step_on_its_own_batch_before_it_runs(tmp_path, monkeypatch):
+    """With `gw.step` the guard decides in the step, the batch in hand (its length known: the plan's lookahead),
+    once per optimizer step and for the first step too - not after each step on the last step's length."""
+    from gpuwatch.integrations.loop import GuardedLoop
+
+    calls = []
+    real = GuardedLoop.decide
+
+    def spy(self, n, s, in_hand=False):
+        calls.append((n, s, in_hand))
+        return real(self, n, s, in_hand=in_hand)
+
+    monkeypatch.setattr(GuardedLoop, "decide", spy)
+    _, gw, _, t = _lightning_run(tmp_path, "inhand", None, split=True, accumulate=2)
+    assert t.global_step == 16 and len(calls) == 16, calls  # one decision a step, the first included
+    assert all(c == (16, 12, True) for c in calls), calls
+
+
 def test_the_step_loss_sums_what_was_added_and_resets_on_the_cpu():
     from gpuwatch.integrations.lightning import StepLoss
 

@@ -65,6 +65,32 @@ def test_both_workloads_implement_the_one_contract():
                           "micro_batches": 3}
 
 
+def test_a_step_decides_with_its_own_batch_as_the_plans_lookahead():
+    """`step()` has the batch in hand: the plan it decides on holds that batch's length as known (ahead one
+    step), so the planner weighs it instead of the recent longest; `decide()` alone (a framework deciding
+    before it fetched the batch) knows nothing ahead."""
+    loop = offline_loop(tiny_lm())
+    seen = []
+    real = loop.decide
+
+    def spy(n, s, in_hand=False):
+        out = real(n, s, in_hand=in_hand)
+        seen.append(loop.next_plan())
+        return out
+
+    loop.decide = spy
+    ids = torch.randint(0, 32, (4, 12))
+    loop.step(ids, lm_loss(loop.model))
+    p = seen[-1]
+    assert (p.ahead_steps, p.ahead_seq_len, p.seq_len) == (1, 12, 12)
+    assert loop.decide(4, 20) is not None  # a framework's decision before its batch: the last one's is not it
+    assert loop.next_plan().ahead_steps is None
+    loop2 = offline_loop(tiny_lm())
+    assert loop2.decide(4, 20) is not None and loop2.next_plan().ahead_steps is None
+    loop.close()
+    loop2.close()
+
+
 class ContractOnly:
     """Lets through only the contract's members of the workload it wraps: anything else the guard
     touched would raise."""

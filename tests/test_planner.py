@@ -553,6 +553,32 @@ def test_no_flapping_a_change_that_is_not_needed_waits_and_the_trend_is_not_carr
     assert d3.change and d3.chosen.config.micro_batch == 16, d3.why
 
 
+def test_with_the_batch_in_hand_the_micro_batch_comes_back_as_soon_as_an_epoch_wraps_to_short_lengths():
+    """s47's Lightning arms: a curriculum 256 -> 1,536 an epoch, split 16 -> 8 near 1,075. At the next epoch's
+    256 the planner kept 8 x 2 for 16 more steps: deciding before the batch was fetched, it must assume the
+    longest of the recent lengths (1,536) may come next. Where the step's own batch is known (`GuardedLoop.step`,
+    Lightning's `gw.step`: the plan's lookahead holds it) it weighs that batch: 16 fits 256 and comes back
+    once the dwell has passed, for half the micro-batches (on s47's host 16 x 1 ran a repeat in 0.10-0.14 s,
+    8 x 2 in 0.19-0.24 s)."""
+    est = memory_model(per_token=4e-5)  # 16 x 1,075 -> 0.99: over at the change margin; 8 x 1,536 -> 0.79; 16 x 256 -> 0.46
+    epoch = list(range(256, 1537, 64))
+
+    def wrap(in_hand: bool) -> int | None:
+        p = Planner()
+        feed(p, epoch[:13], micro=16)
+        feed(p, epoch[13:], micro=8, start=14)
+        for i, s in enumerate(epoch[:6], start=len(epoch) + 1):  # the next epoch, still at 8 x 2
+            d = p.decide(plan(8, s, ahead_steps=1 if in_hand else None), view(i - 1, 8, s), est, risk=0.0,
+                         threshold=0.5)
+            if d is not None and d.change:
+                return i - len(epoch)
+            feed(p, [s], micro=8, start=i)
+        return None
+
+    assert wrap(in_hand=True) == 1  # the dwell since the last change has long passed
+    assert wrap(in_hand=False) is None  # the recent 1,536 may come again: 16 does not fit it
+
+
 def test_checkpointing_off_at_a_smaller_micro_batch_is_not_taking_memory_back():
     """H200 call 7: at 16 + checkpointing, 4 x 4 without it was faster and needed less memory, but counted as
     "checkpointing off" = more memory, which waits for a calm classifier; it never came."""

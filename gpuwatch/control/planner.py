@@ -14,7 +14,9 @@ precision and checkpointing setting, what the step's peak will be, with its spre
 2. asks the estimator for each one's peak over the coming steps: the next step's and the lookahead's
    sequence length where the workload knows them, else the trend of recent lengths carried over the steps
    the configuration would run for (two steps for a change that is free to undo, the planning horizon for
-   one that costs a restart), and where the next batch is unknown the longest of the recent ones too;
+   one that costs a restart), and where the next batch is unknown the longest of the recent ones too
+   (where the step's own batch is in hand - `GuardedLoop.step`, Lightning's `gw.step` - the trend starts
+   from its length and the recent longest is not assumed);
 3. keeps the current configuration while P(peak > usable limit) <= `p_max`; a new one must pass the same
    test against `change_margin` of the usable limit (hysteresis: a change is never made to the edge);
 4. among the configurations that fit, values each by its expected tokens/s (control/pace.py: the step
@@ -151,7 +153,10 @@ class Planner:
             slope = _slope(lens)
             if slope > 0:
                 ahead = min(steps_ahead, self.cfg.trend_steps) if capped else steps_ahead
-                s = max(s, int(math.ceil(lens[-1] + slope * ahead)))
+                # from the step's own length where its batch is known (drawn ahead, or in hand), else from the
+                # last step's: after an epoch wraps to short lengths the trend starts at the batch in hand
+                base = int(plan.seq_len) if plan.ahead_steps is not None else lens[-1]
+                s = max(s, int(math.ceil(base + slope * ahead)))
         if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
             s = max(s, max(lens))
         return s

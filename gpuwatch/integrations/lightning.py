@@ -178,11 +178,13 @@ class GpuwatchLightningCallback(L.Callback):
             return loss_fn(batch)
         n = batch_size_of(batch)
         self.splitting = True
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        if self._batch_idx % acc == 0 and not self._decided_in_step(trainer, n * acc):
+            return None  # the guard stopped the run (a leak): checkpoint saved, this batch skipped, the fit ends
         k = chunks(n, self.micro)
         if k <= 1:
             return loss_fn(batch)
         parts = shares(batch, k)
-        acc = max(1, int(trainer.accumulate_grad_batches))
         # Lightning zeroes the gradients after training_step returns, before its backward, on the first batch of
         # an accumulation: there the micro-batches' gradients are set aside (no copy) and put back just before
         # that backward (`on_before_backward`); the stale ones of the last step are dropped first, as Lightning
@@ -209,6 +211,19 @@ class GpuwatchLightningCallback(L.Callback):
                 p.grad = None
         part, w = parts[-1]
         return loss_fn(part) * w + done
+
+    def _decided_in_step(self, trainer, effective: int) -> bool:
+        """`step()` on an optimizer step's first batch: the guard decides with that batch in hand (its length
+        known, as `GuardedLoop.step` does), before it runs - the first step included. False: stop."""
+        self.loop.micro_batch_fixed = None
+        self.loop.steps_left = _steps_left(trainer)
+        plan = self.loop.decide(effective, self._seq, in_hand=True)
+        if plan is None:
+            trainer.should_stop = True
+            return False
+        self.micro = self.loop.in_step_split(self.micro, plan.batch, self._batch_n, effective, trainer.global_step,
+                                             "Lightning: each batch", "no wait for the epoch's end")
+        return True
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back, and its
@@ -272,15 +287,13 @@ class GpuwatchLightningCallback(L.Callback):
             got = None if loss is None else float(loss.detach())
         per_dev = self._per_device(trainer)
         self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt, loss=got)
+        if self.splitting:  # `step()` decides the next step on its own batch, before it runs
+            return
         # mid-epoch without `step()`: only checkpointing can change now
-        self.loop.micro_batch_fixed = None if self.splitting else per_dev
+        self.loop.micro_batch_fixed = per_dev
         self.loop.steps_left = _steps_left(trainer)
-        plan = self.loop.decide(e, self._seq)
-        if plan is None:  # a leak: checkpoint saved by the hook, stop after this step
+        if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
             trainer.should_stop = True
-        elif self.splitting:
-            self.micro = self.loop.in_step_split(self.micro, plan.batch, per_dev, e, trainer.global_step,
-                                                 "Lightning: each batch", "no wait for the epoch's end")
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Between epochs: the guard's ceiling becomes the next epoch's per-device batch."""

@@ -105,6 +105,7 @@ class GuardedLoop:
         self._shapes: list[tuple[int, int]] = []  # (batch, seq_len) of the batch `wrap` gave and those drawn ahead
         self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
         self._ahead_ok = True  # the loader's batches are on the CPU (drawing them early costs no GPU memory)
+        self._in_hand = False  # `_shapes` is the batch a step had in hand (decide(in_hand=True)), not wrap's
         self._stop_why: str | None = None
         self._last: dict[str, Any] = {}
         self._snapshot_req: tuple[str, Any] | None = None
@@ -203,6 +204,7 @@ class GuardedLoop:
                 t = first_tensor(batch)
                 self._ahead_ok = look = t is None or t.device.type == "cpu"
             self._shapes = [shape, *(sh for _b, sh in buf if sh is not None)] if look and shape is not None else []
+            self._in_hand = False
             yield batch
 
     def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
@@ -218,7 +220,7 @@ class GuardedLoop:
         self.precision = X.autocast_precision(self.device.type, self.precision)  # the caller's autocast, if any
         n = batch_size_of(batch)
         s = seq_len if seq_len is not None else seq_len_of(batch)
-        if self.decide(n, s) is None:
+        if self.decide(n, s, in_hand=True) is None:
             return None
         overhead = time.perf_counter() - t_in
         for _attempt in range(64):
@@ -261,15 +263,22 @@ class GuardedLoop:
                           gpu=self.gpu_index, step=self.steps, error=self.stopped, exception=type(exc).__name__)
 
     # -- frameworks that run the step themselves (Hugging Face, Lightning) ----------------------------------
-    def decide(self, batch_size: int, seq_len: int) -> StepPlan | None:
+    def decide(self, batch_size: int, seq_len: int, in_hand: bool = False) -> StepPlan | None:
         """The guard decides for a step of `batch_size` x `seq_len` (the effective batch); returns the
         plan (its `batch` the micro-batch under the guard's ceiling) or None when the run must stop (the
-        checkpoint hook has then been called)."""
+        checkpoint hook has then been called). `in_hand`: the step's own batch, drawn already (`step()`,
+        `gw.step`): the plan's lookahead holds it, so the planner does not assume the longest recent length
+        comes next (as where a framework decides before fetching): s47's epoch wrap gave back 16 steps late."""
         if self.session is None:
             self.start()
         if self.should_stop:
             return None
         self._wanted = (int(batch_size), int(seq_len))
+        if in_hand and not (self._shapes and self._shapes[0] == self._wanted):
+            self._shapes = [self._wanted]  # not from `wrap` (or not its batch): this step's own, nothing beyond
+            self._in_hand = True
+        elif not in_hand and self._in_hand:
+            self._shapes, self._in_hand = [], False  # a decision before the batch is fetched: nothing is known
         if self.guard is not None and not self.manual:
             self._rescore_smaller_plan()
             self.guard.before_step(self)
