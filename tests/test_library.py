@@ -83,8 +83,8 @@ def test_a_step_decides_with_its_own_batch_as_the_plans_lookahead():
     loop.step(ids, lm_loss(loop.model))
     p = seen[-1]
     assert (p.ahead_steps, p.ahead_seq_len, p.seq_len) == (1, 12, 12)
-    assert loop.decide(4, 20) is not None  # a framework's decision before its batch: the last one's is not it
-    assert loop.next_plan().ahead_steps is None
+    assert loop.next_plan().ahead_steps is None  # the batch has run: between steps nothing ahead is known
+    assert loop.decide(4, 20) is not None and loop.next_plan().ahead_steps is None  # a framework's, before its batch
     loop2 = offline_loop(tiny_lm())
     assert loop2.decide(4, 20) is not None and loop2.next_plan().ahead_steps is None
     loop.close()

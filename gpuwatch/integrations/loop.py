@@ -277,8 +277,6 @@ class GuardedLoop:
         if in_hand and not (self._shapes and self._shapes[0] == self._wanted):
             self._shapes = [self._wanted]  # not from `wrap` (or not its batch): this step's own, nothing beyond
             self._in_hand = True
-        elif not in_hand and self._in_hand:
-            self._shapes, self._in_hand = [], False  # a decision before the batch is fetched: nothing is known
         if self.guard is not None and not self.manual:
             self._rescore_smaller_plan()
             self.guard.before_step(self)
@@ -371,6 +369,8 @@ class GuardedLoop:
             nb, ns = self._shapes[1]
             row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
         self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
+        if self._in_hand:  # the batch in hand has run: between steps nothing ahead is known
+            self._shapes, self._in_hand = [], False
         self._last = row
         self.bus.steps.append(row)
         self._maybe_snapshot()
