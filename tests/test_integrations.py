@@ -278,12 +278,10 @@ def test_lightning_records_each_steps_mean_loss_over_its_accumulation_and_micro_
         assert any(n == 3 for n, _ in model.losses)  # the split ran
 
 
-def test_lightning_step_decides_each_optimizer_step_on_its_own_batch_before_it_runs(tmp_path, monkeypatch):
-    """With `gw.step` the guard decides in the step, the batch in hand (its length known: the plan's lookahead),
-    once per optimizer step and for the first step too - not after each step on the last step's length."""
+def _spy_decisions(monkeypatch) -> list[tuple[int, int, bool]]:
     from gpuwatch.integrations.loop import GuardedLoop
 
-    calls = []
+    calls: list[tuple[int, int, bool]] = []
     real = GuardedLoop.decide
 
     def spy(self, n, s, in_hand=False):
@@ -291,9 +289,170 @@ def test_lightning_step_decides_each_optimizer_step_on_its_own_batch_before_it_r
         return real(self, n, s, in_hand=in_hand)
 
     monkeypatch.setattr(GuardedLoop, "decide", spy)
-    _, gw, _, t = _lightning_run(tmp_path, "inhand", None, split=True, accumulate=2)
-    assert t.global_step == 16 and len(calls) == 16, calls  # one decision a step, the first included
-    assert all(c == (16, 12, True) for c in calls), calls
+    return calls
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_step_decides_at_each_steps_end_and_before_the_first_step(tmp_path, monkeypatch, accumulate):
+    """With `gw.step` the guard decides before the first step runs and at every step's end (where a leak stop
+    still ends the fit before another batch). Without accumulation it assumes the next batch as long as the last
+    (in hand: not the longest recent length); with accumulation the step's other batches are unknown, so the
+    longest recent length is assumed as before."""
+    calls = _spy_decisions(monkeypatch)
+    _, gw, _, t = _lightning_run(tmp_path, "decide", None, split=True, accumulate=accumulate)
+    n = 32 // accumulate
+    assert t.global_step == n and calls == [(8 * accumulate, 12, accumulate == 1)] * (n + 1), calls
+
+
+def _varying_run(tmp_path, name, lens_of, accumulate=1, body=None, stop_at=None, n_items=64, precision="32-true",
+                 plugins=None, max_epochs=1):
+    """A Lightning fit whose item i has length `lens_of(i)` (batches of 8, sequential); returns (trainer, gw,
+    the lengths each optimizer step ran, every forward's (rows, loss))."""
+    L = pytest.importorskip("lightning")
+    from gpuwatch.integrations.lightning import GpuwatchLightningCallback
+
+    losses: list[tuple[int, float]] = []
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return n_items
+
+        def __getitem__(self, i):
+            return (torch.randint(0, 64, (lens_of(i),), generator=torch.Generator().manual_seed(i)),)
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+
+        def loss_of(self, b):
+            ids = b[0]
+            loss = torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+            if torch.is_grad_enabled():
+                losses.append((ids.shape[0], float(loss.detach())))
+            return loss
+
+        def training_step(self, b, i):
+            return body(self, gw, b) if body else gw.step(self, b, self.loss_of)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ran: list[list[int]] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % accumulate == 0:
+                ran.append([])
+            ran[-1].append(batch[0].shape[1])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if stop_at is not None and trainer.global_step == stop_at and not gw.loop.should_stop:
+                gw.loop.apply(Action("stop", None, "test: a leak"))
+
+    gw = GpuwatchLightningCallback(record_dir=tmp_path, name=name, sampler="thread")
+    t = L.Trainer(max_epochs=max_epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch(), gw],
+                  reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=accumulate, precision=precision,
+                  default_root_dir=str(tmp_path / f"pl-{name}"), **({"plugins": plugins} if plugins else {}))
+    t.fit(LM(), train_dataloaders=gw.dataloader(DS(), batch_size=8))
+    return t, gw, ran, losses
+
+
+def test_lightning_step_decides_again_on_a_batch_whose_length_the_steps_end_did_not_assume(tmp_path, monkeypatch):
+    """Batches alternating 6 and 24 tokens: each step's end assumed the last length, so `gw.step` decides again
+    with the batch in hand (its length) before running it."""
+    calls = _spy_decisions(monkeypatch)
+    t, _, ran, _ = _varying_run(tmp_path, "alt", lambda i: 6 if (i // 8) % 2 == 0 else 24)
+    assert t.global_step == 8 and ran == [[6], [24]] * 4
+    # per step: gw.step's own decision on its batch (the first step's, and each one whose length changed), then
+    # the step's end assuming the same length again
+    assert calls == [(8, n, True) for n in [6, 6, 24, 24] * 4], calls
+
+
+def test_with_accumulation_every_decision_assumes_the_longest_recent_length(tmp_path, monkeypatch):
+    """Review of 650cf89: with accumulation 2 a decision on the step's first batch (6 tokens) in hand would not
+    cover its second (24): no decision with `gw.step` under accumulation is in hand."""
+    from gpuwatch.control.planner import Planner
+    from gpuwatch.integrations.loop import GuardedLoop
+
+    plans = []
+    real = GuardedLoop.decide
+
+    def spy(self, n, s, in_hand=False):
+        out = real(self, n, s, in_hand=in_hand)
+        plans.append((in_hand, self.next_plan()))
+        return out
+
+    monkeypatch.setattr(GuardedLoop, "decide", spy)
+    t, _, ran, _ = _varying_run(tmp_path, "acc", lambda i: 6 if (i // 8) % 2 == 0 else 24, accumulate=2)
+    assert t.global_step == 4 and ran == [[6, 24]] * 4 and not any(h for h, _p in plans)
+    p = Planner()
+    p.lens.extend([24, 24, 24])
+    assert p.coming_seq(plans[-1][1], 2) >= 24
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_step_leak_stop_ends_cleanly_without_a_phantom_step(tmp_path, accumulate):
+    """Review of 650cf89: a stop decided inside `gw.step` returned None, and Lightning still stepped the optimizer
+    for that batch (a fifth row, the session "finished"). The stop is decided at the step's end, before the next
+    batch: four steps, four rows, "stopped"."""
+    from gpuwatch.recording.reader import open_recording
+
+    model, gw, seen, t = _lightning_run(tmp_path, "leak", None, split=True, accumulate=accumulate,
+                                        step_actions={4: Action("stop", None, "test: a leak")})
+    rec = open_recording(tmp_path / "leak")
+    stop = rec.events.filter(rec.events["kind"] == "workload_stop")["message"].to_list()
+    assert gw.loop.should_stop and (tmp_path / "pl-leak" / "gpuwatch-stop-step4.ckpt").is_file()
+    assert (rec.steps.height, t.global_step) == (4, 4), rec.steps["loss"].to_list()
+    assert "stopped after 4 steps" in stop[0], stop
+
+
+@pytest.mark.parametrize("form", ["dict", "logged"])
+def test_a_leak_stop_ends_the_fit_cleanly_whatever_training_step_does_with_the_loss(tmp_path, form):
+    """Review of 650cf89: `gw.step` returning None on a stop broke `{"loss": gw.step(...)}` and `self.log(...,
+    gw.step(...))`; it never returns None now."""
+    def body(m, gw, b):
+        loss = gw.step(m, b, m.loss_of)
+        if form == "logged":
+            m.log("train_loss", loss)
+            return loss
+        return {"loss": loss}
+
+    from gpuwatch.recording.reader import open_recording
+
+    t, gw, _, _ = _varying_run(tmp_path, form, lambda i: 12, body=body, stop_at=3)
+    rec = open_recording(tmp_path / form)  # closed at the fit's end: the session says it stopped
+    stop = rec.events.filter(rec.events["kind"] == "workload_stop")["message"].to_list()
+    assert gw.loop.should_stop and t.global_step == 3 and "stopped after 3 steps" in stop[0], stop
+
+
+def test_the_rows_loss_of_a_final_partial_accumulation_is_its_mean(tmp_path):
+    """Review: 40 items in batches of 8 at accumulation 2 - the epoch's last step runs one batch, whose loss
+    Lightning still divides by 2."""
+    from gpuwatch.recording.reader import open_recording
+
+    t, _, _, losses = _varying_run(tmp_path, "partial", lambda i: 12, accumulate=2, n_items=40,
+                                   body=lambda m, gw, b: m.loss_of(b))
+    got = open_recording(tmp_path / "partial").steps["loss"].to_list()
+    want = [(losses[0][1] + losses[1][1]) / 2, (losses[2][1] + losses[3][1]) / 2, losses[4][1]]
+    assert t.global_step == 3 and got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_fp16_mixed_with_a_scaler_records_the_steps_mean_loss(tmp_path):
+    """Review: under 16-mixed the backward's loss is scaled; the row reads each batch's output instead (a
+    GradScaler on the CPU through Lightning's own plugin)."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from gpuwatch.recording.reader import open_recording
+
+    plug = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    t, _, _, losses = _varying_run(tmp_path, "fp16", lambda i: 12, accumulate=2, n_items=32, plugins=plug,
+                                   body=lambda m, gw, b: m.loss_of(b), precision=None)
+    got = open_recording(tmp_path / "fp16").steps["loss"].to_list()
+    want = [(a[1] + b[1]) / 2 for a, b in zip(losses[::2], losses[1::2])]
+    assert t.global_step == 2 and got == pytest.approx(want, rel=1e-3), (got, want)
 
 
 def test_the_step_loss_sums_what_was_added_and_resets_on_the_cpu():

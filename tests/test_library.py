@@ -91,6 +91,27 @@ def test_a_step_decides_with_its_own_batch_as_the_plans_lookahead():
     loop2.close()
 
 
+def test_a_step_with_its_own_seq_len_keeps_wraps_lookahead():
+    """Review of 650cf89: `step(batch, fn, seq_len=...)` on `wrap`'s batches kept only the step's own shape (the
+    given length is not wrap's): the 4 x 40 batch drawn ahead went unplanned."""
+    loop = offline_loop(tiny_lm())
+    batches = [torch.randint(0, 64, (4, 12)), torch.randint(0, 64, (4, 40)), torch.randint(0, 64, (4, 12))]
+    plans = []
+    for b in loop.wrap(batches):
+        real = loop.decide
+
+        def spy(n, s, in_hand=False):
+            out = real(n, s, in_hand=in_hand)
+            plans.append(loop.next_plan())
+            return out
+
+        loop.decide = spy
+        loop.step(b, lm_loss(loop.model), seq_len=b.shape[1] - 1)
+        break
+    loop.close()
+    assert plans[0].ahead_steps == 2 and plans[0].ahead_seq_len == 40, plans[0]
+
+
 class ContractOnly:
     """Lets through only the contract's members of the workload it wraps: anything else the guard
     touched would raise."""

@@ -54,11 +54,14 @@ def lightning_precision(trainer) -> str:
     return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "fp32"
 
 
-def _loss_unscaled(trainer, pl_module) -> bool:
-    """Whether the loss `on_before_backward` sees is the step's own: automatic optimization (the closure's loss,
-    divided by the accumulation) without a loss scaler (fp16-mixed passes the scaled loss; its scaler reads the
-    gradients' inf check on the host every step anyway)."""
-    return bool(pl_module.automatic_optimization) and getattr(trainer.precision_plugin, "scaler", None) is None
+def _loss_from(trainer, pl_module) -> str | None:
+    """Where a batch's loss is read from under automatic optimization (each divided by the accumulation):
+    "backward" - the loss `on_before_backward` sees, right after the forward; "output" - the batch's output at
+    its end, where fp16-mixed's scaler scales the backward's loss (its inf check reads the host every step
+    anyway); None under manual optimization (the step's output as returned)."""
+    if not pl_module.automatic_optimization:
+        return None
+    return "output" if getattr(trainer.precision_plugin, "scaler", None) is not None else "backward"
 
 
 def _steps_left(trainer) -> int | None:
@@ -94,7 +97,8 @@ class ResizableBatchSampler(torch.utils.data.Sampler):
 class StepLoss:
     """An optimizer step's loss, read without waiting for the step. Each loss Lightning backpropagates (already
     divided by the accumulation, so their sum is the step's mean) is summed on its device and copied,
-    non-blocking, into pinned host memory behind an event; `take()` waits for that event only - the step's
+    non-blocking, into pinned host memory behind an event (Lightning divides by the accumulation even where
+    an epoch's last step runs fewer batches: the callback scales by what ran); `take()` waits for that event only - the step's
     last forward - not for the backward and optimizer step queued after it. Reading the loss at the step's
     end otherwise (`float(loss)`) is a host sync every step, which an unguarded Lightning loop without a
     logged loss does not have: the GPU then idles while the guard records and decides and Lightning fetches
@@ -105,12 +109,14 @@ class StepLoss:
         self._buf: torch.Tensor | None = None
         self._event = None
         self._pinned = True  # False once pinned memory failed: read the sum directly
+        self.count = 0  # losses added since the last take
 
     def add(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         d = loss.detach().float().reshape(())
         self._sum = d if self._sum is None else self._sum + d
+        self.count += 1
         if not (d.is_cuda and self._pinned):
             return
         try:
@@ -122,8 +128,8 @@ class StepLoss:
             self._pinned, self._buf, self._event = False, None, None
 
     def take(self) -> float | None:
-        """The loss summed since the last take (None if none was added); resets the sum."""
-        s, self._sum = self._sum, None
+        """The loss summed since the last take (None if none was added); resets the sum and the count."""
+        s, self._sum, self.count = self._sum, None, 0
         if s is None:
             return None
         if self._event is not None and s.is_cuda and self._pinned:
@@ -154,6 +160,7 @@ class GpuwatchLightningCallback(L.Callback):
         self._batch_idx = 0
         self._held: list = []  # (parameter, gradient) set aside over Lightning's zeroing (`step`)
         self._loss = StepLoss()  # the step's loss, read without a host sync at the step's end
+        self._assumed: int | None = None  # the length the last decision with `step()` was made for
         self._inner = False  # `step()`'s own backward of a micro-batch (its loss is in the one Lightning returns)
 
     def step(self, module, batch, loss_fn) -> torch.Tensor:
@@ -179,8 +186,8 @@ class GpuwatchLightningCallback(L.Callback):
         n = batch_size_of(batch)
         self.splitting = True
         acc = max(1, int(trainer.accumulate_grad_batches))
-        if self._batch_idx % acc == 0 and not self._decided_in_step(trainer, n * acc):
-            return None  # the guard stopped the run (a leak): checkpoint saved, this batch skipped, the fit ends
+        if self._batch_idx % acc == 0 and (self._assumed is None or (acc == 1 and self._seq != self._assumed)):
+            self._decide(trainer, n * acc, in_hand=acc == 1)  # this batch is not what the step's end assumed
         k = chunks(n, self.micro)
         if k <= 1:
             return loss_fn(batch)
@@ -212,18 +219,22 @@ class GpuwatchLightningCallback(L.Callback):
         part, w = parts[-1]
         return loss_fn(part) * w + done
 
-    def _decided_in_step(self, trainer, effective: int) -> bool:
-        """`step()` on an optimizer step's first batch: the guard decides with that batch in hand (its length
-        known, as `GuardedLoop.step` does), before it runs - the first step included. False: stop."""
+    def _decide(self, trainer, effective: int, in_hand: bool) -> None:
+        """The guard decides the next step with `step()` (the micro-batch in the step). At a step's end
+        (`on_train_batch_end`, where a leak stop still ends the fit before another batch runs) it assumes the next
+        batch is as long as the last: `in_hand`, so the longest recent length is not assumed to come; `step()`
+        decides again on the batch in hand only where its length is another (a new length, an epoch's wrap) or
+        nothing was decided yet (the first step). With accumulation the step's other batches are not in hand:
+        there each step is decided once, at its end, the longest recent length assumed (`in_hand` False)."""
         self.loop.micro_batch_fixed = None
         self.loop.steps_left = _steps_left(trainer)
-        plan = self.loop.decide(effective, self._seq, in_hand=True)
-        if plan is None:
-            trainer.should_stop = True
-            return False
+        self._assumed = self._seq
+        plan = self.loop.decide(effective, self._seq, in_hand=in_hand)
+        if plan is None:  # a leak: checkpoint saved by the hook; the fit ends after this step (a stop is decided at
+            trainer.should_stop = True  # a step's end, before the next batch, unless nothing has run since)
+            return
         self.micro = self.loop.in_step_split(self.micro, plan.batch, self._batch_n, effective, trainer.global_step,
                                              "Lightning: each batch", "no wait for the epoch's end")
-        return True
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back, and its
@@ -231,7 +242,7 @@ class GpuwatchLightningCallback(L.Callback):
         held, self._held = self._held, []
         for p, g in held:
             p.grad = g if p.grad is None else p.grad.add_(g)
-        if not self._inner and _loss_unscaled(trainer, pl_module):
+        if not self._inner and _loss_from(trainer, pl_module) == "backward":
             self._loss.add(loss)
 
     def dataloader(self, dataset, batch_size: int, shuffle: bool = False, drop_last: bool = False,
@@ -273,6 +284,8 @@ class GpuwatchLightningCallback(L.Callback):
             pass
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if _loss_from(trainer, pl_module) == "output":
+            self._loss.add(outputs.get("loss") if isinstance(outputs, dict) else outputs)
         if trainer.global_step == self._step_seen:
             return  # still accumulating
         self._step_seen = trainer.global_step
@@ -281,19 +294,27 @@ class GpuwatchLightningCallback(L.Callback):
         k = trainer.accumulate_grad_batches
         e = self._per_device(trainer) * k
         self.effective.append(e)
-        got = self._loss.take()
-        if got is None:  # no backward seen (manual optimization, fp16's scaled loss): what the step returned
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            got = None if loss is None else float(loss.detach())
+        got = self._step_loss(trainer, pl_module, outputs)
         per_dev = self._per_device(trainer)
         self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt, loss=got)
-        if self.splitting:  # `step()` decides the next step on its own batch, before it runs
+        if self.splitting:
+            self._decide(trainer, e, in_hand=k == 1)
             return
         # mid-epoch without `step()`: only checkpointing can change now
         self.loop.micro_batch_fixed = per_dev
         self.loop.steps_left = _steps_left(trainer)
         if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
             trainer.should_stop = True
+
+    def _step_loss(self, trainer, pl_module, outputs) -> float | None:
+        """The optimizer step's mean loss over the batches that ran: their losses (each divided by the
+        accumulation by Lightning, also where an epoch's last step ran fewer) summed and scaled by
+        accumulation / batches. Under manual optimization: the step's output as returned."""
+        n, got = self._loss.count, self._loss.take()
+        if got is not None:
+            return got * max(1, int(trainer.accumulate_grad_batches)) / max(1, n)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Between epochs: the guard's ceiling becomes the next epoch's per-device batch."""

@@ -274,9 +274,8 @@ class GuardedLoop:
         if self.should_stop:
             return None
         self._wanted = (int(batch_size), int(seq_len))
-        if in_hand and not (self._shapes and self._shapes[0] == self._wanted):
-            self._shapes = [self._wanted]  # not from `wrap` (or not its batch): this step's own, nothing beyond
-            self._in_hand = True
+        if in_hand and (self._in_hand or not self._shapes):  # `wrap`'s lookahead, where it gave, holds this batch
+            self._shapes, self._in_hand = [self._wanted], True  # this step's own, nothing beyond
         if self.guard is not None and not self.manual:
             self._rescore_smaller_plan()
             self.guard.before_step(self)
