@@ -13,7 +13,7 @@ splits the step as the length grows, as it did on the H100.
 
 Printed per path, in ms (median of the repeats and their range): the guard's time per step as the s47 benchmark
 reports it (HF: `GpuwatchCallback.step_overhead_s` - `on_step_end`'s record + decide; Lightning: the callback's
-`on_train_batch_end`, timed here) at p50, p90 and max, the steps 1.. (the first step's start is
+`on_train_batch_end`, timed here, plus any decision `gw.step` made in the step before it) at p50, p90 and max, the steps 1.. (the first step's start is
 benchmarks/guard_start_cost.py's). `--phases`: the mean ms per step inside each part (main thread only; parts
 nest: `decide` holds `before_step`, which holds `estimate`, which holds `window` ...). `--profile N`: cProfile's
 N costliest functions (cumulative) of the first repeat's steps.
@@ -191,12 +191,30 @@ def run_lightning(record_dir: str, steps: int, profile: bool, phases: Phases | N
     gw.base_batch = BATCH
     over: list[float] = []
     orig = gw.on_train_batch_end
+    in_step = [0.0, False]  # the guard's time in `gw.step` since the last step's end (its decision on the batch in
+    # hand, session 49 on), and whether the step's end is running
 
     def end(*a, **kw):
         t0 = time.perf_counter()
-        orig(*a, **kw)
-        over.append(time.perf_counter() - t0)
+        in_step[1] = True
+        try:
+            orig(*a, **kw)
+        finally:
+            in_step[1] = False
+        over.append(time.perf_counter() - t0 + in_step[0])
+        in_step[0] = 0.0
     gw.on_train_batch_end = end
+    if hasattr(gw, "_decide"):  # a tree whose gw.step decides in the step too: that time is the guard's as well
+        dec = gw._decide
+
+        def decide(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return dec(*a, **kw)
+            finally:
+                if not in_step[1]:
+                    in_step[0] += time.perf_counter() - t0
+        gw._decide = decide
     prof = _profiled(gw, "on_train_batch_end", profile)
     dl = torch.utils.data.DataLoader(DS(), batch_size=None, collate_fn=lambda x: (x[0],))
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,

@@ -153,10 +153,13 @@ class Planner:
             slope = _slope(lens)
             if slope > 0:
                 ahead = min(steps_ahead, self.cfg.trend_steps) if capped else steps_ahead
-                # from the step's own length where its batch is known (drawn ahead, or in hand), else from the
-                # last step's: after an epoch wraps to short lengths the trend starts at the batch in hand
-                base = int(plan.seq_len) if plan.ahead_steps is not None else lens[-1]
-                s = max(s, int(math.ceil(base + slope * ahead)))
+                # from the step's own length where its batch is known (drawn ahead, or in hand) - that step is
+                # the first of the coming ones - else from the last step's: after an epoch wraps to short lengths
+                # the trend starts at the batch in hand
+                if plan.ahead_steps is not None:
+                    s = max(s, int(math.ceil(int(plan.seq_len) + slope * max(0.0, ahead - 1))))
+                else:
+                    s = max(s, int(math.ceil(lens[-1] + slope * ahead)))
         if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
             s = max(s, max(lens))
         return s
