@@ -5,9 +5,10 @@
 #      from s47's sessions: its steps cost ~15-19 % more than static's at the same configuration, and a step
 #      at a new length ~0.14 s more than a repeat. First the GPU test that the callback's step end no longer
 #      syncs the host (StepLoss); then the Lightning arms static, observe (the guard watching static's
-#      8 x 2: watching alone), planner x2 (with the loss read without a sync, the pace fix, the snapshot
-#      backoff, one release), each with its step log (step times, cudaMalloc/cudaFree/retries a step);
-#      then the HF arms static, observe, planner.
+#      8 x 2: watching alone), planner x2 (the loss read without a sync, the decision on the batch in hand -
+#      the give-back at each epoch's wrap -, the pace fix, the snapshot backoff, one release), each with its
+#      step log (step times, cudaMalloc/cudaFree/retries a step); then the HF arms static, observe, planner.
+#      Read with: python3 benchmarks/step_costs.py $OUT/lightning-sessions.tgz $OUT/lightning.jsonl
 #   next: TOTAL=585 bash benchmarks/gpu_session47.sh b (blind set 2911, whole) first, then this part on the
 #      warm machine.
 #   run (repo root, carry .dev and REV):  TOTAL=585 bash benchmarks/gpu_session49.sh p
