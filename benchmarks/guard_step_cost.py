@@ -204,17 +204,18 @@ def run_lightning(record_dir: str, steps: int, profile: bool, phases: Phases | N
         over.append(time.perf_counter() - t0 + in_step[0])
         in_step[0] = 0.0
     gw.on_train_batch_end = end
-    if hasattr(gw, "_decide"):  # a tree whose gw.step decides in the step too: that time is the guard's as well
-        dec = gw._decide
+    from gpuwatch.integrations.loop import GuardedLoop
 
-        def decide(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return dec(*a, **kw)
-            finally:
-                if not in_step[1]:
-                    in_step[0] += time.perf_counter() - t0
-        gw._decide = decide
+    dec = GuardedLoop.decide  # where gw.step decides in the step too (session 49 on), that time is the guard's as well
+
+    def decide(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return dec(self, *a, **kw)
+        finally:
+            if not in_step[1]:
+                in_step[0] += time.perf_counter() - t0
+    GuardedLoop.decide = decide
     prof = _profiled(gw, "on_train_batch_end", profile)
     dl = torch.utils.data.DataLoader(DS(), batch_size=None, collate_fn=lambda x: (x[0],))
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,

@@ -64,6 +64,21 @@ def _loss_from(trainer, pl_module) -> str | None:
     return "output" if getattr(trainer.precision_plugin, "scaler", None) is not None else "backward"
 
 
+def _stop_fit(loop: GuardedLoop, trainer) -> None:
+    """End the fit after this step: `should_stop`, and Lightning's `min_steps` / `min_epochs` lifted where they
+    would keep it running (Lightning says "Training will continue..." and the guard could act no more)."""
+    trainer.should_stop = True
+    fl = trainer.fit_loop
+    try:
+        kept = (fl.epoch_loop.min_steps or 0) > trainer.global_step or (fl.min_epochs or 0) > trainer.current_epoch
+        if kept:
+            fl.epoch_loop.min_steps, fl.min_epochs = None, 0
+            loop.bus.emit("guard_remedy", "Lightning: min_steps / min_epochs lifted so that the guard's stop ends the fit",
+                          "warning", gpu=loop.gpu_index, remedy="stop", step=loop.steps)
+    except AttributeError:  # another Lightning's loops: the fit may run on to its minimum
+        pass
+
+
 def _steps_left(trainer) -> int | None:
     """Optimizer steps the fit still has: `max_steps` where set, else Lightning's own estimate."""
     try:
@@ -151,7 +166,7 @@ class GpuwatchLightningCallback(L.Callback):
         self._trainer = None
         self._step_seen = 0
         self._t0: float | None = None
-        self._seq = 1
+        self._seq = 1  # the longest sequence of the running optimizer step's batches (its row's, its decision's)
         self._batch_n = 1
         self._can_resize = False
         self.splitting = False  # `step()` runs the batches: the micro-batch changes at any step
@@ -160,7 +175,7 @@ class GpuwatchLightningCallback(L.Callback):
         self._batch_idx = 0
         self._held: list = []  # (parameter, gradient) set aside over Lightning's zeroing (`step`)
         self._loss = StepLoss()  # the step's loss, read without a host sync at the step's end
-        self._assumed: int | None = None  # the length the last decision with `step()` was made for
+        self._assumed: tuple[int, int] | None = None  # (length, accumulation) the last decision with `step()` assumed
         self._inner = False  # `step()`'s own backward of a micro-batch (its loss is in the one Lightning returns)
 
     def step(self, module, batch, loss_fn) -> torch.Tensor:
@@ -186,8 +201,18 @@ class GpuwatchLightningCallback(L.Callback):
         n = batch_size_of(batch)
         self.splitting = True
         acc = max(1, int(trainer.accumulate_grad_batches))
-        if self._batch_idx % acc == 0 and (self._assumed is None or (acc == 1 and self._seq != self._assumed)):
-            self._decide(trainer, n * acc, in_hand=acc == 1)  # this batch is not what the step's end assumed
+        try:  # the batch `step()` is given (a training_step may tokenize what the loader gave)
+            s = seq_len_of(batch)
+        except TypeError:
+            s = self._seq
+        first = self._batch_idx % acc == 0
+        self._seq = s if first else max(self._seq, s)
+        a = self._assumed
+        if first and (a is None or a[1] != acc or (acc == 1 and a[0] != s)):
+            # nothing decided yet, the accumulation changed since, or (in hand) another length than assumed
+            self._decide(trainer, self._per_device(trainer) * acc, in_hand=acc == 1)
+            if self.loop.should_stop:  # a stop with nothing run since the step's end: this batch still runs (Lightning
+                self.micro = 1  # cannot skip it without a phantom optimizer step), one row at a time
         k = chunks(n, self.micro)
         if k <= 1:
             return loss_fn(batch)
@@ -228,13 +253,14 @@ class GpuwatchLightningCallback(L.Callback):
         there each step is decided once, at its end, the longest recent length assumed (`in_hand` False)."""
         self.loop.micro_batch_fixed = None
         self.loop.steps_left = _steps_left(trainer)
-        self._assumed = self._seq
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        self._assumed = (self._seq, acc if not in_hand else 1)
         plan = self.loop.decide(effective, self._seq, in_hand=in_hand)
         if plan is None:  # a leak: checkpoint saved by the hook; the fit ends after this step (a stop is decided at
-            trainer.should_stop = True  # a step's end, before the next batch, unless nothing has run since)
+            _stop_fit(self.loop, trainer)  # a step's end, before the next batch, unless nothing has run since)
             return
-        self.micro = self.loop.in_step_split(self.micro, plan.batch, self._batch_n, effective, trainer.global_step,
-                                             "Lightning: each batch", "no wait for the epoch's end")
+        self.micro = self.loop.in_step_split(self.micro, plan.batch, self._per_device(trainer), effective,
+                                             trainer.global_step, "Lightning: each batch", "no wait for the epoch's end")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         """Lightning's own backward is next, its zeroing done: the micro-batches' gradients go back, and its
@@ -258,6 +284,9 @@ class GpuwatchLightningCallback(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._trainer = trainer
         self._step_seen = trainer.global_step
+        self._assumed, self._t0, self.micro, self.splitting = None, None, None, False
+        if self.loop is not None and self.loop.state in ("finished", "stopped", "failed"):
+            self.loop = None  # a second fit with this callback: its own session (the last one was closed)
         if self.loop is None:
             kw = {"allow_bf16": False, **self.loop_kwargs}  # Lightning's precision is fixed for a fit()
             self.loop = GuardedLoop(pl_module, None, record_dir=self.record_dir, name=self.name, guard=self.guard,
@@ -278,12 +307,18 @@ class GpuwatchLightningCallback(L.Callback):
         if self._t0 is None:
             self._t0 = time.perf_counter()
         self._batch_idx = batch_idx
+        first = batch_idx % max(1, int(trainer.accumulate_grad_batches)) == 0
         try:
-            self._seq, self._batch_n = seq_len_of(batch), batch_size_of(batch)
+            s, self._batch_n = seq_len_of(batch), batch_size_of(batch)
         except TypeError:
-            pass
+            return
+        self._seq = s if first else max(self._seq, s)  # with accumulation: the longest of the step's batches
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._held:  # training_step returned None (a skipped batch): no backward came for what step() set aside
+            for p, _g in self._held:
+                p.grad = None
+            self._held = []
         if _loss_from(trainer, pl_module) == "output":
             self._loss.add(outputs.get("loss") if isinstance(outputs, dict) else outputs)
         if trainer.global_step == self._step_seen:
@@ -304,7 +339,7 @@ class GpuwatchLightningCallback(L.Callback):
         self.loop.micro_batch_fixed = per_dev
         self.loop.steps_left = _steps_left(trainer)
         if self.loop.decide(e, self._seq) is None:  # a leak: checkpoint saved by the hook, stop after this step
-            trainer.should_stop = True
+            _stop_fit(self.loop, trainer)
 
     def _step_loss(self, trainer, pl_module, outputs) -> float | None:
         """The optimizer step's mean loss over the batches that ran: their losses (each divided by the
@@ -325,7 +360,7 @@ class GpuwatchLightningCallback(L.Callback):
         self.loop.micro_batch_fixed = None  # between epochs: the next epoch's per-device batch is open
         plan = self.loop.decide(e, self._seq)
         if plan is None:
-            trainer.should_stop = True
+            _stop_fit(self.loop, trainer)
             return
         want = per_device_batch(e, min(self.base_batch or e, plan.batch))
         if want != self.sampler.batch_size:
