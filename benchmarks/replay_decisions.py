@@ -46,8 +46,7 @@ def replay(path: str, lo: int, hi: int, in_hand: bool) -> list[tuple[int, int, i
         s = int(nxt["seq_len"]) if in_hand else int(r["seq_len"])
         plan = StepPlan(batch=cur, seq_len=s, precision=r["precision"] or "bf16", mode="train",
                         micro_batches=-(-n // cur), effective_batch=n, wanted_batch=n, checkpointing=False,
-                        ahead_batch=n if in_hand else None, ahead_seq_len=s if in_hand else None,
-                        ahead_steps=1 if in_hand else None)
+                        in_hand=in_hand)
         w = src.window_at(g, int(us[i - 1]) + 1000)
 
         def est(asks, w=w):

@@ -73,6 +73,9 @@ class StepPlan:
     ahead_seq_len: int | None = None
     ahead_steps: int | None = None  # how many steps ahead (1 = this one)
     checkpointing: bool = False  # activation checkpointing on for this step (train only)
+    # the step's own batch is drawn already (GuardedLoop.step, Lightning's gw.step): its length is known, so the
+    # planner need not assume the longest recent one comes next. The planner's alone: not in `scored()`
+    in_hand: bool = False
 
     @property
     def tokens(self) -> int:

@@ -65,10 +65,11 @@ def test_both_workloads_implement_the_one_contract():
                           "micro_batches": 3}
 
 
-def test_a_step_decides_with_its_own_batch_as_the_plans_lookahead():
-    """`step()` has the batch in hand: the plan it decides on holds that batch's length as known (ahead one
-    step), so the planner weighs it instead of the recent longest; `decide()` alone (a framework deciding
-    before it fetched the batch) knows nothing ahead."""
+def test_a_step_decides_with_its_own_batch_in_hand():
+    """`step()` has the batch in hand: the plan it decides on says so (`in_hand`: the planner weighs that batch
+    instead of the longest recent length) until the step has run; its lookahead stays what `wrap` knows (nothing
+    here), so the risk model's inputs do not change; `decide()` alone (a framework deciding before it fetched
+    the batch) is not in hand."""
     loop = offline_loop(tiny_lm())
     seen = []
     real = loop.decide
@@ -79,16 +80,12 @@ def test_a_step_decides_with_its_own_batch_as_the_plans_lookahead():
         return out
 
     loop.decide = spy
-    ids = torch.randint(0, 32, (4, 12))
-    loop.step(ids, lm_loss(loop.model))
+    loop.step(torch.randint(0, 32, (4, 12)), lm_loss(loop.model))
     p = seen[-1]
-    assert (p.ahead_steps, p.ahead_seq_len, p.seq_len) == (1, 12, 12)
-    assert loop.next_plan().ahead_steps is None  # the batch has run: between steps nothing ahead is known
-    assert loop.decide(4, 20) is not None and loop.next_plan().ahead_steps is None  # a framework's, before its batch
-    loop2 = offline_loop(tiny_lm())
-    assert loop2.decide(4, 20) is not None and loop2.next_plan().ahead_steps is None
+    assert p.in_hand and (p.seq_len, p.ahead_steps) == (12, None) and "in_hand" not in p.scored()
+    assert not loop.next_plan().in_hand  # the batch has run: between steps the next one is not known
+    assert loop.decide(4, 20) is not None and not loop.next_plan().in_hand  # a framework's, before its batch
     loop.close()
-    loop2.close()
 
 
 def test_a_step_with_its_own_seq_len_keeps_wraps_lookahead():
@@ -109,7 +106,7 @@ def test_a_step_with_its_own_seq_len_keeps_wraps_lookahead():
         loop.step(b, lm_loss(loop.model), seq_len=b.shape[1] - 1)
         break
     loop.close()
-    assert plans[0].ahead_steps == 2 and plans[0].ahead_seq_len == 40, plans[0]
+    assert plans[0].ahead_steps == 2 and plans[0].ahead_seq_len == 40 and plans[0].in_hand, plans[0]
 
 
 class ContractOnly:

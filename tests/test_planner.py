@@ -38,9 +38,9 @@ def view(steps, micro, seq, n=16, dt=1.0, ckpt=False, restart=None, can_ckpt=Tru
                         last_checkpointing=ckpt, largest=largest)
 
 
-def plan(micro, seq, n=16, ckpt=False, precision="bf16", ahead_steps=None):
+def plan(micro, seq, n=16, ckpt=False, precision="bf16", ahead_steps=None, in_hand=False):
     return StepPlan(batch=micro, seq_len=seq, precision=precision, mode="train", micro_batches=math.ceil(n / micro),
-                    effective_batch=n, wanted_batch=n, checkpointing=ckpt, ahead_steps=ahead_steps)
+                    effective_batch=n, wanted_batch=n, checkpointing=ckpt, ahead_steps=ahead_steps, in_hand=in_hand)
 
 
 def feed(p: Planner, lens, micro, n=16, ckpt=False, step_s=lambda m, s: 0.2 + 1e-4 * m * s, start=1):
@@ -557,7 +557,7 @@ def test_with_the_batch_in_hand_the_micro_batch_comes_back_as_soon_as_an_epoch_w
     """s47's Lightning arms: a curriculum 256 -> 1,536 an epoch, split 16 -> 8 near 1,075. At the next epoch's
     256 the planner kept 8 x 2 for 16 more steps: deciding before the batch was fetched, it must assume the
     longest of the recent lengths (1,536) may come next. Where the step's own batch is known (`GuardedLoop.step`,
-    Lightning's `gw.step`: the plan's lookahead holds it) it weighs that batch: 16 fits 256 and comes back
+    Lightning's `gw.step`: `StepPlan.in_hand`) it weighs that batch: 16 fits 256 and comes back
     once the dwell has passed, for half the micro-batches (on s47's host 16 x 1 ran a repeat in 0.10-0.14 s,
     8 x 2 in 0.19-0.24 s)."""
     est = memory_model(per_token=4e-5)  # 16 x 1,075 -> 0.99: over at the change margin; 8 x 1,536 -> 0.79; 16 x 256 -> 0.46
@@ -568,8 +568,7 @@ def test_with_the_batch_in_hand_the_micro_batch_comes_back_as_soon_as_an_epoch_w
         feed(p, epoch[:13], micro=16)
         feed(p, epoch[13:], micro=8, start=14)
         for i, s in enumerate(epoch[:6], start=len(epoch) + 1):  # the next epoch, still at 8 x 2
-            d = p.decide(plan(8, s, ahead_steps=1 if in_hand else None), view(i - 1, 8, s), est, risk=0.0,
-                         threshold=0.5)
+            d = p.decide(plan(8, s, in_hand=in_hand), view(i - 1, 8, s), est, risk=0.0, threshold=0.5)
             if d is not None and d.change:
                 return i - len(epoch)
             feed(p, [s], micro=8, start=i)

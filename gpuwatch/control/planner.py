@@ -156,11 +156,12 @@ class Planner:
                 # from the step's own length where its batch is known (drawn ahead, or in hand) - that step is
                 # the first of the coming ones - else from the last step's: after an epoch wraps to short lengths
                 # the trend starts at the batch in hand
-                if plan.ahead_steps is not None:
+                if plan.ahead_steps is not None or plan.in_hand:
                     s = max(s, int(math.ceil(int(plan.seq_len) + slope * max(0.0, ahead - 1))))
                 else:
                     s = max(s, int(math.ceil(lens[-1] + slope * ahead)))
-        if plan.ahead_steps is None and lens:  # the next batches are not known: the recent longest may come again
+        if plan.ahead_steps is None and not plan.in_hand and lens:  # the next batches are not known: the recent
+            # longest may come again
             s = max(s, max(lens))
         return s
 

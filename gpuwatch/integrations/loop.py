@@ -105,7 +105,7 @@ class GuardedLoop:
         self._shapes: list[tuple[int, int]] = []  # (batch, seq_len) of the batch `wrap` gave and those drawn ahead
         self._ends: list[float] = []  # when the last steps ended (s): the lookahead's pace
         self._ahead_ok = True  # the loader's batches are on the CPU (drawing them early costs no GPU memory)
-        self._in_hand = False  # `_shapes` is the batch a step had in hand (decide(in_hand=True)), not wrap's
+        self._in_hand = False  # the plan's batch is the step's own, drawn already (decide(in_hand=True))
         self._stop_why: str | None = None
         self._last: dict[str, Any] = {}
         self._snapshot_req: tuple[str, Any] | None = None
@@ -204,7 +204,6 @@ class GuardedLoop:
                 t = first_tensor(batch)
                 self._ahead_ok = look = t is None or t.device.type == "cpu"
             self._shapes = [shape, *(sh for _b, sh in buf if sh is not None)] if look and shape is not None else []
-            self._in_hand = False
             yield batch
 
     def step(self, batch: Batch, loss_fn: Callable[[Batch], torch.Tensor], seq_len: int | None = None) -> float | None:
@@ -267,15 +266,14 @@ class GuardedLoop:
         """The guard decides for a step of `batch_size` x `seq_len` (the effective batch); returns the
         plan (its `batch` the micro-batch under the guard's ceiling) or None when the run must stop (the
         checkpoint hook has then been called). `in_hand`: the step's own batch, drawn already (`step()`,
-        `gw.step`): the plan's lookahead holds it, so the planner does not assume the longest recent length
+        `gw.step`): the plan says so (`in_hand`), and the planner does not assume the longest recent length
         comes next (as where a framework decides before fetching): s47's epoch wrap gave back 16 steps late."""
         if self.session is None:
             self.start()
         if self.should_stop:
             return None
         self._wanted = (int(batch_size), int(seq_len))
-        if in_hand and (self._in_hand or not self._shapes):  # `wrap`'s lookahead, where it gave, holds this batch
-            self._shapes, self._in_hand = [self._wanted], True  # this step's own, nothing beyond
+        self._in_hand = bool(in_hand)  # the plan says so (`StepPlan.in_hand`) until the step has run
         if self.guard is not None and not self.manual:
             self._rescore_smaller_plan()
             self.guard.before_step(self)
@@ -368,8 +366,7 @@ class GuardedLoop:
             nb, ns = self._shapes[1]
             row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
         self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
-        if self._in_hand:  # the batch in hand has run: between steps nothing ahead is known
-            self._shapes, self._in_hand = [], False
+        self._in_hand = False  # the batch in hand has run: between steps the next one is not known
         self._last = row
         self.bus.steps.append(row)
         self._maybe_snapshot()
@@ -449,7 +446,7 @@ class GuardedLoop:
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
                         micro_batches=chunks(n, micro), effective_batch=n, wanted_batch=n,
                         ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"],
-                        checkpointing=self.checkpointing)
+                        checkpointing=self.checkpointing, in_hand=self._in_hand)
 
     def guard_view(self) -> WorkloadView:
         last = self._last
