@@ -23,7 +23,7 @@ a length curriculum from 256 to 4,096 tokens in sequential order, under a memory
   `lightning-planner` was until session 46). Static: `--static-batch` x accumulation.
 Each arm runs in its own process (a fresh CUDA context and cap) with a time limit and prints one JSON line:
 steps done, OOMs (including any after a give-back), restarts, effective batches seen, tokens/s, the
-guard's actions by kind, the plans it chose, and every arm's `step_log` (`StepLog`): each optimizer step's
+guard's actions by kind, the plans it chose, and every arm's `step_log` (`StepLog`): each optimizer step's micro-batches,
 wall time and length, and on CUDA the caching allocator's segment allocations and frees (cudaMalloc /
 cudaFree) and retries in it - so a guarded and a static arm compare step by step, at a new length and at a
 repeat, and what the allocator did differently shows.
@@ -55,10 +55,11 @@ def lengths(steps: int, lo: int, hi: int) -> list[int]:
 
 
 class StepLog:
-    """Each optimizer step's wall time (from the last step's end), its sequence length and, on CUDA, the
-    allocator's counters over it: segments allocated (cudaMalloc) and freed (cudaFree, which waits for the
-    device) and allocation retries (a malloc that failed, freed the cache and tried again). `summary()`: the
-    medians at a new length and at a repeat, and the totals. Every arm logs alike (one `memory_stats()` a
+    """Each optimizer step's wall time (from the last step's end), its sequence length, its micro-batches and, on
+    CUDA, the allocator's counters over it: segments allocated (cudaMalloc) and freed (cudaFree, which waits for
+    the device) and allocation retries (a malloc that failed, freed the cache and tried again). `summary()`: the
+    steps by kind (a shape's first run, a later visit, a repeat: s47's Lightning arms paid ~0.15 s at a shape's
+    first run only) and the totals. Every arm logs alike (one `memory_stats()` a
     step, ~0.1 ms)."""
 
     KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -66,7 +67,7 @@ class StepLog:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.t: float | None = None
-        self.rows: list[list] = []  # [step, dt_ms, seq_len, mallocs, frees, retries]
+        self.rows: list[list] = []  # [step, dt_ms, seq_len, mallocs, frees, retries, micro-batches]
         self.last = self._counters()
 
     def _counters(self) -> tuple[int, ...]:
@@ -80,27 +81,39 @@ class StepLog:
     def start(self, now: float) -> None:
         self.t = now
 
-    def end(self, step: int, seq_len: int, now: float) -> None:
+    def end(self, step: int, seq_len: int, now: float, k: int = 1) -> None:
         c = self._counters()
         if self.t is not None:
-            self.rows.append([step, round(1e3 * (now - self.t), 2), int(seq_len), *(x - y for x, y in zip(c, self.last))])
+            self.rows.append([step, round(1e3 * (now - self.t), 2), int(seq_len), *(x - y for x, y in zip(c, self.last)),
+                              int(k)])
         self.t, self.last = now, c
 
     def summary(self) -> dict:
-        rows = self.rows[1:]  # the first step's time is the arm's warm-up
-        prev = {r[0]: r[2] for r in self.rows}
-        new = [r for r in rows if prev.get(r[0] - 1) not in (None, r[2])]
-        rep = [r for r in rows if prev.get(r[0] - 1) == r[2]]
+        """Per kind of step - a (micro-batches, length) shape's first run, a later visit after other shapes, a
+        repeat of the last step's shape - the count, median ms and total ms, keyed "kind k=K"; and the allocator's
+        totals, at first runs apart. The first step (the arm's warm-up) is left out."""
+        kinds: dict[str, list[list]] = {}
+        seen: set[tuple[int, int]] = set()
+        prev = None
+        for r in self.rows:
+            shape = (r[6], r[2])
+            kind = "warm-up" if prev is None else "first" if shape not in seen else "repeat" if shape == prev else "revisit"
+            seen.add(shape)
+            prev = shape
+            kinds.setdefault(f"{kind} k={r[6]}", []).append(r)
+        rows = self.rows[1:]
+        first = [r for k, rs in kinds.items() if k.startswith("first") for r in rs]
 
         def med(xs):
             xs = sorted(xs)
             return xs[len(xs) // 2] if xs else None
 
-        return {"steps": len(rows), "new_length_steps": len(new), "new_length_ms_p50": med([r[1] for r in new]),
-                "repeat_ms_p50": med([r[1] for r in rep]), "ms_total": round(sum(r[1] for r in rows), 1),
+        return {"steps": len(rows), "ms_total": round(sum(r[1] for r in rows), 1),
+                "by_kind": {k: [len(rs), med([r[1] for r in rs]), round(sum(r[1] for r in rs), 1)]
+                            for k, rs in sorted(kinds.items()) if not k.startswith("warm-up")},
                 "cuda_mallocs": sum(r[3] for r in rows), "cuda_frees": sum(r[4] for r in rows),
-                "alloc_retries": sum(r[5] for r in rows),
-                "cuda_frees_at_new_length": sum(r[4] for r in new), "cuda_mallocs_at_new_length": sum(r[3] for r in new)}
+                "alloc_retries": sum(r[5] for r in rows), "cuda_mallocs_at_first_runs": sum(r[3] for r in first),
+                "cuda_frees_at_first_runs": sum(r[4] for r in first)}
 
     def result(self) -> dict:
         return {"step_summary": self.summary(), "step_log": self.rows}
@@ -150,9 +163,10 @@ def lightning_module(model, gw=None):
     return LM, collate
 
 
-def lightning_counter(lens: list[int], per_epoch: int, deadline: float, log: StepLog):
-    """A Lightning callback that logs each optimizer step's end (`log`, and `ends`: (step, when) for the steady
-    rate, as the HF arms') and stops the fit past `deadline` (`cut[0]`). Returns (callback, ends, cut)."""
+def lightning_counter(lens: list[int], per_epoch: int, deadline: float, log: StepLog, k_of=lambda: 1):
+    """A Lightning callback that logs each optimizer step's end (`log`, with `k_of()`: the micro-batches the step
+    ran; and `ends`: (step, when) for the steady rate, as the HF arms') and stops the fit past `deadline`
+    (`cut[0]`). Returns (callback, ends, cut)."""
     import lightning as L
 
     steps_seen, cut = [0], [False]
@@ -166,7 +180,7 @@ def lightning_counter(lens: list[int], per_epoch: int, deadline: float, log: Ste
             if trainer.global_step != steps_seen[0]:
                 now = time.perf_counter()
                 ends.append((trainer.global_step, now))
-                log.end(trainer.global_step, lens[(trainer.global_step - 1) % per_epoch], now)
+                log.end(trainer.global_step, lens[(trainer.global_step - 1) % per_epoch], now, k_of())
             steps_seen[0] = trainer.global_step
             if time.perf_counter() > deadline:
                 cut[0] = True
@@ -198,10 +212,14 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
 
     log = StepLog(dev_ok)
-    count, ends, cut = lightning_counter(lens, per_epoch, time.perf_counter() + a.arm_timeout - 25.0, log)
     static = arm in ("lightning-static", "lightning-observe")
     per_dev, accum = (a.static_batch, B // a.static_batch) if static else (B, 1)
     gw = None
+
+    def k_of() -> int:  # the micro-batches the step ran: the accumulation, and gw.step's split within each batch
+        return accum * (-(-per_dev // gw.micro) if gw is not None and gw.micro else 1)
+
+    count, ends, cut = lightning_counter(lens, per_epoch, time.perf_counter() + a.arm_timeout - 25.0, log, k_of)
     cbs = [count]
     if guarded:
         gw = GpuwatchLightningCallback(record_dir=Path(a.out) / "sessions", name=label.replace("#", "-"),
@@ -308,7 +326,10 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
-            log.end(state.global_step, lens[min(state.global_step, steps) - 1], ends[-1])
+            k = args.gradient_accumulation_steps
+            if gw is not None and gw.micro:  # split in the step: each per-device batch as micro-batches of gw.micro
+                k *= -(-args.per_device_train_batch_size // gw.micro)
+            log.end(state.global_step, lens[min(state.global_step, steps) - 1], ends[-1], k)
             eff.append(args.per_device_train_batch_size * args.gradient_accumulation_steps)
             if time.perf_counter() > deadline:
                 cut[0] = True

@@ -1,6 +1,6 @@
 """Where a guarded curriculum arm's step time goes, read from its recorded session (CPU, seconds): each optimizer
-step's time by configuration (per-device batch x micro-batches) at a new sequence length and at a repeat of the
-last step's, beside the static arm's mean step from the same call's JSON lines (the static arm records no
+step's time by configuration (micro-batch x micro-batches) at a shape's first run, at a later visit and at a repeat
+of the last step's shape, beside the static arm's mean step from the same call's JSON lines (the static arm records no
 session; its steady rate is `tokens_per_s_after_first`). Session 49 read s47's Lightning pairs with it:
 
     python3 benchmarks/step_costs.py benchmarks/results/s47/b/lightning-sessions.tgz benchmarks/results/s47/b/lightning.jsonl
@@ -28,12 +28,21 @@ def sessions(arg: str, tmp: Path) -> list[Path]:
     return sorted(x.parent for x in p.rglob("steps.parquet"))
 
 
-def by_config(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
+def by_kind(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
+    """Per configuration (micro-batch, count), the steps' times by kind: a (count, length) shape's first run, a later
+    visit after other shapes, a repeat of the last step's shape (the first step, the warm-up, left out) -
+    `planner_curriculum.StepLog.summary`'s classification."""
     out: dict[tuple, dict[str, list[float]]] = {}
-    for prev, r in zip(rows, rows[1:]):  # the first step (the arm's warm-up) has no previous step
-        key = (r["batch"] // max(1, r["micro_batches"] or 1), r["micro_batches"] or 1)
-        kind = "new" if r["seq_len"] != prev["seq_len"] else "repeat"
-        out.setdefault(key, {"new": [], "repeat": []})[kind].append(r["step_time_s"])
+    seen: set[tuple[int, int]] = set()
+    prev = None
+    for r in rows:
+        k = int(r["micro_batches"] or 1)
+        shape = (k, int(r["seq_len"]))
+        kind = None if prev is None else "first" if shape not in seen else "repeat" if shape == prev else "revisit"
+        seen.add(shape)
+        prev = shape
+        if kind is not None:
+            out.setdefault((r["batch"] // k, k), {"first": [], "revisit": [], "repeat": []})[kind].append(r["step_time_s"])
     return out
 
 
@@ -44,10 +53,11 @@ def report_session(path: Path) -> dict:
     tokens = sum(r["batch"] * r["seq_len"] for r in rows[1:])
     span = sum(r["step_time_s"] for r in rows[1:])
     print(f"{path.name}: {len(rows)} steps; after the first: {span:.2f} s of steps, {tokens / span:,.0f} tokens/s")
-    print("  micro-batch x count | at a new length: n, p50 s, sum s | at a repeat: n, p50 s, sum s")
-    for (mb, k), d in sorted(by_config(rows).items()):
-        cells = [f"{len(v)}, {statistics.median(v):.3f}, {sum(v):.2f}" if v else "-" for v in (d["new"], d["repeat"])]
-        print(f"  {mb} x {k} | {cells[0]} | {cells[1]}")
+    print("  micro-batch x count | a shape's first run: n, p50 s, sum s | a later visit | a repeat")
+    for (mb, k), d in sorted(by_kind(rows).items()):
+        cells = [f"{len(v)}, {statistics.median(v):.3f}, {sum(v):.2f}" if v else "-"
+                 for v in (d["first"], d["revisit"], d["repeat"])]
+        print(f"  {mb} x {k} | " + " | ".join(cells))
     return {"tokens": tokens, "seconds": span}
 
 
@@ -59,8 +69,12 @@ def report_lines(path: Path) -> None:
         rate = r.get("tokens_per_s_after_first")
         print(f"{r['arm']}: {r.get('steps_done')} steps, wall {r.get('wall_s')} s, {r.get('tokens_per_s')} tokens/s, "
               f"after the first {rate}")
-        if r.get("step_summary"):
-            print(f"  step log: {json.dumps(r['step_summary'])}")
+        summ = r.get("step_summary") or {}
+        for kind, (n, p50, total) in (summ.get("by_kind") or {}).items():
+            print(f"  {kind}: {n} steps, p50 {p50} ms, {total} ms in all")
+        if summ:
+            print("  allocator: " + ", ".join(f"{k} {summ.get(k)}" for k in ("cuda_mallocs", "cuda_frees", "alloc_retries",
+                                                                            "cuda_mallocs_at_first_runs", "cuda_frees_at_first_runs")))
 
 
 def main(argv: list[str]) -> int:
