@@ -92,15 +92,11 @@ class StepLog:
         """Per kind of step - a (micro-batches, length) shape's first run, a later visit after other shapes, a
         repeat of the last step's shape - the count, median ms and total ms, keyed "kind k=K"; and the allocator's
         totals, at first runs apart. The first step (the arm's warm-up) is left out."""
+        from step_costs import shape_kinds  # its neighbour: the same classification of a recorded session's steps
+
         kinds: dict[str, list[list]] = {}
-        seen: set[tuple[int, int]] = set()
-        prev = None
-        for r in self.rows:
-            shape = (r[6], r[2])
-            kind = "warm-up" if prev is None else "first" if shape not in seen else "repeat" if shape == prev else "revisit"
-            seen.add(shape)
-            prev = shape
-            kinds.setdefault(f"{kind} k={r[6]}", []).append(r)
+        for r, kind in zip(self.rows, shape_kinds([(r[6], r[2]) for r in self.rows])):
+            kinds.setdefault(f"{kind or 'warm-up'} k={r[6]}", []).append(r)
         rows = self.rows[1:]
         first = [r for k, rs in kinds.items() if k.startswith("first") for r in rs]
 
@@ -195,6 +191,7 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     import torch
 
     from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.integrations.batches import chunks
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     dry = a.dry_run
@@ -217,7 +214,7 @@ def run_lightning_arm(label: str, a: argparse.Namespace) -> dict:
     gw = None
 
     def k_of() -> int:  # the micro-batches the step ran: the accumulation, and gw.step's split within each batch
-        return accum * (-(-per_dev // gw.micro) if gw is not None and gw.micro else 1)
+        return accum * chunks(per_dev, gw.micro if gw is not None else None)
 
     count, ends, cut = lightning_counter(lens, per_epoch, time.perf_counter() + a.arm_timeout - 25.0, log, k_of)
     cbs = [count]
@@ -272,6 +269,7 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gpuwatch.control.policy import GuardConfig
+    from gpuwatch.integrations.batches import chunks
     from gpuwatch.integrations.hf import GpuwatchCallback, train
 
     dry = a.dry_run
@@ -326,9 +324,8 @@ def run_arm(label: str, a: argparse.Namespace) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
-            k = args.gradient_accumulation_steps
-            if gw is not None and gw.micro:  # split in the step: each per-device batch as micro-batches of gw.micro
-                k *= -(-args.per_device_train_batch_size // gw.micro)
+            # split in the step: each per-device batch as micro-batches of gw.micro
+            k = args.gradient_accumulation_steps * chunks(args.per_device_train_batch_size, gw.micro if gw else None)
             log.end(state.global_step, lens[min(state.global_step, steps) - 1], ends[-1], k)
             eff.append(args.per_device_train_batch_size * args.gradient_accumulation_steps)
             if time.perf_counter() > deadline:

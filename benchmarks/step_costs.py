@@ -28,19 +28,25 @@ def sessions(arg: str, tmp: Path) -> list[Path]:
     return sorted(x.parent for x in p.rglob("steps.parquet"))
 
 
-def by_kind(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
-    """Per configuration (micro-batch, count), the steps' times by kind: a (count, length) shape's first run, a later
-    visit after other shapes, a repeat of the last step's shape (the first step, the warm-up, left out) -
-    `planner_curriculum.StepLog.summary`'s classification."""
-    out: dict[tuple, dict[str, list[float]]] = {}
+def shape_kinds(shapes: list[tuple[int, int]]) -> list[str | None]:
+    """Each step's kind from its (micro-batches, length) shape, in order: "first" (the shape's first run),
+    "revisit" (seen before, after other shapes), "repeat" (the last step's shape); None for the first step (the
+    warm-up). Also `planner_curriculum.StepLog.summary`'s."""
+    out: list[str | None] = []
     seen: set[tuple[int, int]] = set()
     prev = None
-    for r in rows:
-        k = int(r["micro_batches"] or 1)
-        shape = (k, int(r["seq_len"]))
-        kind = None if prev is None else "first" if shape not in seen else "repeat" if shape == prev else "revisit"
+    for shape in shapes:
+        out.append(None if prev is None else "first" if shape not in seen else "repeat" if shape == prev else "revisit")
         seen.add(shape)
         prev = shape
+    return out
+
+
+def by_kind(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
+    """Per configuration (micro-batch, count), the steps' times by kind (`shape_kinds`)."""
+    out: dict[tuple, dict[str, list[float]]] = {}
+    ks = [int(r["micro_batches"] or 1) for r in rows]
+    for r, k, kind in zip(rows, ks, shape_kinds([(k, int(r["seq_len"])) for r, k in zip(rows, ks)])):
         if kind is not None:
             out.setdefault((r["batch"] // k, k), {"first": [], "revisit": [], "repeat": []})[kind].append(r["step_time_s"])
     return out

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from gpuwatch.contract import Action  # noqa: E402
 from gpuwatch.integrations.batches import per_device_batch  # noqa: E402
+from support.decisions import LengthData, spy_decisions  # noqa: E402
 
 
 def test_per_device_batch_keeps_the_effective_batch_exact():
@@ -278,30 +279,17 @@ def test_lightning_records_each_steps_mean_loss_over_its_accumulation_and_micro_
         assert any(n == 3 for n, _ in model.losses)  # the split ran
 
 
-def _spy_decisions(monkeypatch) -> list[tuple[int, int, bool]]:
-    from gpuwatch.integrations.loop import GuardedLoop
-
-    calls: list[tuple[int, int, bool]] = []
-    real = GuardedLoop.decide
-
-    def spy(self, n, s, in_hand=False):
-        calls.append((n, s, in_hand))
-        return real(self, n, s, in_hand=in_hand)
-
-    monkeypatch.setattr(GuardedLoop, "decide", spy)
-    return calls
-
-
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_lightning_step_decides_at_each_steps_end_and_before_the_first_step(tmp_path, monkeypatch, accumulate):
     """With `gw.step` the guard decides before the first step runs and at every step's end (where a leak stop
     still ends the fit before another batch). Without accumulation it assumes the next batch as long as the last
     (in hand: not the longest recent length); with accumulation the step's other batches are unknown, so the
     longest recent length is assumed as before."""
-    calls = _spy_decisions(monkeypatch)
+    calls = spy_decisions(monkeypatch)
     _, gw, _, t = _lightning_run(tmp_path, "decide", None, split=True, accumulate=accumulate)
     n = 32 // accumulate
-    assert t.global_step == n and calls == [(8 * accumulate, 12, accumulate == 1)] * (n + 1), calls
+    got = [c[:3] for c in calls]
+    assert t.global_step == n and got == [(8 * accumulate, 12, accumulate == 1)] * (n + 1), got
 
 
 def _varying_run(tmp_path, name, lens_of, accumulate=1, body=None, stop_at=None, n_items=64, precision="32-true",
@@ -312,13 +300,6 @@ def _varying_run(tmp_path, name, lens_of, accumulate=1, body=None, stop_at=None,
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     losses: list[tuple[int, float]] = []
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return n_items
-
-        def __getitem__(self, i):
-            return (torch.randint(0, 64, (lens_of(i),), generator=torch.Generator().manual_seed(i)),)
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -356,41 +337,33 @@ def _varying_run(tmp_path, name, lens_of, accumulate=1, body=None, stop_at=None,
                   enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch(), gw],
                   reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=accumulate, precision=precision,
                   default_root_dir=str(tmp_path / f"pl-{name}"), **({"plugins": plugins} if plugins else {}))
-    t.fit(LM(), train_dataloaders=gw.dataloader(DS(), batch_size=8))
+    t.fit(LM(), train_dataloaders=gw.dataloader(LengthData(n_items, lens_of), batch_size=8))
     return t, gw, ran, losses
 
 
 def test_lightning_step_decides_again_on_a_batch_whose_length_the_steps_end_did_not_assume(tmp_path, monkeypatch):
     """Batches alternating 6 and 24 tokens: each step's end assumed the last length, so `gw.step` decides again
     with the batch in hand (its length) before running it."""
-    calls = _spy_decisions(monkeypatch)
+    calls = spy_decisions(monkeypatch)
     t, _, ran, _ = _varying_run(tmp_path, "alt", lambda i: 6 if (i // 8) % 2 == 0 else 24)
     assert t.global_step == 8 and ran == [[6], [24]] * 4
     # per step: gw.step's own decision on its batch (the first step's, and each one whose length changed), then
     # the step's end assuming the same length again
-    assert calls == [(8, n, True) for n in [6, 6, 24, 24] * 4], calls
+    got = [c[:3] for c in calls]
+    assert got == [(8, n, True) for n in [6, 6, 24, 24] * 4], got
 
 
 def test_with_accumulation_every_decision_assumes_the_longest_recent_length(tmp_path, monkeypatch):
     """Review of 650cf89: with accumulation 2 a decision on the step's first batch (6 tokens) in hand would not
     cover its second (24): no decision with `gw.step` under accumulation is in hand."""
     from gpuwatch.control.planner import Planner
-    from gpuwatch.integrations.loop import GuardedLoop
 
-    plans = []
-    real = GuardedLoop.decide
-
-    def spy(self, n, s, in_hand=False):
-        out = real(self, n, s, in_hand=in_hand)
-        plans.append((in_hand, self.next_plan()))
-        return out
-
-    monkeypatch.setattr(GuardedLoop, "decide", spy)
+    calls = spy_decisions(monkeypatch)
     t, _, ran, _ = _varying_run(tmp_path, "acc", lambda i: 6 if (i // 8) % 2 == 0 else 24, accumulate=2)
-    assert t.global_step == 4 and ran == [[6, 24]] * 4 and not any(h for h, _p in plans)
+    assert t.global_step == 4 and ran == [[6, 24]] * 4 and not any(c.in_hand for c in calls)
     p = Planner()
     p.lens.extend([24, 24, 24])
-    assert p.coming_seq(plans[-1][1], 2) >= 24
+    assert p.coming_seq(calls[-1].plan, 2) >= 24
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -21,6 +21,7 @@ from gpuwatch.integrations.loop import GuardedLoop  # noqa: E402
 from gpuwatch.telemetry.bus import Bus  # noqa: E402
 
 from conftest import RAMP, ROOT  # noqa: E402
+from support.decisions import spy_decisions  # noqa: E402
 
 
 def tiny_lm(seed: int = 0, vocab: int = 64, dim: int = 16) -> torch.nn.Module:
@@ -65,48 +66,33 @@ def test_both_workloads_implement_the_one_contract():
                           "micro_batches": 3}
 
 
-def test_a_step_decides_with_its_own_batch_in_hand():
+def test_a_step_decides_with_its_own_batch_in_hand(monkeypatch):
     """`step()` has the batch in hand: the plan it decides on says so (`in_hand`: the planner weighs that batch
     instead of the longest recent length) until the step has run; its lookahead stays what `wrap` knows (nothing
     here), so the risk model's inputs do not change; `decide()` alone (a framework deciding before it fetched
     the batch) is not in hand."""
+    seen = spy_decisions(monkeypatch)
     loop = offline_loop(tiny_lm())
-    seen = []
-    real = loop.decide
-
-    def spy(n, s, in_hand=False):
-        out = real(n, s, in_hand=in_hand)
-        seen.append(loop.next_plan())
-        return out
-
-    loop.decide = spy
     loop.step(torch.randint(0, 32, (4, 12)), lm_loss(loop.model))
-    p = seen[-1]
+    p = seen[-1].plan
     assert p.in_hand and (p.seq_len, p.ahead_steps) == (12, None) and "in_hand" not in p.scored()
     assert not loop.next_plan().in_hand  # the batch has run: between steps the next one is not known
     assert loop.decide(4, 20) is not None and not loop.next_plan().in_hand  # a framework's, before its batch
     loop.close()
 
 
-def test_a_step_with_its_own_seq_len_keeps_wraps_lookahead():
+def test_a_step_with_its_own_seq_len_keeps_wraps_lookahead(monkeypatch):
     """Review of 650cf89: `step(batch, fn, seq_len=...)` on `wrap`'s batches kept only the step's own shape (the
     given length is not wrap's): the 4 x 40 batch drawn ahead went unplanned."""
+    decided = spy_decisions(monkeypatch)
     loop = offline_loop(tiny_lm())
     batches = [torch.randint(0, 64, (4, 12)), torch.randint(0, 64, (4, 40)), torch.randint(0, 64, (4, 12))]
-    plans = []
     for b in loop.wrap(batches):
-        real = loop.decide
-
-        def spy(n, s, in_hand=False):
-            out = real(n, s, in_hand=in_hand)
-            plans.append(loop.next_plan())
-            return out
-
-        loop.decide = spy
         loop.step(b, lm_loss(loop.model), seq_len=b.shape[1] - 1)
         break
     loop.close()
-    assert plans[0].ahead_steps == 2 and plans[0].ahead_seq_len == 40 and plans[0].in_hand, plans[0]
+    p = decided[0].plan
+    assert p.ahead_steps == 2 and p.ahead_seq_len == 40 and p.in_hand, p
 
 
 class ContractOnly:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gpuwatch.contract import Action
+from support.decisions import LengthData, spy_decisions
 
 L = pytest.importorskip("lightning")
 
@@ -27,13 +28,6 @@ def _fit(tmp_path, name, lens_of, n_items=32, accumulate=1, max_epochs=1, callba
     GuardedLoop.record_step = rec
     checks: list[tuple[int, int, int, int]] = []
     cur: dict = {}
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return n_items
-
-        def __getitem__(self, i):
-            return (torch.randint(0, 64, (lens_of(i),), generator=torch.Generator().manual_seed(i)),)
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -76,7 +70,7 @@ def _fit(tmp_path, name, lens_of, n_items=32, accumulate=1, max_epochs=1, callba
                   reload_dataloaders_every_n_epochs=1, default_root_dir=str(tmp_path / f"pl-{name}"),
                   **kw, **(trainer_kw or {}))
     try:
-        t.fit(LM(), train_dataloaders=gw.dataloader(DS(), batch_size=8))
+        t.fit(LM(), train_dataloaders=gw.dataloader(LengthData(n_items, lens_of), batch_size=8))
     finally:
         GuardedLoop.record_step = real_record
     return t, gw, checks
@@ -154,17 +148,9 @@ def test_a_second_fit_with_the_same_callback_gets_its_own_session_decided_before
     on_train_end closed the session (sampler, scorer, recorder stopped) while on_train_start does not reopen it:
     the second fit's rows never reach the recording."""
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
-    from gpuwatch.integrations.loop import GuardedLoop
     from gpuwatch.recording.reader import open_recording
 
-    calls = []
-    real = GuardedLoop.decide
-
-    def spy(self, n, s, in_hand=False):
-        calls.append(self.steps)
-        return real(self, n, s, in_hand=in_hand)
-
-    monkeypatch.setattr(GuardedLoop, "decide", spy)
+    decided = spy_decisions(monkeypatch)
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -188,6 +174,7 @@ def test_a_second_fit_with_the_same_callback_gets_its_own_session_decided_before
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[gw],
                       reload_dataloaders_every_n_epochs=1, default_root_dir=str(tmp_path))
         t.fit(LM(), train_dataloaders=gw.dataloader(ds, batch_size=8))
+    calls = [d.steps for d in decided]
     assert calls.count(4) == 2, calls  # fit 1's last step end, and fit 2 before its first step
     first = open_recording(tmp_path / "twice").steps.height
     second = open_recording(gw.loop.session_dir)  # its own session (the first fit's was closed at its end)
@@ -200,16 +187,8 @@ def test_gw_step_decides_and_splits_on_the_batch_it_is_given(tmp_path, monkeypat
     is for 1 token and in_step_split sees a per-device batch of 1 - the guard's ceiling of 3 never splits the
     8 x 24 batches."""
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
-    from gpuwatch.integrations.loop import GuardedLoop
 
-    seqs, rows = [], []
-    real = GuardedLoop.decide
-
-    def spy(self, n, s, in_hand=False):
-        seqs.append(s)
-        return real(self, n, s, in_hand=in_hand)
-
-    monkeypatch.setattr(GuardedLoop, "decide", spy)
+    decided, rows = spy_decisions(monkeypatch), []
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -240,6 +219,7 @@ def test_gw_step_decides_and_splits_on_the_batch_it_is_given(tmp_path, monkeypat
                   default_root_dir=str(tmp_path))
     t.fit(LM(), train_dataloaders=gw.dataloader(texts, batch_size=8))
     assert gw.loop.ceiling == 3
+    seqs = [d.seq_len for d in decided]
     assert max(rows[2:]) <= 3 and min(seqs) == 24, (rows, seqs)
 
 

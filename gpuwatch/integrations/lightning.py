@@ -79,6 +79,11 @@ def _stop_fit(loop: GuardedLoop, trainer) -> None:
         pass
 
 
+def _accumulation(trainer) -> int:
+    """The batches each optimizer step accumulates (`accumulate_grad_batches`, at least 1)."""
+    return max(1, int(trainer.accumulate_grad_batches))
+
+
 def _steps_left(trainer) -> int | None:
     """Optimizer steps the fit still has: `max_steps` where set, else Lightning's own estimate."""
     try:
@@ -147,7 +152,7 @@ class StepLoss:
         s, self._sum, self.count = self._sum, None, 0
         if s is None:
             return None
-        if self._event is not None and s.is_cuda and self._pinned:
+        if self._event is not None and s.is_cuda:  # (None once pinned memory failed)
             self._event.synchronize()
             return float(self._buf)  # pinned host memory: no device sync
         return float(s)
@@ -200,17 +205,17 @@ class GpuwatchLightningCallback(L.Callback):
             return loss_fn(batch)
         n = batch_size_of(batch)
         self.splitting = True
-        acc = max(1, int(trainer.accumulate_grad_batches))
+        acc = _accumulation(trainer)
         try:  # the batch `step()` is given (a training_step may tokenize what the loader gave)
             s = seq_len_of(batch)
         except TypeError:
             s = self._seq
         first = self._batch_idx % acc == 0
-        self._seq = s if first else max(self._seq, s)
+        self._note_length(s, first)
         a = self._assumed
         if first and (a is None or a[1] != acc or (acc == 1 and a[0] != s)):
             # nothing decided yet, the accumulation changed since, or (in hand) another length than assumed
-            self._decide(trainer, self._per_device(trainer) * acc, in_hand=acc == 1)
+            self._decide(trainer, self._per_device(trainer) * acc)
             if self.loop.should_stop:  # a stop with nothing run since the step's end: this batch still runs (Lightning
                 self.micro = 1  # cannot skip it without a phantom optimizer step), one row at a time
         k = chunks(n, self.micro)
@@ -221,7 +226,6 @@ class GpuwatchLightningCallback(L.Callback):
         # an accumulation: there the micro-batches' gradients are set aside (no copy) and put back just before
         # that backward (`on_before_backward`); the stale ones of the last step are dropped first, as Lightning
         # would drop them, so nothing is held twice
-        first = self._batch_idx % acc == 0
         params = [p for p in module.parameters() if p.requires_grad]
         if first:
             for p in params:
@@ -244,18 +248,22 @@ class GpuwatchLightningCallback(L.Callback):
         part, w = parts[-1]
         return loss_fn(part) * w + done
 
-    def _decide(self, trainer, effective: int, in_hand: bool) -> None:
+    def _note_length(self, s: int, first: bool) -> None:
+        """A batch's sequence length: the step's is the longest of its batches (`first`: the step's first)."""
+        self._seq = s if first else max(self._seq, s)
+
+    def _decide(self, trainer, effective: int) -> None:
         """The guard decides the next step with `step()` (the micro-batch in the step). At a step's end
         (`on_train_batch_end`, where a leak stop still ends the fit before another batch runs) it assumes the next
-        batch is as long as the last: `in_hand`, so the longest recent length is not assumed to come; `step()`
+        batch is as long as the last: in hand, so the longest recent length is not assumed to come; `step()`
         decides again on the batch in hand only where its length is another (a new length, an epoch's wrap) or
         nothing was decided yet (the first step). With accumulation the step's other batches are not in hand:
-        there each step is decided once, at its end, the longest recent length assumed (`in_hand` False)."""
+        there each step is decided once, at its end, the longest recent length assumed."""
         self.loop.micro_batch_fixed = None
         self.loop.steps_left = _steps_left(trainer)
-        acc = max(1, int(trainer.accumulate_grad_batches))
-        self._assumed = (self._seq, acc if not in_hand else 1)
-        plan = self.loop.decide(effective, self._seq, in_hand=in_hand)
+        acc = _accumulation(trainer)
+        self._assumed = (self._seq, acc)
+        plan = self.loop.decide(effective, self._seq, in_hand=acc == 1)
         if plan is None:  # a leak: checkpoint saved by the hook; the fit ends after this step (a stop is decided at
             _stop_fit(self.loop, trainer)  # a step's end, before the next batch, unless nothing has run since)
             return
@@ -307,12 +315,11 @@ class GpuwatchLightningCallback(L.Callback):
         if self._t0 is None:
             self._t0 = time.perf_counter()
         self._batch_idx = batch_idx
-        first = batch_idx % max(1, int(trainer.accumulate_grad_batches)) == 0
         try:
             s, self._batch_n = seq_len_of(batch), batch_size_of(batch)
         except TypeError:
             return
-        self._seq = s if first else max(self._seq, s)  # with accumulation: the longest of the step's batches
+        self._note_length(s, batch_idx % _accumulation(trainer) == 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._held:  # training_step returned None (a skipped batch): no backward came for what step() set aside
@@ -333,7 +340,7 @@ class GpuwatchLightningCallback(L.Callback):
         per_dev = self._per_device(trainer)
         self.loop.record_step(e, self._seq, k * chunks(per_dev, self.micro), dt, loss=got)
         if self.splitting:
-            self._decide(trainer, e, in_hand=k == 1)
+            self._decide(trainer, e)
             return
         # mid-epoch without `step()`: only checkpointing can change now
         self.loop.micro_batch_fixed = per_dev
@@ -347,7 +354,7 @@ class GpuwatchLightningCallback(L.Callback):
         accumulation / batches. Under manual optimization: the step's output as returned."""
         n, got = self._loss.count, self._loss.take()
         if got is not None:
-            return got * max(1, int(trainer.accumulate_grad_batches)) / max(1, n)
+            return got * _accumulation(trainer) / max(1, n)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
