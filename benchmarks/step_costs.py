@@ -5,7 +5,9 @@ session; its steady rate is `tokens_per_s_after_first`). Session 49 read s47's L
 
     python3 benchmarks/step_costs.py benchmarks/results/s47/b/lightning-sessions.tgz benchmarks/results/s47/b/lightning.jsonl
 
-Arguments: a `*-sessions.tgz` (or a session folder) and, optionally, the call's JSON lines (the arms' results).
+Arguments: a `*-sessions.tgz` (or a session folder) and, optionally, the call's JSON lines (the arms' results);
+`--what-if FROM_STEP MAX_LEN` adds an estimate (`what_if`): session 49's "5.0 s of 37.8" is
+`--what-if 50 1024` on s47b's session (4.7 of 36.3 on s47c's).
 From session 49 on every arm's JSON line carries its own `step_log` (planner_curriculum.StepLog), static included,
 which this script prints too: then the arms compare step by step, not through a mean."""
 
@@ -64,7 +66,37 @@ def report_session(path: Path) -> dict:
         cells = [f"{len(v)}, {statistics.median(v):.3f}, {sum(v):.2f}" if v else "-"
                  for v in (d["first"], d["revisit"], d["repeat"])]
         print(f"  {mb} x {k} | " + " | ".join(cells))
+    for k in sorted({int(r["micro_batches"] or 1) for r in rows[1:]}):
+        at = [r for r in rows[1:] if int(r["micro_batches"] or 1) == k]
+        print(f"  {k} micro-batch{'es' if k > 1 else ''} a step: "
+              f"{sum(r['batch'] * r['seq_len'] for r in at) / sum(r['step_time_s'] for r in at):,.0f} tokens/s")
+    if WHAT_IF_FROM is not None:
+        what_if(rows, WHAT_IF_FROM, WHAT_IF_MAX_LEN)
     return {"tokens": tokens, "seconds": span}
+
+
+WHAT_IF_FROM: int | None = None  # --what-if FROM MAX_LEN (main)
+WHAT_IF_MAX_LEN = 0
+
+
+def what_if(rows: list[dict], start: int, max_len: int) -> None:
+    """An estimate, not a measurement: the steps from `start` on that ran split (more than one micro-batch) at a
+    length <= `max_len`, priced at the whole batch's repeat time before `start` at the nearest length (the
+    median of its repeats there) - what running them whole would have saved (session 49: the planner's 8 x 2
+    steps after each epoch's wrap, against epoch 1's 16 x 1 repeats)."""
+    whole: dict[int, list[float]] = {}
+    for prev, r in zip(rows, rows[1:]):
+        if r["step"] < start and int(r["micro_batches"] or 1) == 1 and r["seq_len"] == prev["seq_len"]:
+            whole.setdefault(int(r["seq_len"]), []).append(r["step_time_s"])
+    split = [r for r in rows if r["step"] >= start and int(r["micro_batches"] or 1) > 1 and r["seq_len"] <= max_len]
+    if not whole or not split:
+        print(f"  what if: nothing to price (whole-batch repeats before step {start}: {len(whole)} lengths)")
+        return
+    ran = sum(r["step_time_s"] for r in split)
+    alt = sum(statistics.median(whole[min(whole, key=lambda x: abs(x - r["seq_len"]))]) for r in split)
+    total = sum(r["step_time_s"] for r in rows[1:])
+    print(f"  what if (an estimate): the {len(split)} split steps from step {start} at <= {max_len} tokens ran "
+          f"{ran:.2f} s; whole, at the nearest length's repeat time, {alt:.2f} s: {ran - alt:.2f} s of {total:.2f} s saved")
 
 
 def report_lines(path: Path) -> None:
@@ -84,9 +116,18 @@ def report_lines(path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    global WHAT_IF_FROM, WHAT_IF_MAX_LEN
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if "--what-if" in argv:
+        i = argv.index("--what-if")
+        try:
+            WHAT_IF_FROM, WHAT_IF_MAX_LEN = int(argv[i + 1]), int(argv[i + 2])
+        except (IndexError, ValueError):
+            print("step_costs: --what-if needs FROM_STEP MAX_LEN (two integers)", file=sys.stderr)
+            return 2
+        argv = argv[:i] + argv[i + 3:]
     with tempfile.TemporaryDirectory() as tmp:
         found = sessions(argv[0], Path(tmp))
         if not found:
