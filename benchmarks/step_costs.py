@@ -128,15 +128,22 @@ def main(argv: list[str]) -> int:
             print("step_costs: --what-if needs FROM_STEP MAX_LEN (two integers)", file=sys.stderr)
             return 2
         argv = argv[:i] + argv[i + 3:]
-    with tempfile.TemporaryDirectory() as tmp:
-        found = sessions(argv[0], Path(tmp))
-        if not found:
-            print(f"step_costs: no steps.parquet under {argv[0]}", file=sys.stderr)
-            return 2
-        for s in found:
-            report_session(s)
-    if len(argv) > 1:
-        report_lines(Path(argv[1]))
+    from polars.exceptions import PolarsError
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            found = sessions(argv[0], Path(tmp))
+            if not found:
+                print(f"step_costs: no steps.parquet under {argv[0]}", file=sys.stderr)
+                return 2
+            for s in found:
+                report_session(s)
+        if len(argv) > 1:
+            report_lines(Path(argv[1]))
+    except (tarfile.TarError, EOFError, OSError, ValueError, KeyError, PolarsError) as e:  # a torn archive, a
+        # foreign parquet or JSON line
+        print(f"step_costs: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
