@@ -49,6 +49,23 @@ def offline_loop(model, **kw) -> GuardedLoop:
 
 
 # -- the contract ---------------------------------------------------------------------------------------
+def test_the_plan_shows_the_micro_batch_the_step_runs_as_not_the_effective_batch():
+    """A framework's per-device batch under accumulation (a Trainer's 4 x 4, Lightning's 8 x 2) is the shape the
+    step runs: the plan the scorer and the planner see says 4 x 4, not 16 x 1 (s50: Lightning's 8 x 2 was shown
+    as 16, so its observe arm said "would plan 8" at 108 of 150 steps and the risk estimated 16-row peaks)."""
+    loop = offline_loop(tiny_lm())
+    loop.decide(16, 32)
+    assert (loop.next_plan().batch, loop.next_plan().micro_batches) == (16, 1)  # no framework, no ceiling: whole
+    loop.largest = 4
+    p = loop.decide(16, 32)
+    assert (p.batch, p.micro_batches, p.effective_batch) == (4, 4, 16)
+    loop.ceiling = 2
+    assert (loop.next_plan().batch, loop.next_plan().micro_batches) == (2, 8)  # the ceiling below it
+    loop.micro_batch_fixed = 8  # fixed until the framework's next change point: that runs, whatever the ceiling
+    assert (loop.next_plan().batch, loop.next_plan().micro_batches) == (8, 2)
+    assert loop.running_micro_batch(None) == 8 and loop.running_micro_batch(6) == 6
+
+
 def test_both_workloads_implement_the_one_contract():
     from gpuwatch.workload.runner import Workload, WorkloadConfig
 

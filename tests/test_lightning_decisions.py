@@ -266,3 +266,34 @@ def test_a_skipped_batch_leaves_no_gradient_behind(tmp_path, split):
     plain, guarded = run("plain", False), run("guarded", split)
     for a, b in zip(plain.parameters(), guarded.parameters()):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_without_gw_step_the_plan_is_the_loaders_batch_under_accumulation(tmp_path, monkeypatch):
+    """A LightningModule that does not call gw.step, accumulation 2 over the loader's batches of 4: every step runs
+    4 x 2, and every plan the guard decided on says so (it said 8 x 1: a shape that never ran, scored and weighed
+    at every step - s50's observe arm)."""
+    from gpuwatch.integrations.lightning import GpuwatchLightningCallback
+    from support.decisions import LengthData, spy_decisions
+
+    calls = spy_decisions(monkeypatch)
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+
+        def training_step(self, b, i):
+            ids = b[0]
+            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    gw = GpuwatchLightningCallback(record_dir=tmp_path, name="acc", sampler="thread")
+    t = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[gw], reload_dataloaders_every_n_epochs=1,
+                  accumulate_grad_batches=2, default_root_dir=str(tmp_path / "pl"))
+    t.fit(LM(), train_dataloaders=gw.dataloader(LengthData(32, lambda i: 12), batch_size=4))
+    assert len(calls) >= 8 and all(c.batch == 8 for c in calls)  # the effective batch
+    assert {(c.plan.batch, c.plan.micro_batches) for c in calls if c.plan is not None} == {(4, 2)}

@@ -82,9 +82,8 @@ class GuardedLoop:
         self.restart_cost_s: float | None = None  # a framework that restarts to change the micro-batch sets it
         self.largest: int | None = None  # a framework's largest per-device batch (its user's), where it has one
         self.steps_left: int | None = None  # a framework's optimizer steps still to run, where it knows them
-        # a framework that changes its micro-batch only at some points (Lightning: between epochs) sets the one
-        # running until the next such point: the guard is shown it as both floor and largest (checkpointing
-        # stays open), so it neither plans a change that would not happen nor counts on one
+        # the micro-batch a framework runs until it can next change it (Lightning: between epochs): the guard sees it
+        # as floor and largest (checkpointing open), so it plans no change that would not happen nor counts on one
         self.micro_batch_fixed: int | None = None
         self._last_dt: float | None = None
         self.allow_bf16 = allow_bf16
@@ -440,13 +439,18 @@ class GuardedLoop:
         w = self._wanted
         if w is None or self.should_stop:
             return None
-        n, s = w
-        micro = min(n, self.ceiling) if self.ceiling else n
-        ah = A.capped(A.pick(self._shapes), self.ceiling)  # this step first
+        (n, s), micro = w, self.running_micro_batch(w[0])
+        ah = A.capped(A.pick(self._shapes), self.running_micro_batch(None))  # this step first
         return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
                         micro_batches=chunks(n, micro), effective_batch=n, wanted_batch=n,
                         ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"],
                         checkpointing=self.checkpointing, in_hand=self._in_hand)
+
+    def running_micro_batch(self, n: int | None) -> int | None:
+        """The micro-batch a step of `n` rows runs as (n None: the cap alone, or None): a framework's fixed one, else
+        under the ceiling and its per-device batch (a Trainer's 4 x 4 runs 4s; shown 16, s50's observe arm re-planned)."""
+        caps = [c for c in ((self.micro_batch_fixed,) if self.micro_batch_fixed else (self.ceiling, self.largest)) if c]
+        return min(caps + [n]) if n is not None else (min(caps) if caps else None)
 
     def guard_view(self) -> WorkloadView:
         last = self._last
