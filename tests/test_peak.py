@@ -669,3 +669,27 @@ def test_a_followed_session_cuts_windows_from_its_frames():
     F._FORECASTS.clear(), F._STEPS.clear()
     fb = F.features(b)
     assert fa.keys() == fb.keys() and all(fa[k] == fb[k] or (fa[k] != fa[k] and fb[k] != fb[k]) for k in fa)
+
+
+def test_activations_linear_in_tokens_fit_no_curvature_beyond_the_longest_length():
+    """Three lengths whose activations are exactly linear in tokens: the fit's curvature is rounding (+-1e-20 unscaled,
+    its sign the CPU's BLAS kernel's: before the columns were scaled and the term's size tested, 76-108 of these 200
+    cases took the linear fit for curvature under OpenBLAS' Haswell/SkylakeX/Prescott kernels, and the HF guard
+    simulation's estimates moved 256 MiB between them). A real tokens x length term is still learned."""
+    import numpy as np
+
+    from gpuwatch.predict.peak import longer_than_seen
+
+    taken = 0
+    for k in range(200):
+        rng = np.random.default_rng(k)
+        lens = np.array(sorted(rng.choice(np.arange(256, 4096, 64), 3, replace=False)), dtype=float)
+        m = np.full(3, 8.0) if k % 2 else np.array([16.0, 8.0, 6.0])
+        ut = m * lens
+        sp = lens[-1] * 1.2
+        tp = m[-1] * sp
+        a_hat = 2.0e9 + 1.9e5 * tp - 3e8  # the estimate in tokens, below the linear fit's
+        taken += longer_than_seen(lens, 2.0e9 + 1.9e5 * ut, ut, tp, sp, a_hat, 1e7)[0] != a_hat
+        curved = 2.0e9 + 1.9e5 * ut + 40.0 * ut * lens  # attention's scores kept: a real T x S term
+        assert longer_than_seen(lens, curved, ut, tp, sp, a_hat, 1e7)[0] > a_hat
+    assert taken == 0

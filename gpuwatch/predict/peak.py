@@ -71,6 +71,7 @@ FLOOR_REL, FLOOR_BYTES = 0.01, 32 * 2**20
 EXTRAPOLATION_REL = 0.25
 INTERPOLATION_REL = 0.10
 LONGER_FIT = 3  # the longest lengths whose shapes' curvature a plan longer than all of them is fitted to
+LONGER_CURVE_MIN = 1e-4  # of the largest activations fitted: a smaller curvature term at the plan is rounding
 LONGER_RATIO_MAX = 3.0  # the length's ratio the tokens x length bound grows by, at most
 LONGER_PRIOR_W = 0.25  # before 3 lengths: how far toward activations growing as tokens x length (`longer_than_seen`)
 PRECISION_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0}
@@ -469,8 +470,14 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
     bound = max(a_hat, float(med[ref]) * Tp / float(ut[ref]) * min(Sp / s_ref, LONGER_RATIO_MAX))
     if distinct.size >= LONGER_FIT:
         X = np.column_stack((np.ones(top.size), ut[top], ut[top] * lengths[top]))
-        coef = np.linalg.lstsq(X, med[top], rcond=None)[0]
-        if coef[2] > 0:  # capped at the bound: three noisy shapes fit exactly can extrapolate to anything
+        # each column scaled to 1 first: unscaled (1, ~1e4, ~1e7) the fit's condition let the CPU's BLAS kernel
+        # move the estimate by 2 % (the same session under OpenBLAS' SkylakeX and Haswell kernels)
+        scale = np.abs(X).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef = np.linalg.lstsq(X / scale, med[top], rcond=None)[0] / scale
+        # a curvature that adds under LONGER_CURVE_MIN of the largest activations at the plan is the fit's rounding
+        # (activations linear in tokens fit c = +-1e-20; its sign moved the estimate by 256 MiB between BLAS kernels)
+        if coef[2] * Tp * Sp > LONGER_CURVE_MIN * float(np.max(med[top])):  # capped at the bound: three noisy shapes fit exactly can extrapolate to anything
             a_fit = min(float(coef[0] + coef[1] * Tp + coef[2] * Tp * Sp), bound)  # (review: 44.6 GiB for 2.5)
             if a_fit > a_hat:
                 return a_fit, max(extrap, EXTRAPOLATION_REL * (a_fit - a_hat))
