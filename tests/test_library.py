@@ -301,6 +301,37 @@ def test_a_guard_that_cannot_act_says_so_once_with_what_would_help():
     assert len(msgs) == 2 and "observe" in msgs[0] and "CUDA GPU" in msgs[1]
 
 
+class OpenWorkload(FloorWorkload):
+    """Batch 16, no ceiling: room to lower it."""
+
+    def next_plan(self):
+        return StepPlan(batch=16, seq_len=64, precision="bf16")
+
+    def guard_view(self):
+        from gpuwatch.contract import WorkloadView
+
+        return WorkloadView(gpu=0, ceiling=None, last_ok_batch=16)
+
+
+def test_observing_the_same_would_be_action_is_said_once_until_the_decision_changes():
+    """Observe mode changes nothing, so the same decision comes every step: said once per streak (s50's Lightning
+    observe arm said "would plan" at 108 of 150 steps), again after a step that decided nothing; acting, every time."""
+    for mode, want in (("observe", 2), ("on", None)):
+        bus, w = Bus(), OpenWorkload()
+        g = Guard(bus, GuardConfig(mode=mode, cooldown_s=0.0), {0: w}, threshold=0.5)
+        decided = []
+        for i, r in enumerate([0.9] * 10 + [0.1] + [0.9] * 5):
+            g.on_risk(0, r, [("mem_used_frac", 0.3)], {"mem_used_frac": 0.97}, None, i == 0)
+            decided.append(g.before_step(w).kind)
+        said = events(bus, "guard_action")
+        assert decided.count("lower_ceiling") == 15  # the decision itself is returned every step
+        if want is not None:
+            assert len(said) == want and all(e.message.startswith("would lower ceiling") for e in said)
+            assert not w.applied
+        else:
+            assert len(w.applied) == len(said) >= 2
+
+
 def test_stress_stops_cleanly_on_a_leak_with_the_summary():
     """The DeepSeek workload applies the guard's stop: no further step, state stopped, the summary says why."""
     from gpuwatch.workload.runner import Workload, WorkloadConfig

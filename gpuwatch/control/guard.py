@@ -9,7 +9,7 @@ it runs. The guard talks to a workload only through `gpuwatch.contract` (`next_p
 `guard_view`, `accepts`, `apply`): gpuwatch's DeepSeek workload and a user's loop alike.
 
 Each action is a `guard_action` event with the risk and the figures behind it. `observe` mode logs
-what it would do and acts on nothing. A failure that happens anyway is a `guard_miss`. Every state in
+what it would do (once while the same decision repeats) and acts on nothing. A failure that happens anyway is a `guard_miss`. Every state in
 which the guard cannot act (no risk to act on, batch at its floor, no lower precision, observe) is a
 `guard_unable` event, said once per state with what would help, never once per step.
 """
@@ -60,6 +60,8 @@ class Guard:
         self._first_scored: set[int | None] = set()  # GPUs whose first step the guard scored itself
         self._lock = threading.Lock()
         self._said: dict[int | None, set[str]] = {}
+        # observe mode: the would-be action said last and not since interrupted by a step with none (`_say_once`)
+        self._would: dict[int | None, tuple[str, Any]] = {}
         self.unable = unable
         self.actions = 0
         self.misses = 0
@@ -173,9 +175,23 @@ class Guard:
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE
         if act.kind != "none":
-            self._apply(w, act, obs, rank)
+            if self._say_once(gpu, act):
+                self._apply(w, act, obs, rank)
             return act
+        self._would.pop(gpu, None)
         return NONE
+
+    def _say_once(self, gpu: int | None, act: Action) -> bool:
+        """Whether to apply (or, observing, say) `act`. Acting: always. Observing, nothing changes after a "would", so
+        the same decision comes every step (s50's Lightning observe arm: 108 "would plan" events in 150 steps; the
+        near-cap sets: 41 "would release cache" in a row): said once until a step decides another or none."""
+        if self.acting:
+            return True
+        key = (act.kind, act.value)
+        if self._would.get(gpu) == key:
+            return False
+        self._would[gpu] = key
+        return True
 
     def _plan(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, obs: Observation,
               gpu: int | None) -> Decision | None:
