@@ -301,35 +301,102 @@ def test_a_guard_that_cannot_act_says_so_once_with_what_would_help():
     assert len(msgs) == 2 and "observe" in msgs[0] and "CUDA GPU" in msgs[1]
 
 
+def _framework_loop(largest):
+    """A loop as a framework drives it (its per-device batch `largest`), with a threshold-rule guard driven by hand."""
+    from gpuwatch.predict.peak import usable_limit
+
+    loop, bus, lim = offline_loop(tiny_lm()), Bus(), 80 * 2**30
+    loop.bus, loop.session = bus, object()
+    g = Guard(bus, GuardConfig(cooldown_s=0.0, plan=False), {None: loop}, threshold=0.5, limits={None: lim})
+    loop.guard, loop.largest, loop.last_ok_batch = g, largest, largest
+    u = usable_limit(lim)
+    loop._last = {"torch_peak_bytes": int(0.8 * u), "torch_allocated_bytes": int(0.5 * u),
+                  "torch_reserved_bytes": int(0.8 * u), "batch": 16, "seq_len": 32}
+    return loop, g
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_the_threshold_rule_sizes_its_cut_for_the_micro_batch_that_runs(first):
+    """A Trainer's 8 x 2, no ceiling; the risk's estimate is for the 8 rows that run (1.2 of the usable limit, the
+    weights 0.5: 4 rows fit). Sized from the effective 16 (review of 5c2159a), the cut was a refusal held at 8 or a
+    ceiling of 9: neither changed the step."""
+    loop, g = _framework_loop(8)
+    loop.last_ok_batch = None if first else 8
+    plan = loop.decide(16, 32)
+    assert plan.batch == 8
+    g.on_risk(None, 0.9, [], {"next_peak_est_frac": 1.2, "mem_used_frac": 0.9}, plan.scored(), False)
+    g.before_step(loop)
+    loop.decide(16, 32)
+    assert loop.next_plan().batch <= 4
+
+
+def test_the_steps_row_records_the_plan_the_live_guard_scores():
+    """A Trainer's 4 x 4: the row's next_batch (what score, replay and training read back) is the live plan's 4."""
+    loop, g = _framework_loop(4)
+    loop._wanted = (16, 32)
+    loop.record_step(16, 32, 4, 0.1)
+    assert (loop.last_step["next_batch"], loop.last_step["micro_batches"]) == (loop.next_plan().batch, 4) == (4, 4)
+
+
 class OpenWorkload(FloorWorkload):
-    """Batch 16, no ceiling: room to lower it."""
+    """Batch 16 (or `batch`), no ceiling: room to lower it; `manual`: the user's override."""
+
+    batch, manual = 16, False
 
     def next_plan(self):
-        return StepPlan(batch=16, seq_len=64, precision="bf16")
+        return StepPlan(batch=self.batch, seq_len=64, precision="bf16")
 
     def guard_view(self):
         from gpuwatch.contract import WorkloadView
 
-        return WorkloadView(gpu=0, ceiling=None, last_ok_batch=16)
+        return WorkloadView(gpu=0, ceiling=None, last_ok_batch=self.batch, manual=self.manual)
 
 
-def test_observing_the_same_would_be_action_is_said_once_until_the_decision_changes():
-    """Observe mode changes nothing, so the same decision comes every step: said once per streak (s50's Lightning
-    observe arm said "would plan" at 108 of 150 steps), again after a step that decided nothing; acting, every time."""
-    for mode, want in (("observe", 2), ("on", None)):
-        bus, w = Bus(), OpenWorkload()
-        g = Guard(bus, GuardConfig(mode=mode, cooldown_s=0.0), {0: w}, threshold=0.5)
-        decided = []
-        for i, r in enumerate([0.9] * 10 + [0.1] + [0.9] * 5):
+def test_observing_the_same_would_be_action_is_said_once_while_it_keeps_coming():
+    """Observe mode changes nothing, so the same decision comes every step: said once while it keeps coming (s50's
+    Lightning observe arm said "would plan" at 108 of 150 steps), through the policy's cooldown (review of fd3676c: the
+    cooldown's "none" steps restarted it), again after WOULD_QUIET_S without it, an unable state, a manual step or a
+    mode switch; acting, every time."""
+    from gpuwatch.control.guard import WOULD_QUIET_S
+
+    def run(mode, risks, cooldown_s=2.0, between=None):
+        bus, w, t = Bus(), OpenWorkload(), [0.0]
+        g = Guard(bus, GuardConfig(mode=mode, cooldown_s=cooldown_s), {0: w}, threshold=0.5, clock=lambda: t[0])
+        kinds = []
+        for i, r in enumerate(risks):
+            if between is not None and i == len(risks) // 2:
+                between(g, w, t)
             g.on_risk(0, r, [("mem_used_frac", 0.3)], {"mem_used_frac": 0.97}, None, i == 0)
-            decided.append(g.before_step(w).kind)
-        said = events(bus, "guard_action")
-        assert decided.count("lower_ceiling") == 15  # the decision itself is returned every step
-        if want is not None:
-            assert len(said) == want and all(e.message.startswith("would lower ceiling") for e in said)
-            assert not w.applied
-        else:
-            assert len(w.applied) == len(said) >= 2
+            kinds.append(g.before_step(w).kind)
+            t[0] += 0.5
+        return kinds, [e.message for e in events(bus, "guard_action")], w
+
+    kinds, said, w = run("observe", [0.9] * 16)  # a 2 s cooldown: "none" on most steps between
+    assert 1 < kinds.count("lower_ceiling") < 16 and len(said) == 1 and said[0].startswith("would lower ceiling")
+    assert not w.applied
+    quiet = [0.9] * 4 + [0.1] * int(WOULD_QUIET_S / 0.5 + 2) + [0.9] * 4
+    assert len(run("observe", quiet, cooldown_s=0.0)[1]) == 2  # quiet long enough: said again
+    assert len(run("observe", [0.9] * 4 + [0.1] * 4 + [0.9] * 4, cooldown_s=0.0)[1]) == 1  # a short lull: not
+
+    def unable(g, w, t):  # a step at the floor (unable), then back
+        w.batch = 1
+        g.on_risk(0, 0.9, [], {"mem_used_frac": 0.97}, None, False)
+        g.before_step(w)
+        w.batch = 16
+
+    def manual(g, w, t):
+        w.manual = True
+        g.before_step(w)
+        w.manual = False
+
+    def switch(g, w, t):
+        g.set_mode("on")
+        g.set_mode("observe")
+
+    for between in (unable, manual, switch):
+        assert len(run("observe", [0.9] * 6, cooldown_s=0.0, between=between)[1]) == 2, between.__name__
+    kinds, said, w = run("on", [0.9] * 6, cooldown_s=0.0)
+    assert len(w.applied) == len(said) == 6
 
 
 def test_stress_stops_cleanly_on_a_leak_with_the_summary():

@@ -297,3 +297,32 @@ def test_without_gw_step_the_plan_is_the_loaders_batch_under_accumulation(tmp_pa
     t.fit(LM(), train_dataloaders=gw.dataloader(LengthData(32, lambda i: 12), batch_size=4))
     assert len(calls) >= 8 and all(c.batch == 8 for c in calls)  # the effective batch
     assert {(c.plan.batch, c.plan.micro_batches) for c in calls if c.plan is not None} == {(4, 2)}
+
+
+def test_gw_step_with_the_users_own_loader_under_accumulation(tmp_path, monkeypatch):
+    """gw.step over the user's own DataLoader (not gw.dataloader), accumulation 2 over batches of 4: every plan says
+    4 x 2 (review of 5c2159a: the per-device batch was unknown there, so the plans said 8 x 1)."""
+    from gpuwatch.integrations.lightning import GpuwatchLightningCallback
+    from support.decisions import LengthData, spy_decisions
+    calls = spy_decisions(monkeypatch)
+    gw = GpuwatchLightningCallback(record_dir=tmp_path, name="acc", sampler="thread")
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+        def loss_of(self, b):
+            ids = b[0]
+            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+        def training_step(self, b, i):
+            return gw.step(self, b, self.loss_of)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    t = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[gw], accumulate_grad_batches=2, default_root_dir=str(tmp_path / "pl"))
+    loader = torch.utils.data.DataLoader(LengthData(32, lambda i: 12), batch_size=4)  # not gw.dataloader
+    t.fit(LM(), train_dataloaders=loader)
+    got = {(c.batch, c.plan.batch, c.plan.micro_batches) for c in calls if c.plan is not None}
+    assert got == {(8, 4, 2)}, got

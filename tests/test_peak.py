@@ -693,3 +693,18 @@ def test_activations_linear_in_tokens_fit_no_curvature_beyond_the_longest_length
         curved = 2.0e9 + 1.9e5 * ut + 40.0 * ut * lens  # attention's scores kept: a real T x S term
         assert longer_than_seen(lens, curved, ut, tp, sp, a_hat, 1e7)[0] > a_hat
     assert taken == 0
+
+
+def test_token_budget_batches_beyond_the_longest_length_are_not_underestimated():
+    """4 x 1,024, 2 x 2,048, 1 x 4,096 (4,096 tokens each) with attention's scores kept: tokens are one count, so the
+    fit cannot tell the constant from the tokens term; scaled, its minimum-norm answer split them and gave 1.61 GiB for
+    a step of 1.76 (review of 4ca6819). A fit short of rank takes the prior toward the tokens x length bound."""
+    import numpy as np
+
+    from gpuwatch.predict.peak import activation_at, shape_key
+
+    lens, ut = np.array([1024.0, 2048.0, 4096.0]), np.full(3, 4096.0)
+    uk = np.array([shape_key(t, s) for t, s in zip(ut, lens)])
+    med = 1.9e5 * ut + 5.0 * ut * lens
+    tp = sp = 8192.0
+    assert activation_at(uk, med, ut, 0.0, tp, sp)[0] >= 1.9e5 * tp + 5.0 * tp * sp

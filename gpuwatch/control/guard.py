@@ -33,6 +33,7 @@ from gpuwatch.predict.peak import FIRST_STEP_BASE, usable_limit
 PLAN_FAR = 0.8
 PLAN_GROWTH = 1.1
 PLAN_EVERY = 4
+WOULD_QUIET_S = 30.0  # observe mode: the same would-be action is said again after this long without it
 
 
 class Guard:
@@ -60,8 +61,8 @@ class Guard:
         self._first_scored: set[int | None] = set()  # GPUs whose first step the guard scored itself
         self._lock = threading.Lock()
         self._said: dict[int | None, set[str]] = {}
-        # observe mode: the would-be action said last and not since interrupted by a step with none (`_say_once`)
-        self._would: dict[int | None, tuple[str, Any]] = {}
+        # observe mode: the would-be action said last and when it was last decided (`_say_once`)
+        self._would: dict[int | None, tuple[tuple[str, Any], float]] = {}
         self.unable = unable
         self.actions = 0
         self.misses = 0
@@ -89,6 +90,7 @@ class Guard:
             self.bus.emit("guard_override", f"guard switched to {mode}", who="user", mode=mode)
             for said in self._said.values():
                 said.discard("observe")
+            self._would.clear()
 
     # -- the scorer thread -----------------------------------------------------------------------------
     def on_risk(self, gpu: int | None, risk: float, reasons: list, feats: dict[str, float],
@@ -142,6 +144,7 @@ class Guard:
         view = w.guard_view()
         if view.manual:
             d["why_none"] = "manual"
+            self._would.pop(gpu, None)
             return NONE
         theirs: dict[str, Any] = worst or {}  # (a rank is set only from `worst`)
         if rank is not None:  # the other rank's GPU and memory figures
@@ -172,26 +175,26 @@ class Guard:
         if lim and est is not None and est == est and abs(est) < 1e6:
             d.update(usable_limit_bytes=int(usable_limit(lim)), predicted_peak_bytes=int(est * usable_limit(lim)))
         if act.kind == "unable":
+            self._would.pop(gpu, None)
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
             return NONE
         if act.kind != "none":
-            if self._say_once(gpu, act):
+            if self._say_once(gpu, act, obs.now_s):
                 self._apply(w, act, obs, rank)
             return act
-        self._would.pop(gpu, None)
         return NONE
 
-    def _say_once(self, gpu: int | None, act: Action) -> bool:
+    def _say_once(self, gpu: int | None, act: Action, now_s: float) -> bool:
         """Whether to apply (or, observing, say) `act`. Acting: always. Observing, nothing changes after a "would", so
         the same decision comes every step (s50's Lightning observe arm: 108 "would plan" events in 150 steps; the
-        near-cap sets: 41 "would release cache" in a row): said once until a step decides another or none."""
+        near-cap sets: 41 "would release cache" in a row): said once while it keeps coming - another decision, WOULD_QUIET_S
+        without it (a policy's cooldown decides none between), an OOM, a manual step, an unable state or a mode
+        switch ends that."""
         if self.acting:
             return True
-        key = (act.kind, act.value)
-        if self._would.get(gpu) == key:
-            return False
-        self._would[gpu] = key
-        return True
+        key, last = (act.kind, act.value), self._would.get(gpu)
+        self._would[gpu] = (key, now_s)
+        return not (last is not None and last[0] == key and now_s - last[1] < WOULD_QUIET_S)
 
     def _plan(self, w: GuardedWorkload, plan: StepPlan, view: WorkloadView, obs: Observation,
               gpu: int | None) -> Decision | None:
@@ -288,7 +291,8 @@ class Guard:
             alloc, first = float(latest["features"][FIRST_STEP_BASE]), True
         return Observation(frag_frac=frag, alloc_frac=alloc, first_step=first,
             now_s=self.clock(), risk=latest.get("risk"), threshold=self.threshold,
-            planned_batch=plan.wanted_batch or plan.batch, last_batch=view.last_ok_batch, ceiling=view.ceiling,
+            planned_batch=plan.wanted_batch or plan.batch, micro_batch=plan.batch, last_batch=view.last_ok_batch,
+            ceiling=view.ceiling,
             floor=view.floor, precision=plan.precision, bf16_ok="bf16" in view.lower_precisions,
             lower_precisions=view.lower_precisions, accepts=w.accepts(), act_frac=act_frac,
             features=latest.get("features") or {}, reasons=latest.get("reasons") or [])
@@ -337,6 +341,7 @@ class Guard:
     def after_oom(self, w: GuardedWorkload, batch: int, micro: int) -> tuple[str, int] | None:
         """A failure the guard did not prevent: recorded as a miss; a reactive rule decides the retry."""
         gpu = w.gpu_index
+        self._would.pop(gpu, None)
         manual = w.guard_view().manual
         react = self.policies[gpu].after_oom(batch, micro) if self.acting and not manual else None
         if self.cfg.rule in ("model", "fixed"):

@@ -73,6 +73,8 @@ class Observation:
     last_batch: int | None  # the batch of the last step that ran (fit)
     ceiling: int | None  # the guard's current ceiling (None = none)
     floor: int = 1
+    micro_batch: int | None = None  # the micro-batch the planned step runs as, where a framework's per-device batch
+    # caps it below the ceiling (a Trainer's 8 x 2: 8); what the risk's estimate was made for
     precision: Precision = "bf16"
     bf16_ok: bool = True
     lower_precisions: tuple[Precision, ...] | None = None  # None: from precision and bf16_ok
@@ -239,7 +241,7 @@ class Policy:
         return NONE
 
     def _reduce(self, obs: Observation) -> Action:
-        cur = min(obs.planned_batch, obs.ceiling or obs.planned_batch)
+        cur = _running(obs)
         why = f"risk {obs.risk:.2f} >= {obs.threshold:.2f}" + (f" ({_top(obs.reasons)})" if obs.reasons else "")
         growing = _f(obs, "alloc_growth_frac_per_step") > 0.002 and _f(obs, "plan_growth", 1.0) <= 1.0
         lower = _lower(obs) if self.cfg.precision_fallback and _can(obs, "precision") else ()
@@ -300,7 +302,7 @@ class Policy:
         frac = obs.features.get("mem_used_frac")
         if frac is None or frac != frac:
             return NONE
-        cur = min(obs.planned_batch, obs.ceiling or obs.planned_batch)
+        cur = _running(obs)
         if frac > self.cfg.fixed_high and cur > obs.floor:
             new = max(obs.floor, cur // 2)
             return Action("lower_ceiling", new, f"memory {frac:.0%} > {self.cfg.fixed_high:.0%}: batch {cur} -> {new}")
@@ -321,6 +323,12 @@ class Policy:
         if self.cfg.rule == "composer":
             return "ceiling", max(1, micro // 2)
         return None
+
+
+def _running(obs: Observation) -> int:
+    """The micro-batch the planned step runs as: the schedule's under the ceiling and the framework's per-device batch
+    (review of 5c2159a: sized from 16 where 8 x 2 ran, a cut to 9 changed nothing and the flagged step ran)."""
+    return min(obs.planned_batch, obs.ceiling or obs.planned_batch, obs.micro_batch or obs.planned_batch)
 
 
 def _top(reasons: list) -> str:

@@ -261,6 +261,8 @@ class GpuwatchLightningCallback(L.Callback):
         there each step is decided once, at its end, the longest recent length assumed."""
         self.loop.micro_batch_fixed = None
         self.loop.steps_left = _steps_left(trainer)
+        if self.sampler is None:  # the user's own loader: its batch is the largest micro-batch (review of 5c2159a)
+            self.loop.largest = max(self.loop.largest or 0, self._per_device(trainer))
         acc = _accumulation(trainer)
         self._assumed = (self._seq, acc)
         plan = self.loop.decide(effective, self._seq, in_hand=acc == 1)

@@ -358,12 +358,12 @@ class GuardedLoop:
                "phase": "train", "precision": self.precision, "batch": n, "seq_len": s, "step_time_s": dt,
                "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
                "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
-               "next_batch": min(n, self.ceiling) if self.ceiling else n, "next_seq_len": s,
-               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.ceiling),
+               "next_batch": self.running_micro_batch(n), "next_seq_len": s,  # what the live plan shows
+               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.running_micro_batch(None)),
                "checkpointing": self.checkpointing}
         if len(self._shapes) > 1:  # wrap knows the next batch: that is the plan
             nb, ns = self._shapes[1]
-            row.update(next_batch=min(nb, self.ceiling) if self.ceiling else nb, next_seq_len=ns)
+            row.update(next_batch=self.running_micro_batch(nb), next_seq_len=ns)
         self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
         self._in_hand = False  # the batch in hand has run: between steps the next one is not known
         self._last = row

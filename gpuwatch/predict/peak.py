@@ -474,13 +474,21 @@ def longer_than_seen(lengths: np.ndarray, med: np.ndarray, ut: np.ndarray, Tp: f
         # move the estimate by 2 % (the same session under OpenBLAS' SkylakeX and Haswell kernels)
         scale = np.abs(X).max(axis=0)
         scale[scale == 0] = 1.0
-        coef = np.linalg.lstsq(X / scale, med[top], rcond=None)[0] / scale
+        coef, _, rank, _ = np.linalg.lstsq(X / scale, med[top], rcond=None)
+        coef = coef / scale
         # a curvature that adds under LONGER_CURVE_MIN of the largest activations at the plan is the fit's rounding
         # (activations linear in tokens fit c = +-1e-20; its sign moved the estimate by 256 MiB between BLAS kernels)
-        if coef[2] * Tp * Sp > LONGER_CURVE_MIN * float(np.max(med[top])):  # capped at the bound: three noisy shapes fit exactly can extrapolate to anything
+        if rank < 3:  # one token count at every length (token-budget batches): a and b are not told apart - the prior
+            return _toward_bound(a_hat, extrap, bound)
+        if coef[2] * Tp * Sp > LONGER_CURVE_MIN * max(float(np.max(np.abs(med[top]))), 1.0):  # capped at the bound: three noisy shapes fit exactly can extrapolate to anything
             a_fit = min(float(coef[0] + coef[1] * Tp + coef[2] * Tp * Sp), bound)  # (review: 44.6 GiB for 2.5)
             if a_fit > a_hat:
                 return a_fit, max(extrap, EXTRAPOLATION_REL * (a_fit - a_hat))
         return a_hat, extrap
+    return _toward_bound(a_hat, extrap, bound)
+
+
+def _toward_bound(a_hat: float, extrap: float, bound: float) -> tuple[float, float]:
+    """No curvature to learn: the mean LONGER_PRIOR_W of the way to the tokens x length bound, the bound at 1.645 sigma."""
     a = a_hat + LONGER_PRIOR_W * (bound - a_hat)
     return a, max(extrap, (bound - a) / 1.645)
