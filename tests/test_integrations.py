@@ -153,24 +153,20 @@ def test_hf_trainer_stops_cleanly_with_a_checkpoint_when_the_guard_stops(tmp_pat
 # -- Lightning --------------------------------------------------------------------------------------------
 def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accumulate=1, validate=False):
     L = pytest.importorskip("lightning")
+    from support.lightning_lm import TinyLM
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     rows: list[int] = []  # rows of every forward
     losses: list[tuple[int, float]] = []  # (rows, loss) of every forward, read after it (test only)
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    class LM(TinyLM):
+        lr = 0.5
 
         def loss_of(self, batch):
-            ids = batch[0]
-            rows.append(ids.shape[0])
-            logits = self.net(ids[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+            rows.append(batch[0].shape[0])
+            loss = self.lm_loss(batch)
             if torch.is_grad_enabled():
-                losses.append((ids.shape[0], float(loss.detach())))
+                losses.append((batch[0].shape[0], float(loss.detach())))
             return loss
 
         def training_step(self, batch, i):
@@ -178,9 +174,6 @@ def _lightning_run(tmp_path, name, actions, split=False, step_actions=None, accu
 
         def validation_step(self, batch, i):  # a common pattern: the same step, under no_grad / inference mode
             return self.training_step(batch, i)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.5)
 
     gen = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 12), generator=gen))
@@ -297,28 +290,20 @@ def _varying_run(tmp_path, name, lens_of, accumulate=1, body=None, stop_at=None,
     """A Lightning fit whose item i has length `lens_of(i)` (batches of 8, sequential); returns (trainer, gw,
     the lengths each optimizer step ran, every forward's (rows, loss))."""
     L = pytest.importorskip("lightning")
+    from support.lightning_lm import TinyLM
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     losses: list[tuple[int, float]] = []
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-
+    class LM(TinyLM):
         def loss_of(self, b):
-            ids = b[0]
-            loss = torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+            loss = self.lm_loss(b)
             if torch.is_grad_enabled():
-                losses.append((ids.shape[0], float(loss.detach())))
+                losses.append((b[0].shape[0], float(loss.detach())))
             return loss
 
         def training_step(self, b, i):
             return body(self, gw, b) if body else gw.step(self, b, self.loss_of)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     ran: list[list[int]] = []
 
@@ -456,6 +441,7 @@ def test_lightning_reads_the_steps_loss_on_a_gpu_without_a_host_sync(tmp_path):
     """On CUDA the callback's step end makes no synchronizing call (torch's sync debug mode raises on one, as
     `float(loss)` did there), and the row's loss is still the step's mean (bf16-mixed, accumulation 2)."""
     L = pytest.importorskip("lightning")
+    from support.lightning_lm import TinyLM
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback, StepLoss
     from gpuwatch.recording.reader import open_recording
 
@@ -482,20 +468,13 @@ def test_lightning_reads_the_steps_loss_on_a_gpu_without_a_host_sync(tmp_path):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    class LM(TinyLM):
+        width = 32
 
         def training_step(self, batch, i):
-            ids = batch[0]
-            loss = torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+            loss = self.lm_loss(batch)
             losses.append(float(loss.detach()))  # the test's own read, outside the callback
             return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     gen = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 12), generator=gen))

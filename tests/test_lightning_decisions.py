@@ -8,6 +8,7 @@ from gpuwatch.contract import Action
 from support.decisions import LengthData, spy_decisions
 
 L = pytest.importorskip("lightning")
+from support.lightning_lm import TinyLM  # noqa: E402 - after the skip: it imports lightning
 
 
 def _fit(tmp_path, name, lens_of, n_items=32, accumulate=1, max_epochs=1, callbacks=(), on_start=None, on_end=None,
@@ -29,12 +30,7 @@ def _fit(tmp_path, name, lens_of, n_items=32, accumulate=1, max_epochs=1, callba
     checks: list[tuple[int, int, int, int]] = []
     cur: dict = {}
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-
+    class LM(TinyLM):
         def loss_of(self, b):
             ids = b[0]
             if torch.is_grad_enabled() and not cur.get("seen"):
@@ -44,14 +40,11 @@ def _fit(tmp_path, name, lens_of, n_items=32, accumulate=1, max_epochs=1, callba
                 plan = gw.loop.next_plan()
                 considered = p.coming_seq(plan, 2.0) if plan is not None else -1
                 checks.append((cur["len"], cur["rows"], considered, ids.shape[0]))
-            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+            return self.lm_loss(b)
 
         def training_step(self, b, i):
             cur.update(seen=False, len=b[0].shape[1], rows=b[0].shape[0])
             return gw.step(self, b, self.loss_of)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class Hooks(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -152,20 +145,9 @@ def test_a_second_fit_with_the_same_callback_gets_its_own_session_decided_before
 
     decided = spy_decisions(monkeypatch)
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-
-        def lf(self, b):
-            ids = b[0]
-            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
-
+    class LM(TinyLM):
         def training_step(self, b, i):
-            return gw.step(self, b, self.lf)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return gw.step(self, b, self.lm_loss)
 
     gw = GpuwatchLightningCallback(record_dir=tmp_path, name="twice", sampler="thread")
     ds = torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 12)))
@@ -190,22 +172,16 @@ def test_gw_step_decides_and_splits_on_the_batch_it_is_given(tmp_path, monkeypat
 
     decided, rows = spy_decisions(monkeypatch), []
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Embedding(128, 16), torch.nn.Linear(16, 128))
+    class LM(TinyLM):
+        vocab = 128
 
         def lf(self, b):
-            ids = b[0]
-            rows.append(ids.shape[0])
-            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 128), ids[:, 1:].reshape(-1))
+            rows.append(b[0].shape[0])
+            return self.lm_loss(b)
 
         def training_step(self, texts, i):
             ids = torch.tensor([[ord(c) % 128 for c in s] for s in texts])
             return gw.step(self, (ids,), self.lf)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class Ceil(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -232,22 +208,12 @@ def test_a_skipped_batch_leaves_no_gradient_behind(tmp_path, split):
     from gpuwatch.integrations.lightning import GpuwatchLightningCallback
 
     def run(name, use_split):
-        class LM(L.LightningModule):
-            def __init__(self):
-                super().__init__()
-                torch.manual_seed(0)
-                self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-
-            def lf(self, b):
-                ids = b[0]
-                return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+        class LM(TinyLM):
+            lr = 0.5
 
             def training_step(self, b, i):
-                loss = gw.step(self, b, self.lf) if use_split else self.lf(b)
+                loss = gw.step(self, b, self.lm_loss) if use_split else self.lm_loss(b)
                 return None if i == 2 else loss  # e.g. `if not torch.isfinite(loss): return None`
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.5)
 
         class Ceil(L.Callback):
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -277,18 +243,9 @@ def test_without_gw_step_the_plan_is_the_loaders_batch_under_accumulation(tmp_pa
 
     calls = spy_decisions(monkeypatch)
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-
+    class LM(TinyLM):
         def training_step(self, b, i):
-            ids = b[0]
-            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return self.lm_loss(b)
 
     gw = GpuwatchLightningCallback(record_dir=tmp_path, name="acc", sampler="thread")
     t = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -307,18 +264,9 @@ def test_gw_step_with_the_users_own_loader_under_accumulation(tmp_path, monkeypa
     calls = spy_decisions(monkeypatch)
     gw = GpuwatchLightningCallback(record_dir=tmp_path, name="acc", sampler="thread")
 
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
-        def loss_of(self, b):
-            ids = b[0]
-            return torch.nn.functional.cross_entropy(self.net(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+    class LM(TinyLM):
         def training_step(self, b, i):
-            return gw.step(self, b, self.loss_of)
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return gw.step(self, b, self.lm_loss)
 
     t = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, callbacks=[gw], accumulate_grad_batches=2, default_root_dir=str(tmp_path / "pl"))
