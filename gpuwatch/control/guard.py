@@ -26,7 +26,7 @@ from gpuwatch.contract import NONE, Action, GuardedWorkload, GuardMode, StepPlan
 from gpuwatch.control.planner import Decision, Estimate, Planner
 from gpuwatch.control.policy import GuardConfig, Observation, Policy
 from gpuwatch.predict.ahead import RISK_NEXT
-from gpuwatch.predict.peak import FIRST_STEP_BASE, usable_limit
+from gpuwatch.predict.peak import FIRST_STEP_BASE, USABLE, usable_limit
 
 # the planner's "keep" stands without weighing again (Guard._still_kept) while the coming steps are this far from
 # the usable limit (its estimate + 1 sigma, and the scorer's), grow at most this much in tokens, for this many steps
@@ -173,7 +173,8 @@ class Guard:
         lim = self.limits.get(view.gpu)
         est = d["next_peak_est_frac"]
         if lim and est is not None and est == est and abs(est) < 1e6:
-            d.update(usable_limit_bytes=int(usable_limit(lim)), predicted_peak_bytes=int(est * usable_limit(lim)))
+            u = _usable(lim, f)
+            d.update(usable_limit_bytes=int(u), predicted_peak_bytes=int(est * u))
         if act.kind == "unable":
             self._would.pop(gpu, None)
             self._unable(gpu, act.why.split(";")[-1].strip(), f"guard cannot act: {act.why}", act.value, obs)
@@ -282,7 +283,7 @@ class Guard:
         first = False
         if limit and view.last_peak_bytes is not None and view.last_allocated_bytes is not None:
             act_frac = max(0.0, view.last_peak_bytes - view.last_allocated_bytes) / limit
-            alloc = view.last_allocated_bytes / usable_limit(limit)
+            alloc = view.last_allocated_bytes / _usable(limit, latest.get("features") or {})
             if view.last_reserved_bytes is not None:
                 frag = max(0.0, view.last_reserved_bytes - view.last_peak_bytes) / limit
         elif (latest.get("features") or {}).get(FIRST_STEP_BASE) is not None:
@@ -370,6 +371,13 @@ def _help_for(unable: str) -> str:
 
 def _tokens(plan: dict) -> float:
     return float(plan.get("batch") or 0) * float(plan.get("seq_len") or 0)
+
+
+def _usable(limit: float, features: dict) -> float:
+    """The usable limit the scored window's estimates are fractions of (the features' `USABLE`: with the
+    window's highest peak), else the limit's rule alone (no step scored yet)."""
+    u = features.get(USABLE)
+    return float(u) if u is not None and u == u and u > 0 else usable_limit(limit)
 
 
 __all__ = ["Guard", "GuardConfig", "NONE"]

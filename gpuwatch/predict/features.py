@@ -17,8 +17,8 @@ import numpy as np
 import polars as pl
 
 from gpuwatch.predict import trend as T
-from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, Failed, fit_steps, median,
-                                   nanmedian, shape_key, usable_limit)
+from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, USABLE, Failed, INFERENCE,
+                                   fit_steps, median, nanmedian, shape_key, usable_limit)
 from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.window import Window
@@ -241,6 +241,10 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
     a = a[np.isfinite(a)]
     if a.size >= 2:
         out["alloc_growth_frac_per_step"] = median(np.diff(a)) / limit
+    pk = peak[np.isfinite(peak)]
+    usable = usable_limit(limit, float(pk.max()) if pk.size else None)  # what `_forecasts` weighs the plan against
+    out[USABLE] = usable
+    planned = None
     if nb and ns:
         # the outgrown-segments rule for inference steps only (peak.py says why)
         reserved = float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None
@@ -249,22 +253,23 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
         micro = col("micro_batches") if "micro_batches" in st.columns else np.ones(st.height)
         prec = tuple(wa.step_values("precision") if wa is not None else st["precision"].to_list())
         ev_us = (wa.event_us() if wa is not None else _us(ev["ts"])) if ev.height else None
+        kept = last.get("mode") in INFERENCE
         key = (ts.tobytes(), seq.tobytes(), tokens.tobytes(), micro.tobytes(), prec, peak.tobytes(), alloc.tobytes(), times.tobytes(),
-               nb, ns, npr, ab, asq, limit, reserved, ev_us.tobytes() if ev_us is not None else b"", ev.height)
+               nb, ns, npr, ab, asq, limit, reserved, ev_us.tobytes() if ev_us is not None else b"", ev.height, kept)
         fc, ahead_p, ahead_frac = _FORECASTS.get(key) or _forecasts(batch, seq, micro, list(prec), alloc, peak, times, nb,
-                                                                    ns, npr, ab, asq, limit, reserved, ev, key)
+                                                                    ns, npr, ab, asq, usable, reserved, ev, key, kept)
         if ahead_p is not None:
             out["ahead_cross_p"] = ahead_p
             out["ahead_peak_est_frac"] = ahead_frac
         if fc is not None:
             _estimate(out, fc)
+            planned = fc.mean
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
     cut = _since_last_oom(oom_us, ts)  # the growth measured in the configuration that runs now
-    T.trend(out, ts[cut:] / 1e6, shape_key(tokens, seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit,
-            out["next_peak_est_frac"] * usable_limit(limit) if out["next_peak_est_frac"] == out["next_peak_est_frac"] else None,
-            col(SPLIT)[cut:] if SPLIT in st.columns else None)
+    T.trend(out, ts[cut:] / 1e6, shape_key(tokens, seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit, planned,
+            col(SPLIT)[cut:] if SPLIT in st.columns else None, usable)
     return last
 
 
@@ -296,16 +301,15 @@ _FORECASTS: dict[tuple, tuple] = {}  # the last few windows' forecasts, by what 
 _FORECASTS_KEPT = 16
 
 
-def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq, limit: float,
-               reserved: float | None, events: pl.DataFrame, key: tuple) -> tuple:
+def _forecasts(batch, seq, micro, prec, alloc, peak, times, nb, ns, npr, ab, asq, lim: float,
+               reserved: float | None, events: pl.DataFrame, key: tuple, kept: bool = False) -> tuple:
     """The next step's forecast and the lookahead's probability. Kept by `key` - all they are computed
     from: the window's steps (times, lengths, tokens, micro-batches, precisions, peaks, allocations and
     step times, byte for byte), the plan, the lookahead, the limit, the reserved bytes and the events (by
     their times) - so a live round that brought a sample but no step (most of them: 10 samples a second,
     a step every 0.2-2 s) reuses them: two forecasts were 0.7 ms of a 2.7 ms round (cProfile of the live
     round, dev machine)."""
-    fit = fit_steps(batch, seq, micro, prec, alloc, peak, times, npr)  # once for both plans
-    lim = usable_limit(limit)
+    fit = fit_steps(batch, seq, micro, prec, alloc, peak, times, npr, kept=kept)  # once for both plans
     fc = fit.at(float(nb), float(ns), lim, failed=failed_shapes(events), reserved=reserved) if fit is not None else None
     ahead_p = ahead_frac = None
     if fit is not None and fc is not None and ab and asq:  # the largest step planned within the lookahead (ahead.py):

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from gpuwatch.predict.features import features
-from gpuwatch.predict.prior import FIRST_STEP_OVERHEAD, INFERENCE, ShapeLibrary, from_parts, identity, read_parts
+from gpuwatch.predict.peak import INFERENCE
+from gpuwatch.predict.prior import FIRST_STEP_OVERHEAD, ShapeLibrary, from_parts, identity, read_parts
 
 
 def first_attempts(path: Path) -> list[dict[str, Any]]:

@@ -81,6 +81,8 @@ FRAG_STEP = 0.05  # of the limit: a plan whose peak is this much above any step'
 FRAG_P = 0.9  # ...and more than the room left outside the allocator's segments: P(it fails)
 FIRST_STEP_BASE = "first_step_base_frac"  # a features dict's extra key (not a model input): before a GPU's
 # first step, the shape library's weights / the usable limit (predict/prior.py), what the guard sizes that step with
+USABLE = "usable_limit_bytes"  # a features dict's extra key (not a model input): the usable limit the window's
+# estimates were weighed against (`usable_limit` with the window's highest peak), for the guard's events and sizing
 SMALL_N = 256  # `shapes` in plain Python up to this many steps
 KEY_BASE = 1e6  # a shape's key: tokens x KEY_BASE + length (lengths stay below it; exact in a float64 up to
 # 2^53 / 1e6 ~ 9e9 tokens)
@@ -89,6 +91,7 @@ SCALED_BELOW_MIN_STEPS = 3  # the planner scales below the smallest shape only f
 # ed76215: from a window of 1-2 steps - a loop's first steps, a graph pool's warm-up - whole steps came out up to
 # 3.8 sigma short; the old rule there)
 HELD_SIGMA_MEASURED, HELD_SIGMA_PRIOR = 0.05, 0.15  # of the held bytes: their spread, learned / the prior
+INFERENCE = ("prefill", "decode")  # modes with no optimizer: what a step leaves allocated was there at its peak
 
 
 def shape_key(tokens, length):
@@ -125,9 +128,21 @@ class Forecast:
     base: float = float("nan")  # bytes that stay allocated under the step (the weights), where known apart
 
 
-def usable_limit(alloc_limit: float) -> float:
-    """The most a step's peak can reach under an allocator limit of `alloc_limit` bytes."""
-    return alloc_limit - max(MARGIN_MIN_BYTES, FRAGMENT_MARGIN * alloc_limit)
+def usable_limit(alloc_limit: float, ran: float | None = None) -> float:
+    """The most a step's peak can reach under an allocator limit of `alloc_limit` bytes, and no less than `ran`,
+    the highest peak a step reached under it (the window's; None: none yet): the allocator served that much.
+
+    The margin is FRAGMENT_MARGIN of the limit, and no less than MARGIN_MIN_BYTES before a step shows what the
+    allocator can give: at small caps the fixed part (workspaces, a graph pool, rounding) is a large share, and
+    a first step that failed is warned only on that margin (at 64 MiB three of the held-out sets' first-step
+    OOMs went unwarned). After steps ran, their highest peak is the evidence: the floor was 15 % of blind set
+    2911's 1.62 GiB decode cap, whose steps peaked at 1.424 GiB again and again, 1.04 of a 1.37 GiB "usable"
+    limit - four near-limit false alarms on a run that fitted (docs/BENCHMARKS.md, session 51). Above
+    FRAGMENT_MARGIN's share nothing is proven by a peak (a limit that fell since, other processes growing)."""
+    u = alloc_limit - max(MARGIN_MIN_BYTES, FRAGMENT_MARGIN * alloc_limit)
+    if ran is not None and ran > u:
+        u = min(float(ran), (1.0 - FRAGMENT_MARGIN) * alloc_limit)
+    return u
 
 
 def ncdf_upper(z: float) -> float:
@@ -228,17 +243,24 @@ class StepFit:
 
 
 def fit_steps(batch: np.ndarray, seq: np.ndarray, micro: np.ndarray, prec: list, alloc: np.ndarray,
-              peak: np.ndarray, step_s: np.ndarray, plan_prec: str | None, held: bool = False) -> StepFit | None:
+              peak: np.ndarray, step_s: np.ndarray, plan_prec: str | None, held: bool = False,
+              kept: bool = False) -> StepFit | None:
     """The plan-free part of `forecast` (None where no step has torch figures). `held`: the steps that
     accumulated (micro-batches > 1) are told apart - what they hold over the micro-batch is learned
     (`StepFit.held`) and taken off their activations (the planner's estimate; the risk model's features keep
-    the fit they were trained with)."""
+    the fit they were trained with). `kept` (inference modes, `INFERENCE`): a step's activations are its peak
+    less the larger of what was allocated before it and after it - a decode that grows its KV cache and graph
+    pool at a new batch keeps them (blind set 2911: at 18 -> 34 the first step's 0.41 GB "activations" held the
+    0.11 GB it kept, counted again in what stays allocated: 1.53 GB estimated for steps that then peaked at
+    1.424). In training the first step's optimizer state is made after its peak, so there the rule stays."""
     if batch.size == 0:
         return None
     mb = np.where(np.isfinite(micro) & (micro >= 1), micro, 1.0)
     T = np.ceil(batch / mb) * seq
     S = seq.astype(np.float64)
     base = np.concatenate((alloc[:1], alloc[:-1]))
+    if kept:  # an inference step's cache or graph pool, made by the step and kept, was there at its peak: it is
+        base = np.fmax(base, alloc)  # what stays allocated, not activations (else counted twice at a new shape)
     act = peak - base
     ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(alloc)
     if not ok.any():

@@ -26,7 +26,7 @@ import numpy as np
 
 from gpuwatch.contract import Config
 from gpuwatch.predict.features import failed_shapes, limits
-from gpuwatch.predict.peak import StepFit, fit_steps, usable_limit
+from gpuwatch.predict.peak import INFERENCE, StepFit, fit_steps, usable_limit
 from gpuwatch.recording.window import Window
 
 CKPT_ACT_PRIOR = 0.6  # activations with checkpointing / without, until both have run (logits and the loss
@@ -57,7 +57,9 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
     if not w.steps.height or not lim:
         return [None] * len(asks)
     batch, seq, micro, prec, alloc, peak, times, ck = _arrays(w)
-    usable = usable_limit(lim)
+    pk = peak[np.isfinite(peak)]
+    usable = usable_limit(lim, float(pk.max()) if pk.size else None)  # as the risk's features weigh it
+    kept = "mode" in w.steps.columns and w.steps["mode"][-1] in INFERENCE
     failed = failed_shapes(w.events)
     fits: dict[tuple[bool, str], StepFit | None] = {}
 
@@ -66,7 +68,7 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
         if key not in fits:
             m = ck == on
             fits[key] = (fit_steps(batch[m], seq[m], micro[m], [x for x, k in zip(prec, m) if k], alloc[m], peak[m],
-                                   times[m], p, held=True) if m.any() else None)
+                                   times[m], p, held=True, kept=kept) if m.any() else None)
         return fits[key]
 
     def held(f: StepFit, on: bool, p: str) -> StepFit:

@@ -36,12 +36,11 @@ import numpy as np
 
 from gpuwatch.recording.recorded import workload_gpu
 
-from gpuwatch.predict.peak import (FAILED_P, FLOOR_BYTES, FLOOR_REL, PRECISION_BYTES, Failed, Forecast, activation_at,
-                                   fails_as_before, ncdf_upper, shapes, usable_limit)
+from gpuwatch.predict.peak import (FAILED_P, FLOOR_BYTES, FLOOR_REL, INFERENCE, PRECISION_BYTES, Failed, Forecast,
+                                   activation_at, fails_as_before, ncdf_upper, shapes, usable_limit)
 
 FIRST_STEP_OVERHEAD = 1.25
 FIRST_STEP_REL = 0.10
-INFERENCE = ("prefill", "decode")
 
 
 def identity(workload: dict[str, Any] | None) -> str | None:

@@ -141,7 +141,8 @@ def p_of(ttf: float, horizon_s: float = HORIZON_S) -> float:
 
 
 def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
-          res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None = None) -> None:
+          res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None = None,
+          usable: float | None = None) -> None:
     """The trend's features of one window into `out` (the feature function's dict); `limit` is torch's,
     `planned_peak` the estimator's mean for the planned step (bytes; None where there is none), `split` the
     steps' inactive split blocks (schema v6; NaN or None where not recorded: `held` reads reserve and peaks alone). Kept by
@@ -150,12 +151,14 @@ def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarr
     if t.size < 2:
         return
     sp = split[-1:] if split is not None and split.size else None  # only the last step's is read
+    if usable is None:  # the estimator's (features: `usable_limit` with the window's highest peak)
+        usable = usable_limit(limit)
     k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak,
-         sp.tobytes() if sp is not None else b"")
+         sp.tobytes() if sp is not None else b"", usable)
     got = _KEPT.get(k)
     if got is None:
         got = {}
-        _trend(got, t, key, alloc, peak, res, limit, planned_peak, sp)
+        _trend(got, t, key, alloc, peak, res, limit, planned_peak, sp, usable)
         keep_bounded(_KEPT, k, got, 4)
     out.update(got)
 
@@ -164,7 +167,7 @@ _KEPT: dict[tuple, dict[str, float]] = {}
 
 
 def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarray, peak: np.ndarray,
-           res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None) -> None:
+           res: np.ndarray, limit: float, planned_peak: float | None, split: np.ndarray | None, usable: float) -> None:
     pairs = same_shape_pairs(t, key, alloc)
     rate = rate_of(pairs)
     hold = held(res, peak, split)
@@ -180,7 +183,6 @@ def _trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndar
     pk = planned_peak if planned_peak is not None else (float(peak[-1]) if math.isfinite(peak[-1]) else None)
     if pk is None:
         return
-    usable = usable_limit(limit)
     # what the cache holds beyond the usable limit's own margin (which is there for rounding and splits),
     # less the share the steps showed the cache reuses: at no reuse, room is what the reserve can still grow
     frag = max(0.0, (hold or 0.0) - (limit - usable)) * (1.0 - reuse(peak, res))
