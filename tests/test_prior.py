@@ -221,3 +221,24 @@ def test_a_first_step_the_guard_cannot_score_is_no_decision_not_a_crash():
     assert g.before_step(w).kind == "none" and g.before_step(w).kind == "none"
     assert len(calls) == 1  # tried once, not before every step
     assert [e for e in bus.events.latest(20) if e.kind == "guard_unable" and "first step" in e.message]
+
+
+def test_a_decodes_cache_is_part_of_its_shapes_need_not_of_the_weights_every_shape_shares():
+    # the library's small decode from two near-cap runs at 512-token prompts: its weights are the parameters'
+    # bf16 bytes, the KV cache and graph pool each shape kept go with the shape
+    lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
+    e = lib.entries["small:476282880|decode|bf16"]
+    assert e.weights == pytest.approx(476282880 * 2)
+    # blind sets 2910 and 2911 (seen since): short-prompt decodes whose first steps ran; the cache at 32 x 512 had
+    # been taken whole for them (p 1.0 both, room/act 0.11 and 0.48). The whole training library judges them now
+    held = [ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2910" / "ho-00-v2-lite-decode-none-b23-s128",
+            ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2911" / "ho-01-small-decode-none-b35-s128"]
+    train = [ROOT / "recordings" / "h200-nearcap-2026-12-01" / n for n in
+             ("nc-small-decode-b32", "nc2-small-decode-b64", "nc3-small-decode-rampmax-b128", "nc2-v2lite-decode-b32")]
+    full = P.build(train)
+    for s in held:
+        r = J.judge(J.first_attempts(s)[0], full, ALARM_P)
+        assert r["outcome"] == "ran" and not r["alarm"] and r["room_over_act"] > 1.25, r
+    # and the first steps that failed at 512-token prompts are still warned, each by the others' library
+    rows = J.leave_one_out(train, ALARM_P)
+    assert all(r["alarm"] for r in rows if r["outcome"] == "OOM") and sum(r["outcome"] == "OOM" for r in rows) == 2

@@ -8,13 +8,15 @@ same memory on the next run, so the runs a fleet already recorded say it.
 
 The library: per model (preset and parameter count), mode and precision, each shape's median activation
 (peak - allocated when the step began, exactly as peak.py measures it) over every recorded step of the
-training sessions, and the median allocated after a step (the weights, for inference). It lives in the
+training sessions, and the median allocated after a step (the weights, for inference; for decode, the
+parameters' bytes, its KV cache and graph pool counted with the shape that keeps them: `_decode_need`). It lives in the
 model's manifest (plain JSON, written by `gpuwatch train`; no pickle). Inference modes only (prefill,
 decode): a training run's first step allocates the gradients as well (and an optimizer's states, where
 it keeps any), which the recordings do not separate from its activations - not estimated, said so.
 
 The first step's need: weights + FIRST_STEP_OVERHEAD x the activations at the planned shape (looked up,
-interpolated or extrapolated in tokens as peak.py does), against the usable limit (peak.usable_limit). The
+interpolated or extrapolated in tokens as peak.py does; below the smallest shape a decode's in proportion to its
+tokens, a prefill's no less than the smallest's), against the usable limit (peak.usable_limit). The
 overhead: a first step under a cap cuts a fresh segment for every activation, so it needs more room than
 its steady peak - measured on the training sessions, leave-one-session-out (`gpuwatch eval
 --first-step`): every first step that failed had room above the weights of at most 1.13 x
@@ -88,7 +90,10 @@ class ShapeLibrary:
         if e is None:
             return None
         tp, sp = float(batch) * float(seq), float(seq)
-        a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp, longer=False)
+        # below the smallest shape: a decode's need (its prompt's prefill, the cache it keeps) in proportion to its
+        # tokens; a prefill's has a fixed part (0.5 GB from 512 to 4,096 tokens, small preset): no less than its smallest
+        a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp, 0.0 if mode == "decode" else None,
+                                             longer=False)
         a_hat = max(a_hat, 0.0)
         mean = e.weights + FIRST_STEP_OVERHEAD * a_hat
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
@@ -151,10 +156,32 @@ def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndar
             base = np.concatenate((al[:1], al[:-1]))  # as peak.fit_steps: the step before's allocated
             act = pk - base
             T = np.ceil(b / np.maximum(mb, 1.0)) * q
+            if w["mode"] == "decode":
+                act, al = _decode_need(act, al, T, q, float(w["params"]) * PRECISION_BYTES.get(str(prec), 2.0))
             ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(al)
             if ok.any():
                 out.append((library_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok]))
     return out
+
+
+def _decode_need(act: np.ndarray, al: np.ndarray, T: np.ndarray, S: np.ndarray,
+                 weights: float) -> tuple[np.ndarray, np.ndarray]:
+    """A decode's steps for the library: (each step's need above the weights, the weights). Before its first step
+    a decode holds its weights alone - its parameters in the step's precision - and the step makes the KV cache and
+    graph pool it keeps, which grow with its batch: part of the step's need at its shape, not of a base every shape
+    shares (the library's v2-lite decode "weights" were 29.995 GiB, its parameters 29.25: the cache at 32 x 512,
+    taken whole for a 23 x 128 first step - two near-limit false alarms on set 2910, one on 2906, one on 2911).
+    What a shape keeps is the least allocated after any of its steps, less the weights: a leak or a cache that
+    grows later is not read as the shape's. Where what stayed allocated is below the parameters' bytes (a model
+    not all on this GPU) the steps stay as they were."""
+    if not (weights > 0) or not np.isfinite(al).any() or float(np.nanmin(al)) < weights:
+        return act, al
+    keys = T * 1e6 + S
+    kept = np.zeros_like(al)
+    for k in np.unique(keys[np.isfinite(keys)]):
+        m = keys == k
+        kept[m] = max(0.0, float(np.nanmin(al[m])) - weights)
+    return act + kept, np.full_like(al, weights)
 
 
 def read_parts(paths: Iterable[Path]) -> dict[Path, list]:
