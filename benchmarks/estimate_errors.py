@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpuwatch.contract import Config  # noqa: E402
 from gpuwatch.predict.features import limits  # noqa: E402
-from gpuwatch.predict.peak import usable_limit  # noqa: E402
+from gpuwatch.predict.peak import usable_of  # noqa: E402
 from gpuwatch.predict.plans import estimate  # noqa: E402
 from gpuwatch.recording.frames import epoch_us  # noqa: E402
 from gpuwatch.recording.source import ReplaySource  # noqa: E402
@@ -65,7 +65,8 @@ def errors(path: Path) -> list[dict]:
             lim = limits(w).alloc_limit
             e = estimate(w, [(Config(micro, ck, prec, k), int(s))])[0] if lim else None
             if e is not None:
-                real = float(pk) / usable_limit(lim)
+                peaks = w.steps["torch_peak_bytes"].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+                real = float(pk) / usable_of(lim, peaks)  # what `estimate` divides by
                 rows.append({"session": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
                              "step": int(st["step"][i]), "mode": col("mode", i, "?"), "new": key not in seen,
                              "longer": longest > 0 and int(s) > longest,

@@ -752,3 +752,25 @@ def test_blind_2911s_steady_decode_after_its_oom_is_not_alarmed():
     assert rows[-1]["usable_limit_bytes"] == pytest.approx(1.4247 * GiB, rel=1e-4)  # the steps' own peak
     risk = model.estimator.predict_proba(np.array([F.vector(r) for r in rows]))[:, 1]
     assert risk.max() < model.threshold
+
+
+def test_the_planner_and_the_guard_weigh_plans_against_the_features_usable_limit():
+    # 2911's steady decode after its recovery: the planner's estimate of the step that ran and the guard's event
+    # bytes are fractions of the same usable limit as the risk's features (the window's own peak raised it)
+    from gpuwatch.contract import Config
+    from gpuwatch.control.guard import _usable
+    from gpuwatch.predict.peak import USABLE
+    from gpuwatch.predict.plans import estimate
+
+    src = ReplaySource(ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2911" / "ho-01-small-decode-none-b35-s128")
+    g = src.gpus[0].index
+    rec = src.events_df.filter(pl.col("kind") == "oom_recovered")["ts"].dt.epoch("us").to_numpy()[0]
+    steps = src.steps_df["ts"].dt.epoch("us").to_numpy()
+    w = src.window_at(g, int(steps[steps > rec][5]))
+    f = F.features(w)
+    lim = F.limits(w).alloc_limit
+    assert f[USABLE] > usable_limit(lim)  # the evidence moved it
+    (mean, _sigma), = estimate(w, [(Config(34, False, "bf16", 1), 128)])
+    assert mean == pytest.approx(f["next_peak_est_frac"], rel=1e-9)
+    assert _usable(lim, f) == f[USABLE]
+    assert _usable(lim, {}) == usable_limit(lim)  # nothing scored yet: the limit's rule alone

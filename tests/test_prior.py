@@ -231,14 +231,46 @@ def test_a_decodes_cache_is_part_of_its_shapes_need_not_of_the_weights_every_sha
     assert e.weights == pytest.approx(476282880 * 2)
     # blind sets 2910 and 2911 (seen since): short-prompt decodes whose first steps ran; the cache at 32 x 512 had
     # been taken whole for them (p 1.0 both, room/act 0.11 and 0.48). The whole training library judges them now
+    # and 56 x 512 (2026-12-02), which fitted with room for 1.19 x the need above the weights once the cache was
+    # counted under the first step's overhead (the cache is made once, at its size: kept apart from it now)
     held = [ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2910" / "ho-00-v2-lite-decode-none-b23-s128",
-            ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2911" / "ho-01-small-decode-none-b35-s128"]
+            ROOT / "recordings" / "heldout-h100-2026-12-07-blind-2911" / "ho-01-small-decode-none-b35-s128",
+            ROOT / "recordings" / "heldout-h200-2026-12-02" / "nc6-small-decode-b56"]
     train = [ROOT / "recordings" / "h200-nearcap-2026-12-01" / n for n in
              ("nc-small-decode-b32", "nc2-small-decode-b64", "nc3-small-decode-rampmax-b128", "nc2-v2lite-decode-b32")]
     full = P.build(train)
-    for s in held:
+    for i, s in enumerate(held):
         r = J.judge(J.first_attempts(s)[0], full, ALARM_P)
-        assert r["outcome"] == "ran" and not r["alarm"] and r["room_over_act"] > 1.25, r
+        assert r["outcome"] == "ran" and not r["alarm"], r
+        assert r["room_over_act"] > (1.25 if i < 2 else 1.2), r  # 56 x 512: 1.23, a run near its cap
     # and the first steps that failed at 512-token prompts are still warned, each by the others' library
     rows = J.leave_one_out(train, ALARM_P)
     assert all(r["alarm"] for r in rows if r["outcome"] == "OOM") and sum(r["outcome"] == "OOM" for r in rows) == 2
+
+
+def test_the_library_keeps_a_decodes_cache_apart_and_still_reads_an_older_manifest():
+    import json
+
+    lib = P.build(DECODE_OTHERS + [DECODE_FAILED])
+    key = "small:476282880|decode|bf16"
+    e = lib.entries[key]
+    assert e.kept is not None and e.kept.shape == e.uk.shape and (e.kept > 0).all()
+    j = lib.to_json()
+    back = P.ShapeLibrary.from_json(json.loads(json.dumps(j)))
+    np.testing.assert_array_equal(back.entries[key].kept, e.kept)
+    # the first step's base is the weights and what its shape keeps; the overhead multiplies the activations alone
+    fc = lib.first_step("small:476282880", "decode", "bf16", 32, 512, 3 * 2**30)
+    kept_32 = float(e.kept[np.searchsorted(e.ut, 32 * 512)])
+    assert fc.base == pytest.approx(e.weights + kept_32)
+    act = float(e.med[np.searchsorted(e.ut, 32 * 512)])
+    assert fc.mean == pytest.approx(e.weights + kept_32 + P.FIRST_STEP_OVERHEAD * act)
+    # a manifest written before (no "kept"): loads, with nothing kept; a malformed "kept" drops the entry
+    old = json.loads(json.dumps(j))
+    for x in old["entries"].values():
+        x.pop("kept", None)
+    assert P.ShapeLibrary.from_json(old).entries[key].kept is None
+    bad = json.loads(json.dumps(j))
+    bad["entries"][key]["kept"] = [-1.0] * len(bad["entries"][key]["keys"])
+    assert key not in (P.ShapeLibrary.from_json(bad) or P.ShapeLibrary({})).entries
+    # a prefill keeps nothing apart
+    assert all(v.kept is None for k, v in P.build(V2_OTHERS).entries.items() if "|prefill|" in k)

@@ -133,3 +133,23 @@ def test_a_budgeted_fit_is_the_same_for_one_and_two_workers_and_the_card_says_wh
     assert out[1] == out[2]
     card = rep.card_path.read_text()
     assert "The final fit saw" in card and "kept 150 (at most 150" in card and "sampled with weights" in card
+
+
+def test_an_operating_point_tie_goes_to_the_earlier_warning_then_the_higher_thresholds():
+    from gpuwatch.predict.evaluate import Metrics
+    from gpuwatch.predict.train import preference
+
+    def m(caught, fa, lead, p10):
+        return Metrics(threshold=0.5, oom_events=282, caught=caught, recall=None, episodes=0, episodes_caught=0,
+                       episode_recall=None, onsets=0, false_alarms=fa, event_precision=None, healthy_hours=3.3,
+                       false_alarms_per_hour=None, lead_s_median=lead, lead_s_p10=p10, lead_steps_median=None,
+                       lead_steps_p10=None)
+
+    # the retrain of session 51: 0.6 and 0.9 caught 272 with 8 false alarms; 0.6 warned earlier (p10 3.2 s, 2.8 s)
+    rows = [(0.6, 2.0, m(272, 8, 4.3, 3.2)), (0.9, 2.0, m(272, 8, 4.3, 2.8)), (0.5, 2.0, m(271, 8, 4.4, 3.5))]
+    assert max(rows, key=preference)[0] == 0.6
+    rows.append((0.7, 2.0, m(272, 8, 4.3, 3.2)))  # the same warning: the higher threshold
+    assert max(rows, key=preference)[0] == 0.7
+    rows.append((0.8, 2.0, m(272, 7, 4.0, 2.0)))  # fewer false alarms come before the lead
+    assert max(rows, key=preference)[0] == 0.8
+    assert preference((0.6, 2.0, m(272, 8, None, None))) < preference((0.9, 2.0, m(272, 8, 0.1, 0.1)))

@@ -7,8 +7,9 @@ any virtual cap V <= C up to the first step whose peak would not fit under V: th
 happened, and nothing after it can be known.
 
 The transform (`relabel`), for one GPU's workload:
-- the first step whose recorded peak (torch max allocated) exceeds `peak.usable_limit(V)` - the same
-  rule the estimator uses - is the virtual OOM, placed in the middle of that step; its steps, samples,
+- the first step whose recorded peak (torch max allocated) exceeds `peak.usable_limit(V)` - the rule the
+  estimator uses before a step has shown what the allocator gives (every step before it ran under that limit, so
+  its evidence never raises it: `usable_limit`'s `ran`) - is the virtual OOM, placed in the middle of that step; its steps, samples,
   events and everything after are dropped, and an `oom` event is written there (detail `virtual: true`);
 - what the allocator held is clipped to what the virtual cap allows: torch reserved to V, the
   process's NVML memory to V + its memory outside torch (the allocator gives cached blocks back before

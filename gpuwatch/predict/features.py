@@ -18,7 +18,7 @@ import polars as pl
 
 from gpuwatch.predict import trend as T
 from gpuwatch.predict.peak import (FIRST_STEP_BASE, GROWTH_STEPS, PRECISION_BYTES, USABLE, Failed, INFERENCE,
-                                   fit_steps, median, nanmedian, shape_key, usable_limit)
+                                   fit_steps, median, nanmedian, shape_key, usable_of)
 from gpuwatch.recording.frames import epoch_us, process_memory
 from gpuwatch.recording.recorded import event_detail, recovered_plan
 from gpuwatch.recording.window import Window
@@ -241,8 +241,7 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
     a = a[np.isfinite(a)]
     if a.size >= 2:
         out["alloc_growth_frac_per_step"] = median(np.diff(a)) / limit
-    pk = peak[np.isfinite(peak)]
-    usable = usable_limit(limit, float(pk.max()) if pk.size else None)  # what `_forecasts` weighs the plan against
+    usable = usable_of(limit, peak)  # what `_forecasts` weighs the plan against
     out[USABLE] = usable
     planned = None
     if nb and ns:

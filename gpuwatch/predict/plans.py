@@ -26,7 +26,7 @@ import numpy as np
 
 from gpuwatch.contract import Config
 from gpuwatch.predict.features import failed_shapes, limits
-from gpuwatch.predict.peak import INFERENCE, StepFit, fit_steps, usable_limit
+from gpuwatch.predict.peak import INFERENCE, StepFit, fit_steps, usable_of
 from gpuwatch.recording.window import Window
 
 CKPT_ACT_PRIOR = 0.6  # activations with checkpointing / without, until both have run (logits and the loss
@@ -57,8 +57,7 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
     if not w.steps.height or not lim:
         return [None] * len(asks)
     batch, seq, micro, prec, alloc, peak, times, ck = _arrays(w)
-    pk = peak[np.isfinite(peak)]
-    usable = usable_limit(lim, float(pk.max()) if pk.size else None)  # as the risk's features weigh it
+    usable = usable_of(lim, peak)  # as the risk's features weigh it
     kept = "mode" in w.steps.columns and w.steps["mode"][-1] in INFERENCE
     failed = failed_shapes(w.events)
     fits: dict[tuple[bool, str], StepFit | None] = {}

@@ -9,7 +9,7 @@ same memory on the next run, so the runs a fleet already recorded say it.
 The library: per model (preset and parameter count), mode and precision, each shape's median activation
 (peak - allocated when the step began, exactly as peak.py measures it) over every recorded step of the
 training sessions, and the median allocated after a step (the weights, for inference; for decode, the
-parameters' bytes, its KV cache and graph pool counted with the shape that keeps them: `_decode_need`). It lives in the
+parameters' bytes, its KV cache and graph pool counted with the shape that keeps them: `_decode_kept`). It lives in the
 model's manifest (plain JSON, written by `gpuwatch train`; no pickle). Inference modes only (prefill,
 decode): a training run's first step allocates the gradients as well (and an optimizer's states, where
 it keeps any), which the recordings do not separate from its activations - not estimated, said so.
@@ -69,6 +69,8 @@ class Shapes:
     weights: float
     steps: int
     sessions: int
+    kept: np.ndarray | None = None  # per shape (uk's order): what its steps keep allocated above the weights (a
+    # decode's KV cache and graph pool, `_decode_kept`); None: nothing (a prefill, a library written before)
 
 
 class ShapeLibrary:
@@ -95,20 +97,25 @@ class ShapeLibrary:
         a_hat, resid, extrap = activation_at(e.uk, e.med, e.ut, e.resid, tp, sp, 0.0 if mode == "decode" else None,
                                              longer=False)
         a_hat = max(a_hat, 0.0)
-        mean = e.weights + FIRST_STEP_OVERHEAD * a_hat
+        # what the step keeps (a decode's cache and pool) is made once, at its size: not under the overhead, which
+        # was measured on activations (a fresh segment cut for each)
+        kept = max(0.0, activation_at(e.uk, e.kept, e.ut, 0.0, tp, sp, 0.0, longer=False)[0]) if e.kept is not None else 0.0
+        base = e.weights + kept
+        mean = base + FIRST_STEP_OVERHEAD * a_hat
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
         limit = usable_limit(float(alloc_limit))
         p = ncdf_upper((limit - mean) / sigma)
         hit = fails_as_before(failed, tp, sp, PRECISION_BYTES.get(str(precision), 2.0), math.inf, limit)
         if hit:
             mean, p = max(mean, limit), max(p, FAILED_P)
-        return Forecast(mean, sigma, limit, p, p, 0.0, 0, hit, base=e.weights)
+        return Forecast(mean, sigma, limit, p, p, 0.0, 0, hit, base=base)
 
     # -- the manifest's form ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {"overhead": FIRST_STEP_OVERHEAD, "rel": FIRST_STEP_REL, "entries": {
             k: {"keys": e.uk.tolist(), "act": e.med.tolist(), "tokens": e.ut.tolist(), "resid": e.resid,
-                "weights": e.weights, "steps": e.steps, "sessions": e.sessions} for k, e in sorted(self.entries.items())}}
+                "weights": e.weights, "steps": e.steps, "sessions": e.sessions,
+                **({"kept": e.kept.tolist()} if e.kept is not None else {})} for k, e in sorted(self.entries.items())}}
 
     @classmethod
     def from_json(cls, d: Any) -> "ShapeLibrary | None":
@@ -122,17 +129,20 @@ class ShapeLibrary:
                       and np.isfinite(uk).all() and np.isfinite(med).all() and np.isfinite(ut).all()
                       and (ut > 0).all() and (np.diff(ut) >= 0).all() and (med >= 0).all()
                       and math.isfinite(resid) and resid >= 0 and math.isfinite(weights) and weights >= 0)
+                kept = np.asarray(e["kept"], dtype=np.float64) if "kept" in e else None
+                ok = ok and (kept is None or (kept.shape == uk.shape and np.isfinite(kept).all() and (kept >= 0).all()))
                 if not ok:  # an entry that would give nonsense (or raise) at scoring time is not taken
                     continue
-                out[str(k)] = Shapes(uk, med, ut, resid, weights, int(e["steps"]), int(e["sessions"]))
+                out[str(k)] = Shapes(uk, med, ut, resid, weights, int(e["steps"]), int(e["sessions"]), kept)
             return cls(out) if out else None
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
 
 
-def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(library key, tokens per micro-batch, sequence lengths, activations, allocated) of each GPU's steps
-    of one recorded session whose workload is a known model in an inference mode."""
+def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(library key, tokens per micro-batch, sequence lengths, activations, allocated, kept) of each GPU's steps
+    of one recorded session whose workload is a known model in an inference mode (kept: what a decode's step keeps
+    above its weights, `_decode_kept`; zeros for a prefill)."""
     import polars as pl
 
     path = Path(path)
@@ -156,32 +166,34 @@ def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndar
             base = np.concatenate((al[:1], al[:-1]))  # as peak.fit_steps: the step before's allocated
             act = pk - base
             T = np.ceil(b / np.maximum(mb, 1.0)) * q
+            kept = np.zeros_like(al)
             if w["mode"] == "decode":
-                act, al = _decode_need(act, al, T, q, float(w["params"]) * PRECISION_BYTES.get(str(prec), 2.0))
+                kept, al = _decode_kept(al, T, q, float(w["params"]) * PRECISION_BYTES.get(str(prec), 2.0))
             ok = np.isfinite(act) & np.isfinite(T) & (T > 0) & np.isfinite(al)
             if ok.any():
-                out.append((library_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok]))
+                out.append((library_key(model, w["mode"], str(prec)), T[ok], q[ok], np.maximum(act[ok], 0.0), al[ok],
+                            kept[ok]))
     return out
 
 
-def _decode_need(act: np.ndarray, al: np.ndarray, T: np.ndarray, S: np.ndarray,
-                 weights: float) -> tuple[np.ndarray, np.ndarray]:
-    """A decode's steps for the library: (each step's need above the weights, the weights). Before its first step
-    a decode holds its weights alone - its parameters in the step's precision - and the step makes the KV cache and
-    graph pool it keeps, which grow with its batch: part of the step's need at its shape, not of a base every shape
-    shares (the library's v2-lite decode "weights" were 29.995 GiB, its parameters 29.25: the cache at 32 x 512,
-    taken whole for a 23 x 128 first step - two near-limit false alarms on set 2910, one on 2906, one on 2911).
+def _decode_kept(al: np.ndarray, T: np.ndarray, S: np.ndarray, weights: float) -> tuple[np.ndarray, np.ndarray]:
+    """A decode's steps for the library: (what each step's shape keeps above the weights, the weights). Before its
+    first step a decode holds its weights alone - its parameters in the step's precision - and the step makes the KV
+    cache and graph pool it keeps, which grow with its batch: part of what a first step at its shape needs, not of a
+    base every shape shares (the library's v2-lite decode "weights" were 29.995 GiB, its parameters 29.25: the
+    cache at 32 x 512, taken whole for a 23 x 128 first step - two near-limit false alarms on set 2910, one on
+    2906, one on 2911).
     What a shape keeps is the least allocated after any of its steps, less the weights: a leak or a cache that
     grows later is not read as the shape's. Where what stayed allocated is below the parameters' bytes (a model
     not all on this GPU) the steps stay as they were."""
     if not (weights > 0) or not np.isfinite(al).any() or float(np.nanmin(al)) < weights:
-        return act, al
+        return np.zeros_like(al), al
     keys = T * 1e6 + S
     kept = np.zeros_like(al)
     for k in np.unique(keys[np.isfinite(keys)]):
         m = keys == k
         kept[m] = max(0.0, float(np.nanmin(al[m])) - weights)
-    return act + kept, np.full_like(al, weights)
+    return kept, np.where(np.isfinite(al), weights, np.nan)  # a step with no figure stays out
 
 
 def read_parts(paths: Iterable[Path]) -> dict[Path, list]:
@@ -205,12 +217,13 @@ def from_parts(sessions: Iterable[list]) -> ShapeLibrary:
     """The library pooled from sessions' `session_steps`."""
     pooled: dict[str, list] = {}
     for i, parts in enumerate(sessions):
-        for key, T, S, act, al in parts:
-            e = pooled.setdefault(key, [[], [], [], [], set()])
-            e[0].append(T), e[1].append(S), e[2].append(act), e[3].append(al), e[4].add(i)
+        for key, T, S, act, al, kept in parts:
+            e = pooled.setdefault(key, [[], [], [], [], [], set()])
+            e[0].append(T), e[1].append(S), e[2].append(act), e[3].append(al), e[4].append(kept), e[5].add(i)
     entries = {}
-    for key, (T, S, act, al, sess) in pooled.items():
-        T, S, act, al = (np.concatenate(x) for x in (T, S, act, al))
+    for key, (T, S, act, al, kept, sess) in pooled.items():
+        T, S, act, al, kept = (np.concatenate(x) for x in (T, S, act, al, kept))
         uk, med, ut, resid = shapes(T, S, act)
-        entries[key] = Shapes(uk, med, ut, float(resid), float(np.median(al)), int(T.size), len(sess))
+        k = shapes(T, S, kept)[1] if kept.any() else None  # each shape's median kept, in uk's order
+        entries[key] = Shapes(uk, med, ut, float(resid), float(np.median(al)), int(T.size), len(sess), k)
     return ShapeLibrary(entries)
