@@ -148,8 +148,9 @@ def test_an_operating_point_tie_goes_to_the_earlier_warning_then_the_higher_thre
     # the retrain of session 51: 0.6 and 0.9 caught 272 with 8 false alarms; 0.6 warned earlier (p10 3.2 s, 2.8 s)
     rows = [(0.6, 2.0, m(272, 8, 4.3, 3.2)), (0.9, 2.0, m(272, 8, 4.3, 2.8)), (0.5, 2.0, m(271, 8, 4.4, 3.5))]
     assert max(rows, key=preference)[0] == 0.6
-    rows.append((0.7, 2.0, m(272, 8, 4.3, 3.2)))  # the same warning: the higher threshold
-    assert max(rows, key=preference)[0] == 0.7
+    rows.append((0.7, 2.0, m(272, 8, 4.3, 3.2)))  # the same leads: the lower estimator threshold, which alarms no later
+    assert max(rows, key=preference)[0] == 0.6
+    assert max([(0.6, 0.9, m(272, 8, 4.3, 3.2)), (0.6, 2.0, m(272, 8, 4.3, 3.2))], key=preference)[1] == 2.0
     rows.append((0.8, 2.0, m(272, 7, 4.0, 2.0)))  # fewer false alarms come before the lead
     assert max(rows, key=preference)[0] == 0.8
     assert preference((0.6, 2.0, m(272, 8, None, None))) < preference((0.9, 2.0, m(272, 8, 0.1, 0.1)))

