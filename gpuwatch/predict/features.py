@@ -243,7 +243,7 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
         out["alloc_growth_frac_per_step"] = median(np.diff(a)) / limit
     usable = usable_of(limit, peak)  # what `_forecasts` weighs the plan against
     out[USABLE] = usable
-    planned = None
+    planned_peak: float | None = None  # bytes: the estimator's mean for the planned step, for the trend
     if nb and ns:
         # the outgrown-segments rule for inference steps only (peak.py says why)
         reserved = float(res[-1]) if np.isfinite(res[-1]) and last.get("mode") != "train" else None
@@ -262,12 +262,12 @@ def _steps_of(out: dict[str, float], w: Window, st: pl.DataFrame, wa: Any, ts: n
             out["ahead_peak_est_frac"] = ahead_frac
         if fc is not None:
             _estimate(out, fc)
-            planned = fc.mean
+            planned_peak = fc.mean
             if np.isfinite(alloc[-1]) and np.isfinite(res[-1]):
                 cache = max(res[-1] - alloc[-1], 0.01 * limit)
                 out["frag_need_frac"] = _clip(float(fc.mean - alloc[-1] - (limit - res[-1])) / float(cache), -5.0, 5.0)
     cut = _since_last_oom(oom_us, ts)  # the growth measured in the configuration that runs now
-    T.trend(out, ts[cut:] / 1e6, shape_key(tokens, seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit, planned,
+    T.trend(out, ts[cut:] / 1e6, shape_key(tokens, seq)[cut:], alloc[cut:], peak[cut:], res[cut:], limit, planned_peak,
             col(SPLIT)[cut:] if SPLIT in st.columns else None, usable)
     return last
 

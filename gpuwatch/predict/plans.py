@@ -58,7 +58,7 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
         return [None] * len(asks)
     batch, seq, micro, prec, alloc, peak, times, ck = _arrays(w)
     usable = usable_of(lim, peak)  # as the risk's features weigh it
-    kept = "mode" in w.steps.columns and w.steps["mode"][-1] in INFERENCE
+    inference = "mode" in w.steps.columns and w.steps["mode"][-1] in INFERENCE
     failed = failed_shapes(w.events)
     fits: dict[tuple[bool, str], StepFit | None] = {}
 
@@ -67,7 +67,7 @@ def estimate(w: Window, asks: Sequence[tuple[Config, int]]) -> list[tuple[float,
         if key not in fits:
             m = ck == on
             fits[key] = (fit_steps(batch[m], seq[m], micro[m], [x for x, k in zip(prec, m) if k], alloc[m], peak[m],
-                                   times[m], p, held=True, kept=kept) if m.any() else None)
+                                   times[m], p, held=True, kept=inference) if m.any() else None)
         return fits[key]
 
     def held(f: StepFit, on: bool, p: str) -> StepFit:
