@@ -20,13 +20,16 @@ It records a normal gpuwatch session (samples 10 Hz, one steps row per optimizer
 control events) that `gpuwatch replay`, `score`, `report` and `train` open. The loop is one
 `GuardedWorkload` (gpuwatch.contract); the session is the same `runtime.Session` that
 `gpuwatch stress` runs. Cost per step: docs/LIBRARY.md.
+
+Here: the loop's API (the session, `wrap`, `step`, `decide` and what frameworks call). Its two base
+classes hold the rest of `GuardedLoop`: `steps.LoopSteps` how a step runs, is recorded and recovers from
+an OOM; `guarded.LoopGuardedSide` the loop as the guard and the session see it (the contract's side).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import sys
 import threading
 import time
@@ -41,19 +44,19 @@ require("GuardedLoop (gpuwatch.integrations)", modules=("torch",))  # one line: 
 
 import torch  # noqa: E402
 
-from gpuwatch.contract import Action, StepPlan, WorkloadView, expand_plan
-from gpuwatch.integrations.batches import Batch, batch_size_of, chunks, first_tensor, seq_len_of, shares
+from gpuwatch.contract import Action, StepPlan
+from gpuwatch.integrations.batches import Batch, batch_size_of, chunks, first_tensor, seq_len_of
+from gpuwatch.integrations.guarded import LoopGuardedSide
+from gpuwatch.integrations.steps import LoopSteps
 from gpuwatch.control.policy import GuardConfig
 from gpuwatch.predict import ahead as A
 from gpuwatch.runtime import ModelChoice, Session, SessionConfig
-from gpuwatch.workload import flops as F
 from gpuwatch.workload import mechanics as X
-from gpuwatch.workload.allocator import release_cache
 
 MAX_AHEAD = 16  # batches `wrap` draws ahead of the step at most (the lookahead: predict/ahead.py)
 
 
-class GuardedLoop:
+class GuardedLoop(LoopSteps, LoopGuardedSide):
     """A `GuardedWorkload` driven by the user's loop, and the session that records and guards it."""
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
@@ -323,251 +326,6 @@ class GuardedLoop:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _run(self, batch: Batch, k: int, loss_fn) -> float | None:
-        total = None
-        amp = self.precision in ("bf16", "fp16")
-        for part, w in shares(batch, k):
-            if amp:
-                with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16):
-                    loss = loss_fn(part)
-            else:
-                loss = loss_fn(part)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError(f"loss_fn must return a scalar tensor (got shape {shape})")
-            (loss * w).backward()
-            d = loss.detach() * w
-            total = d if total is None else total + d
-            del loss
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return float(total) if (self.record_loss and total is not None) else None
-
-    def _record(self, n: int, s: int, micro: int, k: int, loss: float | None, dt: float) -> None:
-        self.steps += 1
-        self.state = "running"
-        self.last_ok_batch = micro
-        self._last_dt = dt
-        mem = {**self._mem(), **X.blocks(self.device)}  # what X.step_memory reads, with memory() through _mem (tests fake it)
-        if self._baseline is None and self.device.type == "cuda" and self.guard is not None:
-            from gpuwatch.workload.memsnap import baseline
-
-            self._baseline = baseline(self.device)
-        row = {"ts": time.time_ns() // 1000, "step": self.steps - 1, "gpu": self.gpu_index, "mode": "train",
-               "phase": "train", "precision": self.precision, "batch": n, "seq_len": s, "step_time_s": dt,
-               "tokens_per_s": n * s / dt if dt > 0 else None, **self._flops(n * s, dt), "loss": loss,
-               "max_abs_logit": None, **mem, "expert_impl": None, "micro_batches": k,
-               "next_batch": self.running_micro_batch(n), "next_seq_len": s,  # what the live plan shows
-               "next_precision": self.precision, **A.capped(A.pick(self._shapes[1:]), self.running_micro_batch(None)),
-               "checkpointing": self.checkpointing}
-        if len(self._shapes) > 1:  # wrap knows the next batch: that is the plan
-            nb, ns = self._shapes[1]
-            row.update(next_batch=self.running_micro_batch(nb), next_seq_len=ns)
-        self._ends = (self._ends + [row["ts"] / 1e6])[-(A.PACE_STEPS + 1):]
-        self._in_hand = False  # the batch in hand has run: between steps the next one is not known
-        self._last = row
-        self.bus.steps.append(row)
-        self._maybe_snapshot()
-
-    def _flops(self, tokens: int, dt: float) -> dict[str, float | None]:
-        """Training FLOPs by the usual estimate, 6 x parameters x tokens (forward 2, backward 4; attention's
-        own FLOPs left out), and the share of the device's dense peak at this precision."""
-        if self._params is None or dt <= 0:
-            return {"tflops": None, "mfu": None}
-        tf = 6.0 * self._params * tokens / dt / 1e12
-        peak = F.peak_tflops(self._device_name, self.precision)
-        return {"tflops": tf, "mfu": tf / peak if peak else None}
-
-    def _recover(self, failure: str, n: int, s: int, micro: int, before: int | None) -> bool:
-        """An OOM the guard did not prevent: free, record, and retry the same batch at half the
-        micro-batch (same effective batch). At the floor: checkpoint and stop. True = retry."""
-        self.ooms += 1
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        elif self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.bus.emit("oom", X.oom_message(micro, s, self.precision), "error", gpu=self.gpu_index,
-                      **X.oom_detail(micro=micro, seq=s, precision=self.precision, error=failure, effective_batch=n,
-                                     allocated_before=before, step=self.steps, checkpointing=self.checkpointing,
-                                     phase=None, reserved_before=self._last.get("torch_reserved_bytes"),
-                                     limit_bytes=self.memory_limit_bytes,
-                                     guard_decision=None if self.guard is None else self.guard.last_decision.get(self.gpu_index)))
-        if self.guard is not None:
-            self.guard.after_oom(self, n, micro)
-        after = self._mem().get("torch_allocated_bytes")
-        if micro <= self.floor:
-            self.bus.emit("oom_recovered", "not recovered: the micro-batch is at its floor; stopping cleanly",
-                          "error", gpu=self.gpu_index,
-                          **X.recovered_detail(decision="stop", retried=False, allocated_before=before,
-                                               allocated_after=after, next_batch=None, next_seq_len=None,
-                                               next_precision=None))
-            self._stop(f"OOM at the micro-batch floor ({micro} x {s})")
-            return False
-        self.ceiling = max(self.floor, micro // 2)
-        self.retries += 1
-        self.bus.emit("oom_recovered", f"recovered: micro-batch ceiling -> {self.ceiling}, same step retried "
-                      f"(effective batch {n} kept)", "warning", gpu=self.gpu_index,
-                      **X.recovered_detail(decision=f"ceiling -> {self.ceiling}", retried=True, retry_control="ceiling",
-                                           retry_value=self.ceiling, allocated_before=before, allocated_after=after,
-                                           next_batch=self.ceiling, next_seq_len=s, next_precision=self.precision))
-        return True
-
-    def _stop(self, why: str) -> None:
-        """Call the user's checkpoint hook, then stop: the loop's next `step()` and `wrap()` end."""
-        saved = None
-        if self.checkpoint is not None:
-            try:
-                saved = self.checkpoint(self.steps)
-                self.bus.emit("guard_remedy", f"checkpoint hook called at step {self.steps} before stopping",
-                              "warning", gpu=self.gpu_index, remedy="checkpoint", step=self.steps,
-                              saved=None if saved is None else str(saved))
-            except Exception as e:  # noqa: BLE001 - a failing hook is said; the stop still happens
-                self.bus.emit("guard_remedy", f"checkpoint hook failed: {type(e).__name__}: {e}", "error",
-                              gpu=self.gpu_index, remedy="checkpoint", step=self.steps)
-        self.stopped = why
-        self.state = "stopped"
-
-    def _mem(self) -> dict[str, Any]:
-        return X.memory(self.device)
-
-    # -- the guard's contract (GuardedWorkload) ------------------------------------------------------------
-    def next_plan(self) -> StepPlan | None:
-        w = self._wanted
-        if w is None or self.should_stop:
-            return None
-        (n, s), micro = w, self.running_micro_batch(w[0])
-        ah = A.capped(A.pick(self._shapes), self.running_micro_batch(None))  # this step first
-        return StepPlan(batch=micro, seq_len=s, precision=self.precision, mode="train",
-                        micro_batches=chunks(n, micro), effective_batch=n, wanted_batch=n,
-                        ahead_batch=ah["ahead_batch"], ahead_seq_len=ah["ahead_seq_len"], ahead_steps=ah["ahead_steps"],
-                        checkpointing=self.checkpointing, in_hand=self._in_hand)
-
-    def running_micro_batch(self, n: int | None) -> int | None:
-        """The micro-batch a step of `n` rows runs as (n None: the cap alone, or None): a framework's fixed one, else
-        under the ceiling and its per-device batch (a Trainer's 4 x 4 runs 4s; shown 16, s50's observe arm re-planned)."""
-        caps = [c for c in ((self.micro_batch_fixed,) if self.micro_batch_fixed else (self.ceiling, self.largest)) if c]
-        return min(caps + [n]) if n is not None else (min(caps) if caps else None)
-
-    def guard_view(self) -> WorkloadView:
-        last = self._last
-        lower = ("bf16",) if self.allow_bf16 and self.precision == "fp32" and _bf16_ok(self.device) else ()
-        fixed = self.micro_batch_fixed
-        floor = max(self.floor, fixed) if fixed else self.floor
-        largest = fixed if fixed else self.largest
-        return WorkloadView(gpu=self.gpu_index, ceiling=self.ceiling, last_ok_batch=self.last_ok_batch,
-                            floor=floor, lower_precisions=lower, manual=self.manual,
-                            last_peak_bytes=last.get("torch_peak_bytes"),
-                            last_allocated_bytes=last.get("torch_allocated_bytes"),
-                            last_reserved_bytes=last.get("torch_reserved_bytes"), device=self.device.type,
-                            checkpointing=self.checkpointing if self.can_checkpoint else None,
-                            restart_cost_s=self.restart_cost_s, last_step_time_s=self._last_dt,
-                            last_tokens=(int(last["batch"]) * int(last["seq_len"])) if last else None,
-                            last_seq_len=last.get("seq_len"), steps=self.steps,
-                            last_checkpointing=bool(last.get("checkpointing")), largest=largest,
-                            steps_left=self.steps_left)
-
-    @property
-    def can_checkpoint(self) -> bool:
-        return X.can_checkpoint(self.model, self.checkpointing_hook)
-
-    def accepts(self) -> frozenset[str]:
-        acts = {"lower_ceiling", "raise_ceiling", "clear_ceiling", "refuse_step", "stop", "plan"}
-        if self.can_checkpoint:
-            acts.add("checkpointing")
-        if self.allow_bf16:
-            acts.add("precision")
-        if self.device.type == "cuda":
-            acts |= {"release_cache", "name_leak"}
-        return frozenset(acts)
-
-    def apply(self, action: Action, who: str = "guard") -> None:
-        with self._lock:
-            self._pending.append((action, who))
-
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        steps = [a for act, who in pending
-                 for a in ((x, who) for x in expand_plan(act, self.ceiling, (self._wanted or (None,))[0]))]
-        for act, who in steps:
-            k, v = act.kind, act.value
-            if k in ("checkpointing", "precision") and v == (self.checkpointing if k == "checkpointing" else self.precision):
-                continue  # a plan restates what is already in effect
-            if k in ("lower_ceiling", "raise_ceiling", "refuse_step"):
-                v = max(self.floor, int(v))
-                self.ceiling = v
-            elif k == "clear_ceiling":
-                self.ceiling = v = None
-            elif k == "precision":
-                self.precision = v
-            elif k == "checkpointing":
-                if not self.can_checkpoint:
-                    continue
-                X.set_checkpointing(self.model, bool(v), self.checkpointing_hook)
-                self.checkpointing = v = bool(v)
-            elif k == "release_cache":
-                v = ", ".join(release_cache(self.device, expandable=bool(v))) or "nothing to release here"
-                self.remedies.append(v)
-                self.bus.emit("guard_remedy", f"fragmentation: {v}", "warning", gpu=self.gpu_index,
-                              remedy="release_cache", result=v)
-            elif k == "stop":
-                self._stop_why = act.why
-                continue
-            else:
-                continue
-            control = {"lower_ceiling": "ceiling", "raise_ceiling": "ceiling", "clear_ceiling": "ceiling",
-                       "refuse_step": "hold"}.get(k, k)
-            shown = "none (lifted)" if v is None else v
-            self.bus.emit("control", f"{control} -> {shown} ({who}: {act.why})", gpu=self.gpu_index,
-                          control=control, value=v, who=who, why=act.why, step=self.steps)
-
-    def request_snapshot(self, directory: Path | None, reason: str) -> None:
-        self._snapshot_req = (reason, directory)
-
-    def _maybe_snapshot(self) -> None:
-        req, self._snapshot_req = self._snapshot_req, None
-        if req is not None and self.device.type == "cuda":
-            from gpuwatch.workload.memsnap import snapshot_event
-
-            snapshot_event(self.bus, self.device, req, self._baseline, self.gpu_index, "allocator snapshot")
-
-    # -- what the session records and the runtime asks -----------------------------------------------------
-    def describe(self) -> dict[str, Any]:
-        n, s = self._wanted or (None, None)
-        params = self._params
-        return {"preset": "user", "mode": "train", "schedule": "user", "precision": self.precision, "batch": n,
-                "seq_len": s, "device": str(self.device), "params": params, "overrides": {},
-                "faults": {"memory_limit_bytes": self.memory_limit_bytes}, "integrity_every": 0, "seed": None,
-                "gpu_index": self.gpu_index, "library": "gpuwatch.integrations.GuardedLoop", "label": self.label}
-
-    honours_deadline = False  # a user's loop is never told --duration's end (gpuwatch.contract.SessionWorkload)
-    ends_at: float | None = None
-
-    def past_end(self) -> bool:
-        return False
-
-    @property
-    def device_name(self) -> str:
-        return self._device_name
-
-    @property
-    def unrecovered(self) -> str | None:
-        """Why the loop failed (`fail`), once it has."""
-        return self.stopped if self.state == "failed" else None
-
-    def export_state(self) -> dict[str, Any]:
-        return {"step": self.steps, "precision": self.precision, "ooms": self.ooms, "retries": self.retries}
-
-    def stop(self, join: bool = True) -> None:
-        """The session is stopping (Session.stop calls every workload's): nothing runs on a thread here,
-        the state says the loop is over."""
-        if self.state not in ("stopped", "failed"):
-            self.state = "finished" if self.stopped is None else "stopped"
-
 
 @contextlib.contextmanager
 def _main_not_reimported():
@@ -594,7 +352,3 @@ def _device_of(model) -> torch.device:
         for p in model.parameters():
             return p.device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _bf16_ok(dev: torch.device) -> bool:
-    return dev.type != "cuda" or bool(torch.cuda.is_bf16_supported())

@@ -52,8 +52,8 @@ class FakeTime:
         self.t += s
 
 
-MODULES = ("gpuwatch.integrations.hf", "gpuwatch.integrations.loop", "gpuwatch.telemetry.bus",
-           "gpuwatch.predict.scorer", "gpuwatch.recording.source")
+MODULES = ("gpuwatch.integrations.hf", "gpuwatch.integrations.loop", "gpuwatch.integrations.steps",
+           "gpuwatch.telemetry.bus", "gpuwatch.predict.scorer", "gpuwatch.recording.source")
 
 
 @contextlib.contextmanager
