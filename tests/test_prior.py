@@ -258,10 +258,16 @@ def test_the_library_keeps_a_decodes_cache_apart_and_still_reads_an_older_manife
     j = lib.to_json()
     back = P.ShapeLibrary.from_json(json.loads(json.dumps(j)))
     np.testing.assert_array_equal(back.entries[key].kept, e.kept)
-    # the first step's base is the weights and what its shape keeps; the overhead multiplies the activations alone
+    # the first step needs the weights, what its shape keeps, and the activations under the overhead; its base (what
+    # stays whatever the batch, which the guard sizes a cut above) is the weights alone
     fc = lib.first_step("small:476282880", "decode", "bf16", 32, 512, 3 * 2**30)
     kept_32 = float(e.kept[np.searchsorted(e.ut, 32 * 512)])
-    assert fc.base == pytest.approx(e.weights + kept_32)
+    assert fc.base == pytest.approx(e.weights)
+    assert lib.kept_at("small:476282880", "decode", "bf16", 32, 512) == pytest.approx(kept_32)
+    assert 16 * 256 < e.ut[0]  # below the smallest shape: in proportion to tokens
+    assert lib.kept_at("small:476282880", "decode", "bf16", 16, 256) == pytest.approx(
+        float(e.kept[0]) * 16 * 256 / float(e.ut[0]), rel=1e-9)
+    assert lib.kept_at("small:476282880", "prefill", "bf16", 16, 256) == 0.0  # no entry: nothing kept
     act = float(e.med[np.searchsorted(e.ut, 32 * 512)])
     assert fc.mean == pytest.approx(e.weights + kept_32 + P.FIRST_STEP_OVERHEAD * act)
     # a manifest written before (no "kept"): loads, with nothing kept; a malformed "kept" drops the entry

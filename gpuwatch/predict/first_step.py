@@ -72,8 +72,10 @@ def judge(attempt: dict[str, Any], library: ShapeLibrary, alarm_p: float) -> dic
     wl, plan = attempt["workload"], w.first_plan
     fc = library.first_step(identity(wl), wl["mode"], plan.get("precision") or wl.get("precision"), plan["batch"],
                             plan["seq_len"], attempt["cap"])
-    act = (fc.mean - fc.base) / FIRST_STEP_OVERHEAD if fc is not None else 0.0  # the activations at the plan
-    room = (fc.limit - fc.base) / act if fc is not None and act > 0 else None
+    kept = library.kept_at(identity(wl), wl["mode"], plan.get("precision") or wl.get("precision"), plan["batch"],
+                           plan["seq_len"])  # a decode's cache and pool, made once at their size
+    act = (fc.mean - fc.base - kept) / FIRST_STEP_OVERHEAD if fc is not None else 0.0  # the activations at the plan
+    room = (fc.limit - fc.base - kept) / act if fc is not None and act > 0 else None
     return {"session": Path(attempt["src"].reader.path).name, "gpu": attempt["gpu"], "mode": wl["mode"],
             "attempt": attempt.get("attempt", 1),
             "shape": f"{plan['batch']}x{plan['seq_len']}", "room_over_act": room,

@@ -99,16 +99,20 @@ class ShapeLibrary:
         a_hat = max(a_hat, 0.0)
         # what the step keeps (a decode's cache and pool) is made once, at its size: not under the overhead, which
         # was measured on activations (a fresh segment cut for each)
-        kept = max(0.0, activation_at(e.uk, e.kept, e.ut, 0.0, tp, sp, 0.0, longer=False)[0]) if e.kept is not None else 0.0
-        base = e.weights + kept
-        mean = base + FIRST_STEP_OVERHEAD * a_hat
+        mean = e.weights + _kept_at(e, tp, sp) + FIRST_STEP_OVERHEAD * a_hat
         sigma = math.sqrt(max(resid, FLOOR_REL * a_hat + FLOOR_BYTES) ** 2 + extrap ** 2 + (FIRST_STEP_REL * a_hat) ** 2)
         limit = usable_limit(float(alloc_limit))
         p = ncdf_upper((limit - mean) / sigma)
         hit = fails_as_before(failed, tp, sp, PRECISION_BYTES.get(str(precision), 2.0), math.inf, limit)
         if hit:
             mean, p = max(mean, limit), max(p, FAILED_P)
-        return Forecast(mean, sigma, limit, p, p, 0.0, 0, hit, base=base)
+        # the base is what stays whatever the batch (the guard sizes a cut on the rest, all of it in proportion)
+        return Forecast(mean, sigma, limit, p, p, 0.0, 0, hit, base=e.weights)
+
+    def kept_at(self, model: str | None, mode: str | None, precision: str | None, batch: float, seq: float) -> float:
+        """What a first step at (batch, seq) keeps above the weights (a decode's cache and pool; 0 elsewhere)."""
+        e = self.entries.get(library_key(model or "", mode or "", str(precision or "bf16")))
+        return _kept_at(e, float(batch) * float(seq), float(seq)) if e is not None else 0.0
 
     # -- the manifest's form ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -137,6 +141,14 @@ class ShapeLibrary:
             return cls(out) if out else None
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
+
+
+def _kept_at(e: Shapes, tp: float, sp: float) -> float:
+    """An entry's kept bytes at tp tokens of length sp: its shapes' medians looked up or interpolated, in
+    proportion to tokens below the smallest (`peak.activation_at`); 0 where it keeps nothing apart."""
+    if e.kept is None:
+        return 0.0
+    return max(0.0, activation_at(e.uk, e.kept, e.ut, 0.0, tp, sp, 0.0, longer=False)[0])
 
 
 def session_steps(path: Path) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
