@@ -29,11 +29,7 @@ p)  # on s47's H100 host: an HF arm ~105 s, a Lightning arm ~66 s, guard_start_c
   else echo "no-cap pairs skipped: $(left) s left"; fi
   ;;
 b)
-  if on_h200; then BT=${BT:-255}; else BT=${BT:-$(( $(left) - 45 ))}; fi
-  SEED=${SEED:-2911} blind_set "$BT" 20
-  if on_h200 && [ "$(left)" -gt 200 ]; then
-    SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
-  else echo "sweep skipped: $(cat "$R/gpu.txt" 2>/dev/null), $(left) s left"; fi
+  blind_set_whole "${SEED:-2911}"
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"

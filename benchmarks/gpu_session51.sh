@@ -14,16 +14,10 @@ case "$1" in
 a)
   curriculum lightning 8 "${LARMS:-lightning-observe,lightning-static}"
   curriculum hf 4 "${HARMS:-observe}"
-  if on_h200 && [ "$(left)" -gt 200 ]; then
-    SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
-  else echo "sweep skipped: $(cat "$R/gpu.txt" 2>/dev/null), $(left) s left"; fi
+  h200_sweep
   ;;
 b)
-  if on_h200; then BT=${BT:-255}; else BT=${BT:-$(( $(left) - 45 ))}; fi
-  SEED=${SEED:-2912} blind_set "$BT" 20
-  if on_h200 && [ "$(left)" -gt 200 ]; then
-    SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
-  else echo "sweep skipped: $(cat "$R/gpu.txt" 2>/dev/null), $(left) s left"; fi
+  blind_set_whole "${SEED:-2912}"
   ;;
 esac
 echo "part $1 done in $((SECONDS - T0)) s $(date +%T)"

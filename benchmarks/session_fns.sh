@@ -69,3 +69,14 @@ curriculum() {  # NAME STATIC ARMS: issue 28's planner_curriculum arms in one ca
   tar czf "$R/$name-sessions.tgz" -C "$R/planner-$name" sessions 2>/dev/null; rm -rf /tmp/gw-curriculum "$R/planner-$name/sessions"
 }
 on_h200() { grep -q H200 "$R/gpu.txt" 2>/dev/null || [ -n "${DRY:-}" ]; }  # the card session_env.sh wrote down
+h200_sweep() {  # issue 30's owed v3-slice prefill sweep (compile=layer at 64, 96, 128 x 512), where the card is an H200
+  # and more than 200 s of TOTAL are left
+  if on_h200 && [ "$(left)" -gt 200 ]; then
+    SWEEP_VARIANTS=${SWEEP_VARIANTS:-compile=layer} VSTEPS=${VSTEPS:-5} prefill_sweep "${BATCHES:-64 96 128}"
+  else echo "sweep skipped: $(cat "$R/gpu.txt" 2>/dev/null), $(left) s left"; fi
+}
+blind_set_whole() {  # SEED: issue 29's blind set, whole (an H200 keeps 255 s of it for the sweep), then h200_sweep
+  if on_h200; then BT=${BT:-255}; else BT=${BT:-$(( $(left) - 45 ))}; fi
+  SEED=$1 blind_set "$BT" 20
+  h200_sweep
+}
