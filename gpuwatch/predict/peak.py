@@ -138,8 +138,8 @@ def usable_limit(alloc_limit: float, ran: float | None = None) -> float:
     OOMs went unwarned). After steps ran, their highest peak is the evidence: the floor was 15 % of blind set
     2911's 1.62 GiB decode cap, whose steps peaked at 1.424 GiB again and again, 1.04 of a 1.37 GiB "usable"
     limit - four near-limit false alarms on a run that fitted (docs/BENCHMARKS.md, session 51). Above
-    FRAGMENT_MARGIN's share nothing is proven by a peak, and a peak over the limit itself ran under another one (no
-cap: the card less other processes, which grew since)."""
+    FRAGMENT_MARGIN's share nothing is proven by a peak, and a peak over the limit itself ran under another one
+    (no cap: the card less other processes, which grew since)."""
     u = alloc_limit - max(MARGIN_MIN_BYTES, FRAGMENT_MARGIN * alloc_limit)
     if ran is not None and u < ran <= alloc_limit:  # a peak over the limit itself ran under another, larger one
         u = min(float(ran), (1.0 - FRAGMENT_MARGIN) * alloc_limit)

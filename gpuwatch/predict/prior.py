@@ -39,7 +39,7 @@ import numpy as np
 from gpuwatch.recording.recorded import workload_gpu
 
 from gpuwatch.predict.peak import (FAILED_P, FLOOR_BYTES, FLOOR_REL, INFERENCE, PRECISION_BYTES, Failed, Forecast,
-                                   activation_at, fails_as_before, ncdf_upper, shapes, usable_limit)
+                                   activation_at, fails_as_before, ncdf_upper, shape_key, shapes, usable_limit)
 
 FIRST_STEP_OVERHEAD = 1.25
 FIRST_STEP_REL = 0.10
@@ -200,7 +200,7 @@ def _decode_kept(al: np.ndarray, T: np.ndarray, S: np.ndarray, weights: float) -
     not all on this GPU) the steps stay as they were."""
     if not (weights > 0) or not np.isfinite(al).any() or float(np.nanmin(al)) < weights:
         return np.zeros_like(al), al
-    keys = T * 1e6 + S
+    keys = shape_key(T, S)
     kept = np.zeros_like(al)
     for k in np.unique(keys[np.isfinite(keys)]):
         m = keys == k

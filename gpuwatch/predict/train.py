@@ -10,7 +10,6 @@ scores and then applied unchanged to the scenario folds.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -205,8 +204,7 @@ def composite_scores(p_est: list[np.ndarray], p_clf: list[np.ndarray], t_e: floa
 def pick_operating_point(tls: list[Timeline], p_est: list[np.ndarray], p_clf: list[np.ndarray], horizon_s: float
                          ) -> tuple[float, float, E.Metrics, str]:
     """(t_e, t_c): the pair that catches the most OOMs with at most MAX_FA_PER_HOUR false alarms per
-    healthy hour near the limit (on a tie: fewest false alarms in all, then the earlier warning - the longer median
-    lead, then the longer 10th-percentile lead - then the higher thresholds);
+    healthy hour near the limit (on a tie, `preference`: fewest false alarms in all, then the earlier warning);
     where no pair meets the budget, the pair with the fewest near-limit false alarms."""
     from gpuwatch.predict.composite import ALARM
 

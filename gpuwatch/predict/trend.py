@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuwatch.predict.peak import usable_limit
+from gpuwatch.predict.peak import usable_of
 from gpuwatch.threads import keep_bounded
 
 HORIZON_S = 5.0  # the model's horizon (predict/dataset.py HORIZON_S; not imported: dataset imports features)
@@ -151,8 +151,8 @@ def trend(out: dict[str, float], t: np.ndarray, key: np.ndarray, alloc: np.ndarr
     if t.size < 2:
         return
     sp = split[-1:] if split is not None and split.size else None  # only the last step's is read
-    if usable is None:  # the estimator's (features: `usable_limit` with the window's highest peak)
-        usable = usable_limit(limit)
+    if usable is None:  # the estimator's rule (features pass theirs: the same, over the whole window's peaks)
+        usable = usable_of(limit, peak)
     k = (t.tobytes(), key.tobytes(), alloc.tobytes(), peak.tobytes(), res.tobytes(), limit, planned_peak,
          sp.tobytes() if sp is not None else b"", usable)
     got = _KEPT.get(k)
